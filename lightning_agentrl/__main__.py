@@ -1,0 +1,120 @@
+"""Command line: ``python -m lightning_agentrl {fit,validate,inspect} ...``.
+
+    python -m lightning_agentrl fit --config configs/smoke.yaml [--resume last] [--section.field=value ...]
+    python -m lightning_agentrl validate --config configs/smoke.yaml      # settings only, no work
+    python -m lightning_agentrl inspect runs/smoke                          # a run folder or a .jsonl file
+    python -m lightning_agentrl fit --help                                  # every setting, documented
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_agentrl.settings import SettingsError, load_settings, settings_help
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_agentrl", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("fit", "train a policy"), ("validate", "check settings and print them resolved")):
+        p = sub.add_parser(
+            name,
+            help=text,
+            add_help=False,
+            description=f"{text}. Overrides: --section.field=value (see the list below).",
+        )
+        p.add_argument("--config", type=Path, help="YAML settings file")
+        p.add_argument("--resume", choices=["never", "last"], help="same as --run.resume")
+        p.add_argument("-h", "--help", action="store_true", help="show this help and every setting")
+    p = sub.add_parser("inspect", help="print trajectories with the trained (mask=1) tokens highlighted")
+    p.add_argument("path", type=Path, help="a run folder, its trajectories/ folder, or a .jsonl file")
+    p.add_argument("--index", type=int, default=0, help="which trajectory of the file (default 0)")
+    p.add_argument("--all", action="store_true", help="print every trajectory of the file")
+    p.add_argument("--model", help="tokenizer folder (default: the run's policy/ or the tiny model)")
+    return parser
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.render import print_trajectory
+    from lightning_agentrl.trajectory import load_trajectories
+
+    path: Path = args.path
+    files = sorted(path.rglob("step_*.jsonl")) if path.is_dir() else [path]
+    if not files or not files[-1].exists():
+        print(f"error: no trajectory files under {path}", file=sys.stderr)
+        return 2
+    trajectories = load_trajectories(files[-1])
+    if not trajectories:
+        print(f"error: {files[-1]} holds no trajectories", file=sys.stderr)
+        return 2
+    tokenizer_path = args.model
+    if tokenizer_path is None:
+        run_dir = path if path.is_dir() and (path / "settings.yaml").exists() else files[-1].parent.parent
+        if (run_dir / "policy").exists():
+            tokenizer_path = str(run_dir / "policy")
+        else:
+            from lightning_agentrl.train import resolve_model_path
+
+            config = run_dir / "settings.yaml"
+            tokenizer_path = resolve_model_path(load_settings(config if config.exists() else None))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    console = Console()
+    console.print(f"[bold]{files[-1]}[/bold]: {len(trajectories)} trajectories")
+    chosen = trajectories if args.all else [trajectories[args.index]]
+    for trajectory in chosen:
+        print_trajectory(trajectory, tokenizer, console)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "inspect":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _inspect(args)
+    if args.help:
+        print(f"usage: python -m lightning_agentrl {args.command} [--config FILE] [--resume last] [--section.field=value ...]\n")
+        print("Settings (YAML section.field, AGENTRL_SECTION__FIELD, or --section.field=value):")
+        print("\n".join(settings_help()))
+        return 0
+    if args.resume:
+        rest.append(f"--run.resume={args.resume}")
+    try:
+        settings = load_settings(args.config, rest)
+    except SettingsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.command == "validate":
+        import yaml
+
+        print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+
+    from rich.console import Console
+
+    from lightning_agentrl.train import fit
+
+    console = Console(stderr=True)
+    try:
+        result = fit(settings)
+    except SettingsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}")
+    console.print(f"  checkpoint: {result.checkpoint}")
+    console.print(f"  policy:     {result.policy_dir}")
+    if result.tracking_uri:
+        console.print(f"  MLflow:     {result.tracking_uri} (run {result.mlflow_run_id})")
+        console.print(f"              mlflow ui --backend-store-uri {result.tracking_uri} --host 127.0.0.1")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The SPEC §7 checks, every step: rewards, empty-signal groups, termination reasons, masks.
+
+Computed over *all* episodes of the batch, including those a filter excluded from the loss.
+Saves every batch's trajectories as JSON lines under ``<run.dir>/trajectories/`` and logs a
+decoded sample (mask highlighted, HTML) to MLflow.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from lightning_agentrl.algorithms.advantages import group_reward_stats
+from lightning_agentrl.algorithms.diagnostics import echo_trap_warning
+from lightning_agentrl.render import to_html
+from lightning_agentrl.trajectory import RolloutBatch, TerminationReason, save_trajectories
+
+
+class RolloutMetrics(L.Callback):
+    def __init__(self, run_dir: str | Path, tokenizer, service=None, num_samples: int = 1) -> None:
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.dir = Path(run_dir) / "trajectories"
+        self.tokenizer = tokenizer
+        self.service = service
+        self.num_samples = num_samples
+        self._within_group_std: list[float] = []
+        self._warned = False
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if not isinstance(batch, RolloutBatch):
+            return
+        trajectories = batch.trajectories
+        metrics = group_reward_stats(batch.rewards.float().cpu(), batch.group_ids.cpu())
+        reasons = Counter(t.termination.value for t in trajectories)
+        for reason in TerminationReason:
+            metrics[f"termination/{reason.value}"] = float(reasons.get(reason.value, 0))
+        num_tokens = sum(t.num_tokens for t in trajectories)
+        metrics["tokens/action_frac"] = sum(t.num_action_tokens for t in trajectories) / max(num_tokens, 1)
+        metrics["tokens/per_episode"] = num_tokens / len(trajectories)
+        metrics["episode/turns_mean"] = float(batch.num_turns.float().mean())
+        metrics["episode/seconds_mean"] = sum(t.timings.get("episode_s", 0.0) for t in trajectories) / len(trajectories)
+        actions = batch.loss_mask > 0
+        if actions.any():
+            lag = (trainer.global_step - batch.policy_versions[actions]).clamp(min=0)
+            metrics["staleness/lag_mean"] = float(lag.float().mean())
+            metrics["staleness/lag_max"] = float(lag.max())
+            for value, count in zip(*torch.unique(lag, return_counts=True), strict=True):
+                metrics[f"staleness/tokens_lag_{int(value)}"] = float(count)
+        if self.service is not None:
+            metrics["rollout/in_flight"] = float(self.service.num_in_flight)
+            metrics["rollout/dropped_stale_groups"] = float(self.service.buffer.num_dropped_stale)
+        pl_module.log_dict(metrics, on_step=True, batch_size=len(trajectories))
+        pl_module.log("reward", metrics["reward/mean"], prog_bar=True, on_step=True, batch_size=len(trajectories))
+
+        self._within_group_std.append(metrics["reward/within_group_std"])
+        warning = echo_trap_warning(self._within_group_std)
+        if warning and not self._warned:
+            self._warned = True
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(warning)
+
+        if trainer.is_global_zero:
+            self._save(trainer, trajectories)
+
+    def _save(self, trainer: L.Trainer, trajectories) -> None:
+        step = trainer.global_step
+        path = self.dir / f"step_{step:06d}.jsonl"
+        save_trajectories(trajectories, path)
+        if self.num_samples == 0:
+            return
+        sample = self.dir / f"step_{step:06d}_sample.html"
+        sample.write_text(to_html(trajectories[: self.num_samples], self.tokenizer), encoding="utf-8")
+        logger = trainer.logger
+        if logger is not None and hasattr(logger, "run_id") and hasattr(logger.experiment, "log_artifact"):
+            logger.experiment.log_artifact(logger.run_id, str(sample), artifact_path="trajectories")
+            logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="trajectories")
+
+    @override
+    def state_dict(self) -> dict:
+        return {"within_group_std": list(self._within_group_std), "warned": self._warned}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._within_group_std = list(state_dict["within_group_std"])
+        self._warned = state_dict["warned"]

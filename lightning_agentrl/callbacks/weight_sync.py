@@ -1,0 +1,36 @@
+"""Push the trained weights to the generation engine and bump the policy version.
+
+The policy version is the number of optimizer steps behind the weights, so after step k the
+engine serves version k and every token it samples records k.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from typing_extensions import override
+
+
+class WeightSync(L.Callback):
+    def __init__(self, service, every_n_steps: int = 1) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.service = service
+        self.every_n_steps = every_n_steps
+        self.num_syncs = 0
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps != 0 or step >= (trainer.max_steps if trainer.max_steps > 0 else step + 1):
+            return  # no sync after the final step: nothing would use it
+        self.service.update_weights(pl_module.policy.state_dict().items(), version=step)
+        self.num_syncs += 1
+        pl_module.log("rollout/policy_version", float(step), on_step=True, batch_size=1)
+
+    @override
+    def state_dict(self) -> dict:
+        return {"num_syncs": self.num_syncs}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.num_syncs = state_dict["num_syncs"]

@@ -1,0 +1,102 @@
+"""Checkpoint writes that a crash cannot half-finish.
+
+A run killed while writing ``last.ckpt`` (OOM killer, preemption, Ctrl-C twice) must still resume
+from the previous ``last.ckpt``. :class:`AtomicCheckpointIO` writes the new checkpoint to a temporary
+file in the same folder, ``fsync``\\ s it, and ``os.replace``\\ s it onto the target: POSIX renames
+within one file system are atomic, so a reader sees the old file or the new one, never a mix.
+The folder is ``fsync``\\ ed too, so the rename itself survives a power loss.
+
+Why not Lightning's own ``TorchCheckpointIO`` (2.6.6)? It serializes the whole checkpoint into
+memory (a second copy of every tensor) and then writes through an fsspec transaction whose local
+implementation puts the temporary file in the *system* temp folder (``tempfile.mkstemp()``) and
+moves it with ``shutil.move``: when ``/tmp`` is another file system that move is a copy onto the
+target, not atomic, and nothing is fsynced. Here ``torch.save`` streams straight into the
+same-folder temporary file.
+
+How ``ModelCheckpoint`` writes ``last.ckpt`` (lightning 2.6.6, checked in the source):
+
+- ``save_last=True``: a full ``trainer.save_checkpoint(".../last.ckpt")``, i.e. through this
+  CheckpointIO: atomic.
+- ``save_last="link"``: the step checkpoint is written through this CheckpointIO (atomic), then
+  ``last.ckpt`` is removed and re-created as a symlink to it (a copy where symlinks fail). A kill
+  between the two leaves no ``last.ckpt`` (the step checkpoint is intact) but never a corrupt one;
+  the copy fallback is not atomic. Prefer ``save_last=True`` where resuming from ``last`` matters.
+- A leftover temporary file is named ``.<target name>.<random>.tmp``: its suffix is not ``.ckpt``
+  and its name does not start with ``last``, so neither ``ckpt_path="last"`` nor a glob for
+  ``*.ckpt`` picks it up. Such leftovers are only ever from killed writes and can be deleted.
+- DeepSpeed strategies do not use a CheckpointIO at all: DeepSpeed writes a checkpoint *folder*
+  itself, in place, so this atomicity does not extend to ZeRO checkpoints.
+
+Example:
+    >>> Trainer(plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+from fsspec.utils import get_protocol
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+TEMP_SUFFIX = ".tmp"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose ``save_checkpoint`` replaces the target atomically (local paths).
+
+    Remote URLs (``s3://``, ``gs://``, ...) go through the parent: an object store publishes an
+    object only once its upload completes, which is already all-or-nothing.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if get_protocol(str(path)) not in ("file", "local"):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        atomic_torch_save(checkpoint, path)
+
+
+def atomic_torch_save(obj: Any, path: _PATH) -> None:
+    """``torch.save(obj, path)`` that leaves ``path`` untouched unless the whole write succeeded."""
+    target = Path(str(path).removeprefix("file://"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.with_name(f".{target.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    # O_EXCL: never write into someone else's file; mode 0o666 lets the umask decide, as open() does.
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())  # the data must be on disk before the rename makes it visible
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(target.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename durable across a power loss; some file systems refuse to open folders.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+__all__ = ["AtomicCheckpointIO", "atomic_torch_save"]

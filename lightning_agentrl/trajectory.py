@@ -1,0 +1,244 @@
+"""Trajectories as the trainer sees them, and their packing into flat token tensors.
+
+One *episode* is one attempt at a task. It is recorded as one or more *segments* (a new segment
+starts when history is summarized, SPEC §4); each segment is one token sequence that the policy
+saw as its context. Per token we keep the id, the loss mask (1 = sampled by the policy), the
+behavior log-prob (NaN where mask 0) and the policy version that sampled it (-1 where mask 0).
+Per turn we keep the action span, the turn reward and the environment's state key (GiGPO).
+
+Packing legend (see :func:`pack`):
+    B  episodes in the batch        S  segments (B <= S)
+    K  turns (all segments)         N  packed tokens (all segments, no padding)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TerminationReason(StrEnum):
+    """Why an episode ended. Exactly one per episode (SPEC §4)."""
+
+    SUBMITTED = "submitted"
+    MAX_TURNS = "max_turns"
+    MAX_CONTEXT = "max_context"
+    TIMEOUT = "timeout"
+    TOOL_ERROR = "tool_error"
+    SANDBOX_ERROR = "sandbox_error"
+
+    @property
+    def truncated(self) -> bool:
+        """The episode was cut by a budget, not finished by the agent or broken by infrastructure."""
+        return self in (TerminationReason.MAX_TURNS, TerminationReason.MAX_CONTEXT, TerminationReason.TIMEOUT)
+
+
+class Turn(BaseModel):
+    """One action of the policy, located in its segment's token ids: ``[action_start, action_end)``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action_start: int
+    action_end: int
+    reward: float = 0.0
+    state_key: str = ""
+    tool: str | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class Segment(BaseModel):
+    """One context window of an episode: the exact ids the policy was conditioned on and sampled."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    # None in JSON where mask is 0 (NaN is not JSON); NaN once packed.
+    behavior_logprobs: list[float | None] = Field(default_factory=list)
+    policy_versions: list[int] = Field(default_factory=list)
+    turns: list[Turn] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Segment:
+        n = len(self.token_ids)
+        for name in ("loss_mask", "behavior_logprobs", "policy_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"segment.{name} has {len(getattr(self, name))} entries for {n} tokens")
+        return self
+
+    def extend(self, ids: list[int], *, mask: int, logprobs: list[float] | None = None, version: int = -1) -> None:
+        """Append ids; actions (mask 1) carry their behavior logprobs and policy version."""
+        if mask:
+            assert logprobs is not None and len(logprobs) == len(ids)
+            self.behavior_logprobs.extend(logprobs)
+            self.policy_versions.extend([version] * len(ids))
+        else:
+            self.behavior_logprobs.extend([None] * len(ids))
+            self.policy_versions.extend([-1] * len(ids))
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([mask] * len(ids))
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+class Trajectory(BaseModel):
+    """One episode: identity, segments, outcome. Round-trips through JSON (``inspect``, artifacts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    episode_id: str
+    task_id: str
+    group_id: int
+    segments: list[Segment] = Field(default_factory=list)
+    reward: float = 0.0
+    termination: TerminationReason | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    info: dict = Field(default_factory=dict)
+
+    @property
+    def turns(self) -> list[Turn]:
+        return [turn for segment in self.segments for turn in segment.turns]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(s.num_action_tokens for s in self.segments)
+
+    @property
+    def min_policy_version(self) -> int:
+        versions = [v for s in self.segments for v in s.policy_versions if v >= 0]
+        return min(versions) if versions else -1
+
+
+def save_trajectories(trajectories: list[Trajectory], path: str | Path) -> None:
+    """Write one JSON object per line."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for t in trajectories:
+            f.write(t.model_dump_json() + "\n")
+
+
+def load_trajectories(path: str | Path) -> list[Trajectory]:
+    with open(path, encoding="utf-8") as f:
+        return [Trajectory.model_validate(json.loads(line)) for line in f if line.strip()]
+
+
+@dataclass
+class RolloutBatch:
+    """Whole groups of episodes packed into flat tensors (no padding; positions restart per segment).
+
+    Callbacks change a batch only through ``include`` (drop episodes from the loss, they stay in
+    metrics) and ``token_weights`` (importance/staleness weights).
+    """
+
+    # per token [N]
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor  # float 0/1
+    behavior_logprobs: torch.Tensor  # NaN where mask 0
+    policy_versions: torch.Tensor  # -1 where mask 0
+    seq_ids: torch.Tensor  # episode index in [0, B)
+    segment_ids: torch.Tensor  # segment index in [0, S)
+    token_turn: torch.Tensor  # global turn index in [0, K), -1 outside actions
+    token_weights: torch.Tensor  # multiplies the per-token loss; 1 by default
+    # per episode [B]
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    include: torch.Tensor  # bool: takes part in the loss and the group baseline
+    num_turns: torch.Tensor
+    # per turn [K]
+    turn_traj: torch.Tensor
+    turn_rewards: torch.Tensor
+    turn_state_keys: list[str] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    # per segment [S]
+    segment_traj: torch.Tensor | None = None
+
+    @property
+    def num_episodes(self) -> int:
+        return int(self.rewards.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device) if isinstance(value, torch.Tensor) else value
+        return RolloutBatch(**moved)
+
+
+def pack(trajectories: list[Trajectory]) -> RolloutBatch:
+    """Concatenate all segments of all episodes into one flat stream.
+
+    >>> from lightning_agentrl.trajectory import Segment, Trajectory, pack
+    >>> s = Segment(); s.extend([1, 2, 3], mask=0); s.extend([4, 5], mask=1, logprobs=[-1.0, -2.0], version=0)
+    >>> b = pack([Trajectory(episode_id="e", task_id="t", group_id=0, segments=[s])])
+    >>> b.loss_mask.tolist(), b.position_ids.tolist()
+    ([0.0, 0.0, 0.0, 1.0, 1.0], [0, 1, 2, 3, 4])
+    """
+    if not trajectories:
+        raise ValueError("cannot pack an empty list of trajectories")
+    ids, pos, mask, blp, ver, seq, seg, tturn = ([] for _ in range(8))
+    turn_traj, turn_rewards, state_keys, segment_traj, num_turns = [], [], [], [], []
+    turn_offset = 0
+    segment_index = 0
+    for b, traj in enumerate(trajectories):
+        traj_turns = 0
+        for segment in traj.segments:
+            n = len(segment.token_ids)
+            turn_of_token = [-1] * n
+            for k, turn in enumerate(segment.turns):
+                assert 0 <= turn.action_start <= turn.action_end <= n, "turn span outside its segment"
+                for t in range(turn.action_start, turn.action_end):
+                    turn_of_token[t] = turn_offset + k
+                turn_traj.append(b)
+                turn_rewards.append(turn.reward)
+                state_keys.append(turn.state_key)
+            turn_offset += len(segment.turns)
+            traj_turns += len(segment.turns)
+            ids.extend(segment.token_ids)
+            pos.extend(range(n))
+            mask.extend(segment.loss_mask)
+            blp.extend(math.nan if lp is None else lp for lp in segment.behavior_logprobs)
+            ver.extend(segment.policy_versions)
+            seq.extend([b] * n)
+            seg.extend([segment_index] * n)
+            tturn.extend(turn_of_token)
+            segment_traj.append(b)
+            segment_index += 1
+        num_turns.append(traj_turns)
+    long = torch.long
+    return RolloutBatch(
+        input_ids=torch.tensor(ids, dtype=long),
+        position_ids=torch.tensor(pos, dtype=long),
+        loss_mask=torch.tensor(mask, dtype=torch.float32),
+        behavior_logprobs=torch.tensor(blp, dtype=torch.float32),
+        policy_versions=torch.tensor(ver, dtype=long),
+        seq_ids=torch.tensor(seq, dtype=long),
+        segment_ids=torch.tensor(seg, dtype=long),
+        token_turn=torch.tensor(tturn, dtype=long),
+        token_weights=torch.ones(len(ids), dtype=torch.float32),
+        rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        group_ids=torch.tensor([t.group_id for t in trajectories], dtype=long),
+        include=torch.ones(len(trajectories), dtype=torch.bool),
+        num_turns=torch.tensor(num_turns, dtype=long),
+        turn_traj=torch.tensor(turn_traj, dtype=long),
+        turn_rewards=torch.tensor(turn_rewards, dtype=torch.float32),
+        turn_state_keys=state_keys,
+        trajectories=list(trajectories),
+        segment_traj=torch.tensor(segment_traj, dtype=long),
+    )

@@ -1,0 +1,28 @@
+"""Async client of the sandbox service (protocol v1), its error taxonomy and submission scoring."""
+
+from sandbox_client.client import SandboxClient
+from sandbox_client.errors import (
+    CommandTimeout,
+    SandboxAuthError,
+    SandboxCapacityError,
+    SandboxError,
+    SandboxInfraError,
+    SandboxNotFound,
+    SandboxRequestError,
+)
+from sandbox_client.models import ExecResult
+from sandbox_client.scoring import ScoreResult, score_submission
+
+__all__ = [
+    "CommandTimeout",
+    "ExecResult",
+    "SandboxAuthError",
+    "SandboxCapacityError",
+    "SandboxClient",
+    "SandboxError",
+    "SandboxInfraError",
+    "SandboxNotFound",
+    "SandboxRequestError",
+    "ScoreResult",
+    "score_submission",
+]

@@ -1,0 +1,209 @@
+"""Async client of the sandbox protocol v1 (docs/sandbox.md).
+
+Every call retries connection errors, 5xx and 429 (honouring Retry-After) with exponential backoff
+and jitter. Calls that are not naturally idempotent (create, fork, exec) carry an idempotency key that
+stays the same across retries; the server answers a repeated key with the first result, so a retried
+exec never runs the command twice.
+
+    async with SandboxClient(url, token) as client:
+        sandbox_id = await client.create({"utils.py": "def f(): ..."})
+        result = await client.exec(sandbox_id, "python -m pytest -q", timeout_s=60)
+        await client.delete(sandbox_id)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+import uuid
+from typing import Any
+
+import httpx
+
+from sandbox_client.errors import (
+    CommandTimeout,
+    SandboxAuthError,
+    SandboxCapacityError,
+    SandboxError,
+    SandboxInfraError,
+    SandboxNotFound,
+    SandboxRequestError,
+)
+from sandbox_client.models import ExecResult
+
+_MAX_RETRY_AFTER_S = 30.0
+
+
+class SandboxClient:
+    """Client for one sandbox service. Use as an async context manager (or call :meth:`close`)."""
+
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 30.0, max_retries: int = 4,
+                 backoff_s: float = 0.25, max_backoff_s: float = 8.0, max_connections: int = 64,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if backoff_s < 0 or max_backoff_s < 0:
+            raise ValueError("backoff_s and max_backoff_s must be >= 0")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not token:
+            raise ValueError("token is empty")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            transport=transport,
+        )
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"SandboxClient({self.base_url!r})"
+
+    async def __aenter__(self) -> SandboxClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # ---- transport with retries -----------------------------------------------------------------
+    def _backoff(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * (2**attempt)) * random.uniform(0.5, 1.5)
+
+    async def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
+                       timeout_s: float | None = None) -> tuple[httpx.Response, int]:
+        """Send with retries; returns the final response (2xx or a non-retryable 4xx) and the attempt index."""
+        timeout = httpx.Timeout(timeout_s) if timeout_s is not None else None
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                kwargs: dict[str, Any] = {"json": json, "params": params}
+                if timeout is not None:
+                    kwargs["timeout"] = timeout
+                response = await self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:  # connect/read errors, resets, timeouts
+                if last:
+                    raise SandboxInfraError(
+                        f"{method} {path}: sandbox server unreachable after {attempt + 1} attempts: "
+                        f"{type(exc).__name__}: {exc}") from exc
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            status = response.status_code
+            if status == 429 or status >= 500:
+                if last:
+                    raise _classify(response, method, path, attempts=attempt + 1)
+                await asyncio.sleep(_retry_after(response) if status == 429 else self._backoff(attempt))
+                continue
+            return response, attempt
+        raise AssertionError("unreachable")
+
+    async def _call(self, method: str, path: str, *, ok: int = 200, **kwargs: Any) -> httpx.Response:
+        response, _ = await self._request(method, path, **kwargs)
+        if response.status_code != ok:
+            raise _classify(response, method, path)
+        return response
+
+    # ---- protocol ---------------------------------------------------------------------------------
+    async def health(self) -> dict:
+        return (await self._call("GET", "/v1/health")).json()
+
+    async def create(self, files: dict[str, str | bytes], *, ttl_s: float | None = None,
+                     network: bool = False) -> str:
+        text: dict[str, str] = {}
+        binary: dict[str, str] = {}
+        for path, content in files.items():
+            if isinstance(content, bytes):
+                binary[path] = base64.b64encode(content).decode()
+            elif isinstance(content, str):
+                text[path] = content
+            else:
+                raise TypeError(f"files[{path!r}] must be str or bytes, got {type(content).__name__}")
+        body = {"files": text, "binary_files": binary, "ttl_s": ttl_s, "network": network,
+                "idempotency_key": uuid.uuid4().hex}
+        return (await self._call("POST", "/v1/sandboxes", ok=201, json=body)).json()["id"]
+
+    async def exec(self, sandbox_id: str, command: str | list[str], *, stdin: str | None = None,
+                   timeout_s: float = 30.0, env: dict | None = None) -> ExecResult:
+        """Run a command. Returns the result whatever the exit code; raises CommandTimeout past ``timeout_s``."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        body = {"command": command, "stdin": stdin, "env": env or {}, "timeout_s": timeout_s,
+                "idempotency_key": uuid.uuid4().hex}
+        # The HTTP deadline covers the command's own timeout plus the usual request budget.
+        response = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body,
+                                    timeout_s=timeout_s + self.timeout_s)
+        result = ExecResult.from_json(response.json())
+        if result.timed_out:
+            raise CommandTimeout(f"command timed out after {timeout_s} s and was killed", result)
+        return result
+
+    async def read_bytes(self, sandbox_id: str, path: str) -> bytes:
+        data = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}/file", params={"path": path})).json()
+        if data["encoding"] == "base64":
+            return base64.b64decode(data["content"])
+        return data["content"].encode()
+
+    async def read_file(self, sandbox_id: str, path: str) -> str:
+        data = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}/file", params={"path": path})).json()
+        if data["encoding"] != "utf-8":
+            raise SandboxRequestError(f"{path!r} is not UTF-8 text (use read_bytes)", code="not_text")
+        return data["content"]
+
+    async def write_file(self, sandbox_id: str, path: str, content: str | bytes) -> None:
+        if isinstance(content, bytes):
+            body = {"path": path, "content": base64.b64encode(content).decode(), "encoding": "base64"}
+        else:
+            body = {"path": path, "content": content, "encoding": "utf-8"}
+        await self._call("PUT", f"/v1/sandboxes/{sandbox_id}/file", ok=204, json=body)
+
+    async def list_files(self, sandbox_id: str) -> list[str]:
+        return (await self._call("GET", f"/v1/sandboxes/{sandbox_id}/files")).json()["files"]
+
+    async def fork(self, sandbox_id: str) -> str:
+        body = {"idempotency_key": uuid.uuid4().hex}
+        return (await self._call("POST", f"/v1/sandboxes/{sandbox_id}/fork", ok=201, json=body)).json()["id"]
+
+    async def delete(self, sandbox_id: str) -> None:
+        response, attempt = await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+        if response.status_code == 404 and attempt > 0:
+            return  # an earlier attempt deleted it before its answer was lost
+        if response.status_code != 204:
+            raise _classify(response, "DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return min(_MAX_RETRY_AFTER_S, max(0.0, float(response.headers.get("retry-after", "1"))))
+    except ValueError:
+        return 1.0
+
+
+def _classify(response: httpx.Response, method: str, path: str, attempts: int = 1) -> SandboxError:
+    status = response.status_code
+    try:
+        error = response.json().get("error", {})
+        code, message = error.get("code"), error.get("message", "")
+    except (ValueError, AttributeError):
+        code, message = None, response.text[:500]
+    text = f"{method} {path} -> {status}{f' {code}' if code else ''}: {message}"
+    if attempts > 1:
+        text += f" (after {attempts} attempts)"
+    if status in (401, 403):
+        return SandboxAuthError(text, status=status, code=code)
+    if status == 404 and code in ("sandbox_not_found", None):
+        return SandboxNotFound(text, status=status, code=code)
+    if status == 429:
+        return SandboxCapacityError(text, status=status, code=code)
+    if status >= 500:
+        return SandboxInfraError(text, status=status, code=code)
+    return SandboxRequestError(text, status=status, code=code)

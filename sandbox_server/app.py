@@ -1,0 +1,516 @@
+"""The FastAPI application: protocol v1 routes, bearer auth, limits, reaper, idempotency and metrics.
+
+Error bodies are always ``{"error": {"code": str, "message": str}}`` so any client (or fleet
+implementation) can classify them without parsing prose; the codes are listed in docs/sandbox.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import dataclasses
+import hmac
+import logging
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, Field
+
+from sandbox_server import PROTOCOL_VERSION
+from sandbox_server.isolation import Isolation
+from sandbox_server.options import ServerOptions
+from sandbox_server.workspace import (
+    WorkspaceError,
+    check_relative,
+    chown_tree,
+    copy_tree,
+    list_files,
+    read_bytes,
+    write_bytes,
+)
+
+log = logging.getLogger("sandbox_server")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+
+
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message[:2000]}}, status_code=status, headers=headers)
+
+
+# ---- request / response models ----------------------------------------------------------------
+class CreateRequest(BaseModel):
+    files: dict[str, str] = Field(default_factory=dict, description="path -> UTF-8 text")
+    binary_files: dict[str, str] = Field(default_factory=dict, description="path -> base64 bytes")
+    ttl_s: float | None = Field(default=None, description="idle time before the sandbox is reaped")
+    network: bool = Field(default=False, description="share the host network (off by default)")
+    idempotency_key: str | None = Field(default=None, max_length=200)
+
+
+class ForkRequest(BaseModel):
+    ttl_s: float | None = None
+    idempotency_key: str | None = Field(default=None, max_length=200)
+
+
+class SandboxInfo(BaseModel):
+    id: str
+    network: bool
+    ttl_s: float
+    expires_in_s: float
+
+
+class ExecRequest(BaseModel):
+    command: str | list[str] = Field(description="shell string (run by /bin/sh -c) or argv list")
+    stdin: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = 30.0
+    idempotency_key: str | None = Field(default=None, max_length=200)
+
+
+class ExecResponse(BaseModel):
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+
+
+class FileBody(BaseModel):
+    path: str
+    content: str
+    encoding: str = Field(default="utf-8", pattern="^(utf-8|base64)$")
+
+
+class FileList(BaseModel):
+    files: list[str]
+
+
+# ---- state --------------------------------------------------------------------------------------
+@dataclass
+class Sandbox:
+    id: str
+    root: Path
+    network: bool
+    ttl_s: float
+    last_used: float = field(default_factory=time.monotonic)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    def expires_in(self) -> float:
+        return self.last_used + self.ttl_s - time.monotonic()
+
+
+class IdempotencyCache:
+    """Results of keyed requests, so a retried exec/create/fork returns the first result instead of
+    running again. An in-flight request is shared: the retry awaits the same task."""
+
+    def __init__(self, ttl_s: float, max_entries: int = 100_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, asyncio.Future]] = {}
+
+    async def run(self, key: str | None, factory) -> Any:
+        if key is None:
+            return await factory()
+        now = time.monotonic()
+        self._expire(now)
+        entry = self._entries.get(key)
+        if entry is None:
+            future = asyncio.ensure_future(factory())
+            self._entries[key] = (now + self.ttl_s, future)
+            future.add_done_callback(lambda f: self._forget_failure(key, f))
+        else:
+            future = entry[1]
+        # shield: a client that disconnects must not cancel the command; its retry will collect it.
+        return await asyncio.shield(future)
+
+    def _forget_failure(self, key: str, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self._entries.pop(key, None)
+
+    def _expire(self, now: float) -> None:
+        stale = [k for k, (deadline, fut) in self._entries.items() if deadline < now and fut.done()]
+        for k in stale:
+            del self._entries[k]
+        while len(self._entries) > self.max_entries:
+            self._entries.pop(next(iter(self._entries)))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.counters: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+        self.exec_seconds_sum = 0.0
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        self.counters[(name, tuple(sorted(labels.items())))] += value
+
+    def render(self, gauges: dict[str, float]) -> str:
+        lines: list[str] = []
+        seen: set[str] = set()
+        for (name, labels), value in sorted(self.counters.items()):
+            if name not in seen:
+                lines.append(f"# TYPE sandbox_{name} counter")
+                seen.add(name)
+            label_text = ",".join(f'{k}="{v}"' for k, v in labels)
+            lines.append(f"sandbox_{name}{{{label_text}}} {value}" if label_text else f"sandbox_{name} {value}")
+        for name, value in gauges.items():
+            lines.append(f"# TYPE sandbox_{name} gauge")
+            lines.append(f"sandbox_{name} {value}")
+        return "\n".join(lines) + "\n"
+
+
+# ---- ASGI middleware: auth and body size, before any parsing ----------------------------------
+class GuardMiddleware:
+    """Bearer auth on every path (hmac.compare_digest) and a hard cap on request bodies (413)."""
+
+    def __init__(self, app, token: str, max_body: int) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if not hmac.compare_digest(headers.get(b"authorization", b""), self._expected):
+            response = _error(401, "unauthorized", "missing or wrong bearer token",
+                              {"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            response = _error(413, "payload_too_large",
+                              f"request body of {int(declared)} bytes exceeds the limit {self.max_body}")
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise ApiError(413, "payload_too_large", f"request body exceeds the limit {self.max_body}")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+# ---- the application ----------------------------------------------------------------------------
+def create_app(options: ServerOptions) -> FastAPI:
+    if not options.token:
+        raise ValueError("a token is required (--token or SANDBOX_SERVER_TOKEN)")
+    owns_root = not options.root_dir
+    root = Path(options.root_dir or tempfile.mkdtemp(prefix="sandboxes-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o711)  # the sandbox uid may traverse, not list
+    probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
+    probe_dir.chmod(0o755)
+    isolation = Isolation(options, probe_dir)
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    log.info("isolation backend: %s (uid %s)", isolation.backend, isolation.report.uid)
+    for note in isolation.report.notes:
+        log.warning(note)
+
+    sandboxes: dict[str, Sandbox] = {}
+    idempotency = IdempotencyCache(options.idempotency_ttl_s)
+    metrics = Metrics()
+    owner = isolation.owner()
+
+    def get(sandbox_id: str) -> Sandbox:
+        box = sandboxes.get(sandbox_id) if _ID.match(sandbox_id) else None
+        if box is None:
+            raise ApiError(404, "sandbox_not_found", f"no sandbox {sandbox_id[:80]!r} (deleted, reaped or never created)")
+        box.touch()
+        return box
+
+    def ttl(requested: float | None) -> float:
+        if requested is None:
+            return options.default_ttl_s
+        if not 0 < requested <= options.max_ttl_s:
+            raise ApiError(400, "invalid_request", f"ttl_s must be in (0, {options.max_ttl_s}], got {requested}")
+        return requested
+
+    def reserve() -> None:
+        if len(sandboxes) >= options.max_sandboxes:
+            metrics.inc("create_rejected_total")
+            raise ApiError(429, "capacity", f"server is full ({options.max_sandboxes} sandboxes)",
+                           {"Retry-After": str(options.capacity_retry_after_s)})
+
+    def new_box(network: bool, ttl_s: float) -> Sandbox:
+        box = Sandbox(uuid.uuid4().hex, root / uuid.uuid4().hex, network, ttl_s)
+        box.id = box.root.name
+        return box
+
+    def register(box: Sandbox) -> None:
+        box.home.mkdir(exist_ok=True)
+        if owner is not None:
+            chown_tree(box.root, owner)
+        sandboxes[box.id] = box
+        metrics.inc("created_total")
+
+    async def destroy(box: Sandbox, reason: str) -> None:
+        sandboxes.pop(box.id, None)
+        for task in list(box.tasks):
+            task.cancel()
+        if box.tasks:
+            await asyncio.wait(box.tasks, timeout=10)
+        await asyncio.to_thread(shutil.rmtree, box.root, True)
+        metrics.inc("deleted_total", reason=reason)
+
+    async def reaper() -> None:
+        while True:
+            await asyncio.sleep(options.reap_interval_s)
+            for box in list(sandboxes.values()):
+                if not box.tasks and box.expires_in() < 0:
+                    log.info("reaping idle sandbox %s", box.id)
+                    await destroy(box, "reaped")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(reaper())
+        try:
+            yield
+        finally:
+            task.cancel()
+            for box in list(sandboxes.values()):
+                await destroy(box, "shutdown")
+            if owns_root:
+                shutil.rmtree(root, ignore_errors=True)
+
+    app = FastAPI(title="lightning-agentrl sandbox service", version=PROTOCOL_VERSION, lifespan=lifespan,
+                  openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None)
+    app.state.options = options
+    app.state.isolation = isolation
+    app.state.sandboxes = sandboxes
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        metrics.inc("errors_total", code=exc.code)
+        return _error(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.exception_handler(WorkspaceError)
+    async def _workspace_error(_: Request, exc: WorkspaceError):
+        metrics.inc("errors_total", code=exc.code)
+        return _error(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        metrics.inc("errors_total", code="invalid_request")
+        details = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+        return _error(422, "invalid_request", details)
+
+    # ---- routes ----
+    @app.get("/v1/health")
+    async def health() -> dict:
+        return {
+            "status": "ok",
+            "protocol": PROTOCOL_VERSION,
+            "isolation": dataclasses.asdict(isolation.report),
+            "sandboxes": {"active": len(sandboxes), "max": options.max_sandboxes},
+            "limits": {
+                "output_limit_bytes": options.output_limit_bytes,
+                "max_request_bytes": options.max_request_bytes,
+                "max_file_bytes": options.max_file_bytes,
+                "max_timeout_s": options.max_timeout_s,
+                "default_ttl_s": options.default_ttl_s,
+                "cpu_time_s": options.cpu_time_s,
+                "address_space_bytes": options.address_space_bytes,
+                "max_processes": options.max_processes,
+                "file_size_bytes": options.file_size_bytes,
+                "open_files": options.open_files,
+            },
+        }
+
+    @app.get("/v1/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> str:
+        return metrics.render({"active": len(sandboxes), "max": options.max_sandboxes,
+                               "running_execs": sum(len(b.tasks) for b in sandboxes.values())})
+
+    @app.get("/v1/sandboxes")
+    async def list_sandboxes() -> dict:
+        return {"sandboxes": sorted(sandboxes)}
+
+    @app.post("/v1/sandboxes", status_code=201)
+    async def create(body: CreateRequest, idempotency_key: str | None = Header(default=None)) -> SandboxInfo:
+        async def make() -> SandboxInfo:
+            ttl_s = ttl(body.ttl_s)
+            blobs: dict[str, bytes] = {}
+            for path, text in body.files.items():
+                blobs[str(check_relative(path))] = text.encode()
+            for path, b64 in body.binary_files.items():
+                try:
+                    blobs[str(check_relative(path))] = base64.b64decode(b64, validate=True)
+                except (binascii.Error, ValueError) as exc:
+                    raise ApiError(400, "invalid_request", f"binary_files[{path!r}] is not base64") from exc
+            if len(blobs) > options.max_files:
+                raise ApiError(413, "payload_too_large", f"snapshot has more than {options.max_files} files")
+            reserve()
+            box = new_box(body.network, ttl_s)
+            box.workspace.mkdir(parents=True)
+            try:
+                for path, data in blobs.items():
+                    write_bytes(box.workspace, path, data, owner=None, max_bytes=options.max_file_bytes)
+                register(box)
+            except BaseException:
+                shutil.rmtree(box.root, ignore_errors=True)
+                raise
+            return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
+
+        return await idempotency.run(_scoped("create", "", body.idempotency_key or idempotency_key), make)
+
+    @app.get("/v1/sandboxes/{sandbox_id}")
+    async def info(sandbox_id: str) -> SandboxInfo:
+        box = get(sandbox_id)
+        return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.expires_in())
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
+    async def delete(sandbox_id: str) -> Response:
+        await destroy(get(sandbox_id), "deleted")
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201)
+    async def fork(sandbox_id: str, body: ForkRequest | None = None,
+                   idempotency_key: str | None = Header(default=None)) -> SandboxInfo:
+        body = body or ForkRequest()
+        source = get(sandbox_id)
+
+        async def make() -> SandboxInfo:
+            ttl_s = ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
+            reserve()
+            box = new_box(source.network, ttl_s)
+            box.root.mkdir()
+            try:
+                await asyncio.to_thread(copy_tree, source.workspace, box.workspace, owner=None)
+                register(box)
+            except BaseException:
+                shutil.rmtree(box.root, ignore_errors=True)
+                raise
+            metrics.inc("forked_total")
+            return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
+
+        return await idempotency.run(_scoped("fork", sandbox_id, body.idempotency_key or idempotency_key), make)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec")
+    async def exec_command(sandbox_id: str, body: ExecRequest,
+                           idempotency_key: str | None = Header(default=None)) -> ExecResponse:
+        box = get(sandbox_id)
+        argv = _argv(body.command)
+        env = _env(body.env)
+        if not 0 < body.timeout_s <= options.max_timeout_s:
+            raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {options.max_timeout_s}], got {body.timeout_s}")
+        stdin = body.stdin.encode() if body.stdin is not None else None
+
+        async def run() -> ExecResponse:
+            task = asyncio.current_task()
+            assert task is not None
+            box.tasks.add(task)
+            try:
+                result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env,
+                                             timeout_s=body.timeout_s, network=box.network)
+            finally:
+                box.tasks.discard(task)
+                box.touch()
+            outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
+            metrics.inc("exec_total", outcome=outcome)
+            metrics.inc("exec_seconds_total", result.duration_s)
+            if result.truncated:
+                metrics.inc("exec_truncated_total")
+            return ExecResponse(exit_code=result.exit_code,
+                                stdout=result.stdout.decode("utf-8", errors="replace"),
+                                stderr=result.stderr.decode("utf-8", errors="replace"),
+                                timed_out=result.timed_out, truncated=result.truncated,
+                                duration_s=round(result.duration_s, 6))
+
+        try:
+            return await idempotency.run(_scoped("exec", sandbox_id, body.idempotency_key or idempotency_key), run)
+        except asyncio.CancelledError:
+            if sandbox_id not in sandboxes:
+                raise ApiError(404, "sandbox_not_found", f"sandbox {sandbox_id} was deleted during exec") from None
+            raise
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files")
+    async def files(sandbox_id: str) -> FileList:
+        box = get(sandbox_id)
+        return FileList(files=await asyncio.to_thread(list_files, box.workspace, options.max_files))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/file")
+    async def read_file(sandbox_id: str, path: str = Query(...)) -> FileBody:
+        box = get(sandbox_id)
+        data = read_bytes(box.workspace, path, options.max_file_bytes)
+        try:
+            return FileBody(path=path, content=data.decode("utf-8"), encoding="utf-8")
+        except UnicodeDecodeError:
+            return FileBody(path=path, content=base64.b64encode(data).decode(), encoding="base64")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/file", status_code=204)
+    async def write_file(sandbox_id: str, body: FileBody) -> Response:
+        box = get(sandbox_id)
+        if body.encoding == "base64":
+            try:
+                data = base64.b64decode(body.content, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ApiError(400, "invalid_request", "content is not valid base64") from exc
+        else:
+            data = body.content.encode()
+        write_bytes(box.workspace, body.path, data, owner=owner, max_bytes=options.max_file_bytes)
+        return Response(status_code=204)
+
+    # The guard wraps everything, the OpenAPI schema included.
+    app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes)
+    return app
+
+
+def _scoped(operation: str, sandbox_id: str, key: str | None) -> str | None:
+    return None if key is None else f"{operation}:{sandbox_id}:{key}"
+
+
+def _argv(command: str | list[str]) -> list[str]:
+    if isinstance(command, str):
+        if not command.strip():
+            raise ApiError(400, "invalid_request", "command is empty")
+        argv = ["/bin/sh", "-c", command]
+    else:
+        if not command:
+            raise ApiError(400, "invalid_request", "command argv is empty")
+        argv = list(command)
+    if any("\0" in arg for arg in argv):
+        raise ApiError(400, "invalid_request", "command contains a NUL byte")
+    return argv
+
+
+def _env(env: dict[str, str]) -> dict[str, str]:
+    for name, value in env.items():
+        if not _ENV_NAME.match(name):
+            raise ApiError(400, "invalid_request", f"invalid environment variable name {name[:80]!r}")
+        if "\0" in value:
+            raise ApiError(400, "invalid_request", f"environment variable {name} contains a NUL byte")
+    return env

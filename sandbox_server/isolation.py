@@ -1,0 +1,397 @@
+"""How commands run: bubblewrap namespaces when the host allows it, else plain subprocess + rlimits.
+
+Both backends:
+- start the command in a new session (its own process group) so a timeout kills the whole tree;
+- set rlimits (CPU time, address space, processes, file size, open files) in the child before exec;
+- run it as an unprivileged uid (``sandbox_uid``) when the server runs as root and that uid can
+  still reach the Python interpreter;
+- give it a minimal environment whose PATH starts with the server's own Python, so
+  ``python -m pytest`` resolves to the interpreter (and venv) the server runs on.
+
+bwrap adds: new mount/pid/ipc/uts (and, unless asked, network) namespaces; only /usr, the Python
+prefix (read-only), a private /tmp and the workspace (read-write, at /workspace) are visible. When
+the command's main process exits, the pid namespace dies and takes background daemons with it.
+
+The process backend has none of that: the command sees the host filesystem with the permissions of
+its uid, and shares the host network unless ``unshare --net`` works. Daemons that leave the process
+group are found by an environment marker and killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandbox_server.options import ServerOptions
+
+SANDBOX_WORKDIR = "/workspace"
+_MARKER_VAR = "SANDBOX_EXEC_MARKER"
+_DRAIN_GRACE_S = 0.5
+_PR_SET_PDEATHSIG = 1
+try:
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # not Linux/glibc: no parent-death signal
+    _libc = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_time_s: int
+    address_space_bytes: int
+    max_processes: int
+    file_size_bytes: int
+    open_files: int
+
+    @classmethod
+    def from_options(cls, options: ServerOptions) -> Limits:
+        return cls(options.cpu_time_s, options.address_space_bytes, options.max_processes,
+                   options.file_size_bytes, options.open_files)
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+
+
+@dataclass
+class IsolationReport:
+    """What the chosen backend isolates; served verbatim on /v1/health."""
+
+    backend: str
+    uid: int
+    namespaces: list[str]
+    network_isolated_by_default: bool
+    process_limit_enforced: bool
+    isolated: list[str] = field(default_factory=list)
+    not_isolated: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _python_dirs() -> list[str]:
+    """Directories the interpreter needs (venv prefix, base prefix, the executable's real location)."""
+    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  str(Path(os.path.realpath(sys.executable)).parent.parent)}
+    dirs = sorted(os.path.realpath(d) for d in candidates if d)
+    # Keep only outermost directories, and skip what /usr already covers.
+    kept: list[str] = []
+    for d in dirs:
+        if d == "/usr" or d.startswith("/usr/") or any(d.startswith(k + "/") for k in kept):
+            continue
+        kept.append(d)
+    return kept
+
+
+def _child_setup(limits: Limits, uid: int | None):
+    """Runs in the forked child before exec: rlimits first (as root they cannot be raised back), then uid."""
+
+    def setup() -> None:
+        # If the server dies (even by SIGKILL) the command's main process dies with it.
+        if _libc is not None:
+            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        for res, value in ((resource.RLIMIT_CPU, limits.cpu_time_s),
+                           (resource.RLIMIT_AS, limits.address_space_bytes),
+                           (resource.RLIMIT_NPROC, limits.max_processes),
+                           (resource.RLIMIT_FSIZE, limits.file_size_bytes),
+                           (resource.RLIMIT_NOFILE, limits.open_files),
+                           (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(res, (value, value))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+    return setup
+
+
+class Isolation:
+    """Builds and runs sandboxed commands. Construct once per server; it probes the host."""
+
+    def __init__(self, options: ServerOptions, probe_dir: Path) -> None:
+        self.options = options
+        self.limits = Limits.from_options(options)
+        self._is_root = os.geteuid() == 0
+        self._bwrap = shutil.which("bwrap")
+        self._setpriv = shutil.which("setpriv")
+        self._unshare = shutil.which("unshare")
+        self._python_bin = str(Path(sys.executable).parent)
+        notes: list[str] = []
+        self.backend = "process"
+        self.uid: int | None = None  # uid the command runs as; None = the server's own
+        self._bwrap_mode = ""  # "setpriv" (root, real uid drop) or "userns" (uid mapped in a user namespace)
+        self._process_netns = False
+        want_uid = options.sandbox_uid if options.sandbox_uid >= 0 and self._is_root else None
+        if options.isolation in ("auto", "bwrap"):
+            reason = self._probe_bwrap(probe_dir, want_uid)
+            if reason is None:
+                self.backend = "bwrap"
+            elif options.isolation == "bwrap":
+                raise RuntimeError(f"isolation='bwrap' requested but bubblewrap is unusable: {reason}")
+            else:
+                notes.append(f"bubblewrap unavailable ({reason}); using plain subprocess + rlimits")
+        if self.backend == "process":
+            if want_uid is not None:
+                if self._probe_process(probe_dir, want_uid):
+                    self.uid = want_uid
+                else:
+                    notes.append(f"uid {want_uid} cannot run {sys.executable}; commands run as the server's uid")
+            elif self._is_root is False:
+                notes.append("server is not root: commands run as the server's uid")
+            self._process_netns = self._is_root and self._probe_unshare(probe_dir)
+        self.report = self._make_report(notes)
+
+    # ---- probing -------------------------------------------------------------------------------
+    def _probe(self, argv: list[str], cwd: Path, uid: int | None) -> bool:
+        try:
+            done = subprocess.run(argv, cwd=cwd, env=self.base_env(cwd), capture_output=True, timeout=30,
+                                  preexec_fn=_child_setup(self.limits, uid), start_new_session=True)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return done.returncode == 0 and done.stdout.strip() == b"ok"
+
+    def _probe_bwrap(self, probe_dir: Path, uid: int | None) -> str | None:
+        if self._bwrap is None:
+            return "bwrap not found on PATH"
+        check = [sys.executable, "-c", "import pytest; print('ok')"]
+        modes = (["setpriv", "userns"] if self._setpriv else ["userns"]) if uid is not None else ["userns"]
+        for mode in modes:
+            self._bwrap_mode, self.uid = mode, uid
+            argv = self._bwrap_argv(probe_dir, check, network=False)
+            if self._probe(argv, probe_dir, None):  # bwrap itself switches uid
+                return None
+        self._bwrap_mode, self.uid = "", None
+        return "a test command failed inside bubblewrap (user namespaces disabled?)"
+
+    def _probe_process(self, probe_dir: Path, uid: int) -> bool:
+        os.chown(probe_dir, uid, uid)
+        return self._probe([sys.executable, "-c", "import pytest; print('ok')"], probe_dir, uid)
+
+    def _probe_unshare(self, probe_dir: Path) -> bool:
+        if self._unshare is None:
+            return False
+        return self._probe([self._unshare, "--net", "--", sys.executable, "-c", "print('ok')"], probe_dir, None)
+
+    def _make_report(self, notes: list[str]) -> IsolationReport:
+        uid = self.uid if self.uid is not None else os.geteuid()
+        limits = ["rlimits per process: CPU time, address space, file size, open files, core dumps off"]
+        nproc = uid != 0
+        if nproc:
+            limits.append(f"RLIMIT_NPROC={self.limits.max_processes} for uid {uid} (shared by all sandboxes)")
+        if self.backend == "bwrap":
+            namespaces = ["mount", "pid", "ipc", "uts", "network (unless network=true)"]
+            if self._bwrap_mode == "userns":
+                namespaces.append("user")
+            isolated = [
+                "private workspace directory per sandbox, mounted at /workspace",
+                "filesystem: only /usr, the Python prefix and a few /etc files (read-only), private /tmp",
+                "processes: own pid namespace; the whole tree dies with the command or on timeout",
+                "network: none by default (own network namespace with loopback only)",
+                *limits,
+            ]
+            not_isolated = [
+                "kernel: shared with the host (namespaces, not a VM); kernel exploits escape",
+                "CPU and memory: no cgroup quotas; only per-process rlimits and the wall-clock timeout",
+                "disk usage of the workspace is not capped (RLIMIT_FSIZE caps single files only)",
+                "network=true shares the host network namespace",
+            ]
+        else:
+            namespaces = ["network (unless network=true)"] if self._process_netns else []
+            isolated = [
+                "private workspace directory per sandbox (the working directory, not a chroot)",
+                "processes: own session; the process group is killed on timeout, escaped daemons by marker",
+                *limits,
+            ]
+            if self._process_netns:
+                isolated.append("network: none by default (unshare --net)")
+            not_isolated = [
+                "filesystem: the command sees the host filesystem with the permissions of its uid",
+                "other sandboxes' workspaces when commands share a uid",
+                "kernel, CPU and memory: no namespaces or cgroups",
+                "network" + ("" if not self._process_netns else " when network=true"),
+            ]
+            if self.uid is None and os.geteuid() == 0:
+                not_isolated.insert(0, "privileges: commands run as root")
+        return IsolationReport(backend=self.backend, uid=uid, namespaces=namespaces,
+                               network_isolated_by_default=self.backend == "bwrap" or self._process_netns,
+                               process_limit_enforced=nproc, isolated=isolated, not_isolated=not_isolated,
+                               notes=notes)
+
+    # ---- command lines -------------------------------------------------------------------------
+    def workdir(self, workspace: Path) -> str:
+        return SANDBOX_WORKDIR if self.backend == "bwrap" else str(workspace)
+
+    def base_env(self, workspace: Path, home: Path | None = None) -> dict[str, str]:
+        home_dir = "/tmp" if self.backend == "bwrap" else str(home or workspace)
+        return {
+            "PATH": f"{self._python_bin}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": home_dir,
+            "TMPDIR": home_dir,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def _bwrap_argv(self, workspace: Path, argv: list[str], network: bool) -> list[str]:
+        assert self._bwrap is not None
+        cmd = [self._bwrap, "--die-with-parent", "--new-session",
+               "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        if not network:
+            cmd.append("--unshare-net")
+        cmd += ["--ro-bind", "/usr", "/usr"]
+        for top in ("lib", "lib64", "lib32", "bin", "sbin"):
+            host = Path("/" + top)
+            if host.is_symlink():
+                cmd += ["--symlink", os.readlink(host), str(host)]
+            elif host.is_dir():
+                cmd += ["--ro-bind", str(host), str(host)]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--dir", "/etc"]
+        for etc in ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "localtime", "resolv.conf"):
+            cmd += ["--ro-bind-try", f"/etc/{etc}", f"/etc/{etc}"]
+        python_dirs = _python_dirs()
+        # Mount points bwrap creates for the binds below default to mode 0700 when it runs as root:
+        # make them traversable for the sandbox uid.
+        ancestors = sorted({str(p) for d in python_dirs for p in Path(d).parents if str(p) != "/"})
+        for ancestor in ancestors:
+            cmd += ["--perms", "0755", "--dir", ancestor]
+        for d in python_dirs:
+            cmd += ["--ro-bind", d, d]
+        cmd += ["--bind", str(workspace), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+        if self.uid is not None and self._bwrap_mode == "setpriv":
+            assert self._setpriv is not None
+            cmd += ["--", self._setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+                    "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *argv]
+            return cmd
+        cmd += ["--unshare-user", "--cap-drop", "ALL"]
+        if self.uid is not None:
+            cmd += ["--uid", str(self.uid), "--gid", str(self.uid)]
+        return [*cmd, "--", *argv]
+
+    def command_argv(self, workspace: Path, argv: list[str], network: bool) -> list[str]:
+        if self.backend == "bwrap":
+            return self._bwrap_argv(workspace, argv, network)
+        if self._process_netns and not network:
+            return [self._unshare or "unshare", "--net", "--", *argv]
+        return argv
+
+    def owner(self) -> int | None:
+        """uid that must own workspace files (None: leave as created)."""
+        if self.uid is None or self._bwrap_mode == "userns":
+            # With a user namespace, the sandbox uid maps back to the server's uid outside.
+            return None
+        return self.uid
+
+    # ---- running -------------------------------------------------------------------------------
+    async def run(self, workspace: Path, home: Path, argv: list[str], *, stdin: bytes | None,
+                  env: dict[str, str], timeout_s: float, network: bool) -> RunResult:
+        marker = uuid.uuid4().hex
+        full_env = {**self.base_env(workspace, home), **env, _MARKER_VAR: marker}
+        uid = self.uid if self.backend == "process" else None
+        start = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.command_argv(workspace, argv, network),
+                cwd=workspace, env=full_env, start_new_session=True,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                preexec_fn=_child_setup(self.limits, uid))
+        except (FileNotFoundError, PermissionError) as exc:
+            # argv[0] not found / not executable (process backend): report like a shell would.
+            return RunResult(127, b"", f"{exc}\n".encode(), False, False, time.monotonic() - start)
+        limit = self.options.output_limit_bytes
+        out, err = _Capture(limit), _Capture(limit)
+        readers = [asyncio.create_task(out.drain(proc.stdout)), asyncio.create_task(err.drain(proc.stderr))]
+        feeder = asyncio.create_task(_feed(proc, stdin)) if stdin else None
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=timeout_s)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            # Kill the tree even on normal exit: background children must not outlive their command.
+            self._kill_tree(proc.pid, marker)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        duration = time.monotonic() - start
+        _, pending = await asyncio.wait(readers, timeout=_DRAIN_GRACE_S)
+        for task in [*pending, *([feeder] if feeder else [])]:
+            task.cancel()
+        exit_code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+        return RunResult(exit_code=-signal.SIGKILL if timed_out else exit_code, stdout=out.data(),
+                         stderr=err.data(), timed_out=timed_out, truncated=out.truncated or err.truncated,
+                         duration_s=duration)
+
+    def _kill_tree(self, pgid: int, marker: str) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        if self.backend == "process":
+            kill_marked_processes(marker)
+
+
+def kill_marked_processes(marker: str) -> int:
+    """Kill processes whose environment carries ``SANDBOX_EXEC_MARKER=marker`` (daemons that called setsid)."""
+    needle = f"{_MARKER_VAR}={marker}".encode()
+    killed = 0
+    for _ in range(3):  # a daemon may fork while we scan; repeat until nothing is left
+        found = 0
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                if needle in (pid_dir / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(pid_dir.name), signal.SIGKILL)
+                    found += 1
+            except (OSError, ValueError):
+                continue
+        killed += found
+        if not found:
+            break
+    return killed
+
+
+class _Capture:
+    """Keeps the first ``limit`` bytes of a stream and keeps draining the rest so the child never blocks."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.truncated = False
+
+    async def drain(self, stream: asyncio.StreamReader | None) -> None:
+        if stream is None:
+            return
+        while chunk := await stream.read(1 << 16):
+            room = self.limit - self.size
+            if room > 0:
+                self.chunks.append(chunk[:room])
+                self.size += min(room, len(chunk))
+            if len(chunk) > room:
+                self.truncated = True
+
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+        proc.stdin.close()

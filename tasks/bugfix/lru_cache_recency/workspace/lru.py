@@ -1,0 +1,28 @@
+"""A small least-recently-used cache."""
+from collections import OrderedDict
+
+
+class LRUCache:
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._data: OrderedDict = OrderedDict()
+
+    def get(self, key, default=None):
+        if key not in self._data:
+            return default
+        return self._data[key]
+
+    def put(self, key, value) -> None:
+        if key in self._data:
+            self._data.move_to_end(key)
+        self._data[key] = value
+        if len(self._data) > self.capacity:
+            self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key) -> bool:
+        return key in self._data

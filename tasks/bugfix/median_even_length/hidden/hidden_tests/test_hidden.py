@@ -1,0 +1,13 @@
+from statsutil import median
+
+
+def test_even():
+    assert median([1, 2, 3, 4]) == 2.5
+
+
+def test_two_values():
+    assert median([5, 1]) == 3
+
+
+def test_unsorted_even():
+    assert median([10, 2, 8, 4, 6, 0]) == 5

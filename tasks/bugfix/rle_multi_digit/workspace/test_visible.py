@@ -1,0 +1,16 @@
+import pytest
+
+from rle import decode, encode
+
+
+def test_encode():
+    assert encode("aaab") == "3a1b"
+
+
+def test_decode_short_runs():
+    assert decode("3a1b") == "aaab"
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        decode("a3")

@@ -1,0 +1,4 @@
+"""Billing helpers. Amounts are integer cents."""
+from billing.split import split_amount
+
+__all__ = ["split_amount"]

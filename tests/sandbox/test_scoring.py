@@ -1,0 +1,76 @@
+"""Hidden-test scoring in a fresh sandbox: the agent's edits count, its own tests and conftest do not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sandbox_client import SandboxClient, score_submission
+from sandbox_client.scoring import is_agent_test_file
+from sandbox_server.launch import start_local_server
+
+TASK = {
+    "utils.py": "def parse_date(s):\n    y, m, d = s.split('-')\n    return int(y), int(d), int(m)\n",
+    "test_visible.py": "from utils import parse_date\n\ndef test_year():\n    assert parse_date('2024-01-02')[0] == 2024\n",
+}
+HIDDEN = {"test_hidden.py": "from utils import parse_date\n\ndef test_order():\n    assert parse_date('2024-01-02') == (2024, 1, 2)\n"}
+FIXED = "from helpers import to_int\n\ndef parse_date(s):\n    y, m, d = s.split('-')\n    return to_int(y), to_int(m), to_int(d)\n"
+# An agent trying to game the hidden run: a conftest that turns every failure into a pass.
+CHEAT = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+         "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_local_server() as running:
+        yield running
+
+
+def _score(server, edits: dict[str, str], **kwargs):
+    async def main():
+        async with SandboxClient(server.url, server.token) as client:
+            agent = await client.create(TASK)
+            for path, content in edits.items():
+                await client.write_file(agent, path, content)
+            before = set((await client.health())["sandboxes"].items())
+            result = await score_submission(client, task_files=TASK, hidden_files=HIDDEN, agent_sandbox_id=agent,
+                                            test_command=kwargs.pop("test_command", "python -m pytest -q"),
+                                            timeout_s=kwargs.pop("timeout_s", 60), **kwargs)
+            after = set((await client.health())["sandboxes"].items())
+            agent_files = await client.list_files(agent)
+            await client.delete(agent)
+            return result, before == after, agent_files
+
+    return asyncio.run(main())
+
+
+def test_correct_fix_scores_one_and_carries_only_source_files(server):
+    result, no_leak, agent_files = _score(server, {"utils.py": FIXED, "helpers.py": "def to_int(x):\n    return int(x)\n",
+                                                   "test_visible.py": "def test_nothing():\n    pass\n"})
+    assert (result.reward, result.passed, result.timed_out) == (1.0, True, False), result.output
+    assert result.carried_files == ["helpers.py", "utils.py"]
+    assert "test_hidden.py" not in agent_files  # hidden tests never entered the agent's sandbox
+    assert no_leak  # the scoring sandbox was deleted
+
+
+def test_unfixed_code_and_a_cheating_conftest_score_zero(server):
+    result, no_leak, _ = _score(server, {"conftest.py": CHEAT, "tests/conftest.py": CHEAT})
+    assert (result.reward, result.passed) == (0.0, False)
+    assert result.carried_files == [] and "1 failed" in result.output
+    assert no_leak
+
+
+def test_scoring_timeout_gives_the_timeout_reward(server):
+    result, no_leak, _ = _score(server, {"utils.py": FIXED + "import time\ntime.sleep(30)\n"},
+                                timeout_s=1.0, timeout_reward=-0.5)
+    assert (result.reward, result.passed, result.timed_out) == (-0.5, False, True)
+    assert no_leak
+
+
+@pytest.mark.parametrize("path,expected", [
+    ("test_a.py", True), ("pkg/a_test.py", True), ("conftest.py", True), ("tests/data.json", True),
+    ("pkg/tests/helpers.py", True), ("utils.py", False), ("testing.py", False), ("contest.py", False),
+])
+def test_agent_test_files_are_recognised(path, expected):
+    assert is_agent_test_file(path) is expected

@@ -1,0 +1,161 @@
+"""The reference server under faults: lost responses, a killed server, a full server, leaked sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandbox_client import SandboxCapacityError, SandboxClient, SandboxInfraError
+from sandbox_server.launch import start_local_server
+
+
+class DropFirstResponses:
+    """Loopback TCP proxy that forwards requests but swallows the next ``num_drops`` answers and resets
+    the connection instead: the request ran, the client never heard back."""
+
+    def __init__(self, upstream_port: int, num_drops: int) -> None:
+        self.upstream_port = upstream_port
+        self.num_drops = num_drops
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def forward_requests():
+            with contextlib.suppress(ConnectionError):
+                while data := await reader.read(65536):
+                    up_writer.write(data)
+                    await up_writer.drain()
+
+        async def relay_responses():
+            with contextlib.suppress(ConnectionError):
+                while data := await up_reader.read(65536):
+                    if self.num_drops > 0:  # the upstream answered: reset the client instead of relaying
+                        self.num_drops -= 1
+                        writer.transport.abort()
+                        return
+                    writer.write(data)
+                    await writer.drain()
+
+        relay = asyncio.create_task(relay_responses())
+        await forward_requests()
+        await relay
+        up_writer.close()
+        writer.close()
+
+
+def test_exec_whose_response_is_lost_runs_exactly_once():
+    with start_local_server() as server:
+        port = int(server.url.rsplit(":", 1)[1])
+
+        async def main():
+            proxy = DropFirstResponses(port, num_drops=0)
+            await proxy.start()
+            async with SandboxClient(f"http://127.0.0.1:{proxy.port}", server.token, backoff_s=0.01) as client:
+                sid = await client.create({})
+                proxy.num_drops = 2
+                result = await client.exec(sid, "echo run >> count.txt; wc -l < count.txt")
+                assert result.stdout.strip() == "1"
+                assert proxy.num_drops == 0  # both answers were lost: the exec was sent three times
+                assert await client.read_file(sid, "count.txt") == "run\n"
+                await client.delete(sid)
+            await proxy.stop()
+
+        asyncio.run(main())
+
+
+def _pids_with(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+    return pids
+
+
+def test_server_killed_mid_exec_is_an_infra_error_and_leaks_no_process():
+    marker = f"leakcheck-{uuid.uuid4().hex}"
+    with start_local_server() as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token, max_retries=2, backoff_s=0.05) as client:
+                sid = await client.create({})
+                running = asyncio.create_task(
+                    client.exec(sid, ["python", "-c", "import time; time.sleep(60)", marker], timeout_s=60))
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    if _pids_with(marker):
+                        break
+                assert _pids_with(marker), "the command never started"
+                os.kill(server.process.pid, signal.SIGKILL)
+                start = time.monotonic()
+                with pytest.raises(SandboxInfraError):
+                    await running
+                assert time.monotonic() - start < 10
+                with pytest.raises(SandboxInfraError):
+                    await client.exec(sid, "true")
+
+        asyncio.run(main())
+    deadline = time.monotonic() + 5
+    while _pids_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pids_with(marker) == []
+
+
+def test_full_server_answers_429_and_leaked_sandboxes_are_reaped(tmp_path):
+    with start_local_server(max_sandboxes=2, default_ttl_s=1.0, reap_interval_s=0.2, capacity_retry_after_s=1,
+                            root_dir=str(tmp_path / "boxes")) as server:
+        headers = {"Authorization": f"Bearer {server.token}"}
+        first = httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).json()["id"]
+        httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).raise_for_status()
+        full = httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers)
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["code"] == "capacity"
+
+        async def create_when_full():
+            async with SandboxClient(server.url, server.token, max_retries=0) as client:
+                await client.create({})
+
+        with pytest.raises(SandboxCapacityError):
+            asyncio.run(create_when_full())
+        # Nobody deletes them: the reaper does, after the idle TTL.
+        deadline = time.monotonic() + 5
+        while server.health()["sandboxes"]["active"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.health()["sandboxes"]["active"] == 0
+        assert not (tmp_path / "boxes" / first).exists()
+        metrics = httpx.get(f"{server.url}/v1/metrics", headers=headers).text
+        assert 'sandbox_deleted_total{reason="reaped"} 2.0' in metrics
+        assert "sandbox_create_rejected_total 2.0" in metrics  # the raw request and the client
+
+
+def test_launcher_keeps_the_token_out_of_argv_and_logs_and_cleans_up(tmp_path):
+    log_file = tmp_path / "server.log"
+    with start_local_server(root_dir=str(tmp_path / "boxes"), log_file=log_file) as server:
+        cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes()
+        assert server.token.encode() not in cmdline and len(server.token) >= 32
+        assert httpx.get(f"{server.url}/v1/health").status_code == 401
+        headers = {"Authorization": f"Bearer {server.token}"}
+        httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).raise_for_status()
+        assert len(list((tmp_path / "boxes").iterdir())) == 1
+    assert server.process.poll() is not None
+    assert list((tmp_path / "boxes").iterdir()) == []  # graceful stop removed the workspaces
+    assert server.token not in log_file.read_text()
+    with pytest.raises(ValueError, match="unknown sandbox server options"):
+        start_local_server(max_sandbox=3)

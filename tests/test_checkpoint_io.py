@@ -1,0 +1,178 @@
+"""AtomicCheckpointIO: a write killed half-way leaves the previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_agentrl.checkpoint_io import TEMP_SUFFIX, AtomicCheckpointIO, atomic_torch_save
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Many small tensors: torch.save writes one zip record per storage from a Python loop, so the file
+# grows over ~1 s instead of in one burst, which leaves time to kill the writer mid-write.
+WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from lightning_agentrl.checkpoint_io import atomic_torch_save
+    path, mode = sys.argv[1], sys.argv[2]
+    state = {"version": 2, "state_dict": {f"w{i}": torch.full((256,), float(i)) for i in range(100_000)}}
+    print("ready", flush=True)
+    if mode == "atomic":
+        atomic_torch_save(state, path)
+    else:
+        torch.save(state, path)
+    """
+)
+FULL_SIZE = 100_000 * 1024  # lower bound of the finished file: the tensor bytes alone
+PARTIAL_SIZE = 1 << 20  # kill past this: well into the tensor data, far beyond the old tiny checkpoint
+
+
+def _kill_writer_mid_write(target: Path, mode: str) -> int:
+    """Start a writer of a ~110 MB checkpoint onto ``target``; SIGKILL it once the file it writes
+    holds more than PARTIAL_SIZE but fewer than FULL_SIZE bytes. Returns the size of that file at the kill."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(target), mode],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert writer.poll() is None, "the writer finished before it could be killed mid-write"
+            if mode == "atomic":
+                written = [p for p in target.parent.iterdir() if p.name.endswith(TEMP_SUFFIX)]
+            else:
+                written = [target]
+            sizes = [p.stat().st_size for p in written if p.exists()]
+            if sizes and PARTIAL_SIZE < max(sizes) < FULL_SIZE:
+                writer.send_signal(signal.SIGKILL)
+                writer.wait()
+                return max(sizes)
+            time.sleep(0.001)
+        raise AssertionError("the writer never started writing")
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+
+
+@pytest.mark.slow
+def test_killed_atomic_write_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    target = tmp_path / "last.ckpt"
+    previous = {"version": 1, "state_dict": {"w": torch.arange(10.0)}}
+    AtomicCheckpointIO().save_checkpoint(previous, target)
+
+    partial_size = _kill_writer_mid_write(target, "atomic")
+
+    assert PARTIAL_SIZE < partial_size < FULL_SIZE
+    loaded = AtomicCheckpointIO().load_checkpoint(target)
+    assert loaded["version"] == 1
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(10.0))
+    leftovers = [p.name for p in tmp_path.iterdir() if p != target]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".last.ckpt.")  # the killed write's temp file
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt"]
+
+
+@pytest.mark.slow
+def test_killed_plain_torch_save_corrupts_the_checkpoint(tmp_path: Path) -> None:
+    """The same kill against a plain ``torch.save``: shows that the harness does catch a torn write."""
+    target = tmp_path / "last.ckpt"
+    torch.save({"version": 1}, target)
+
+    _kill_writer_mid_write(target, "plain")
+
+    with pytest.raises(RuntimeError):
+        torch.load(target)
+
+
+def test_failed_save_leaves_target_and_no_temp_file(tmp_path: Path) -> None:
+    target = tmp_path / "last.ckpt"
+    atomic_torch_save({"version": 1}, target)
+
+    with pytest.raises(Exception):  # noqa: B017 - whatever pickle raises, the target must survive
+        atomic_torch_save({"version": 2, "unpicklable": lambda: None}, target)
+
+    assert torch.load(target) == {"version": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_storage_options_are_rejected_for_local_paths(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="storage_options"):
+        AtomicCheckpointIO().save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+class _RecordingIO(AtomicCheckpointIO):
+    """Records the paths it wrote, to check which files ModelCheckpoint routes through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: list[str] = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):  # type: ignore[no-untyped-def]
+        self.saved.append(os.path.basename(path))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class _Linear(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(
+    root: Path, io: AtomicCheckpointIO, save_last: bool | str, max_steps: int, ckpt_path: str | None = None
+):
+    checkpoint = ModelCheckpoint(dirpath=root, save_last=save_last, every_n_train_steps=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        plugins=[io],
+        callbacks=[checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(_Linear(), DataLoader(torch.randn(16, 4), batch_size=2), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_model_checkpoint_last_goes_through_atomic_io_and_ignores_temp_files(tmp_path: Path) -> None:
+    io = _RecordingIO()
+    _fit(tmp_path, io, save_last=True, max_steps=4)
+    assert "last.ckpt" in io.saved  # save_last=True writes last.ckpt itself, through the CheckpointIO
+    # What a write killed mid-way leaves behind; resuming from "last" must not pick it up.
+    (tmp_path / f".last.ckpt.0badc0de{TEMP_SUFFIX}").write_bytes(b"torn write")
+
+    resumed = _fit(tmp_path, AtomicCheckpointIO(), save_last=True, max_steps=6, ckpt_path="last")
+
+    assert resumed.global_step == 6
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
+def test_save_last_link_points_at_an_atomically_written_checkpoint(tmp_path: Path) -> None:
+    io = _RecordingIO()
+    _fit(tmp_path, io, save_last="link", max_steps=4)
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink()
+    assert os.readlink(last) in io.saved and "last.ckpt" not in io.saved
+    assert torch.load(last, weights_only=False)["global_step"] == 4

@@ -1,0 +1,84 @@
+"""Settings: every shipped config validates; bad input fails early with the field named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_agentrl.__main__ import main
+from lightning_agentrl.settings import Settings, SettingsError, load_settings, parse_overrides
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert any(p.name == "smoke.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_validates_and_opens_with_its_command(config: Path):
+    settings = load_settings(config)
+    assert isinstance(settings, Settings)
+    first = config.read_text().splitlines()[0]
+    assert first.startswith("# python -m lightning_agentrl fit --config configs/"), first
+
+
+def test_priority_cli_over_env_over_yaml(tmp_path, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout:\n  group_size: 5\n  groups_per_step: 3\n")
+    assert load_settings(config).rollout.group_size == 5
+    monkeypatch.setenv("AGENTRL_ROLLOUT__GROUP_SIZE", "6")
+    assert load_settings(config).rollout.group_size == 6
+    settings = load_settings(config, ["--rollout.group_size=8"])
+    assert settings.rollout.group_size == 8
+    assert settings.rollout.groups_per_step == 3  # merged, not replaced
+
+
+def test_unknown_key_wrong_type_and_bad_value_are_all_named(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("rollout:\n  group_size: one\n  gruop_size: 4\ntrainer:\n  lr: -1\n")
+    with pytest.raises(SettingsError) as err:
+        load_settings(config)
+    message = str(err.value)
+    assert str(config) in message
+    assert "rollout.group_size" in message and "'one'" in message
+    assert "rollout.gruop_size: Extra inputs are not permitted" in message
+    assert "trainer.lr: Input should be greater than 0" in message
+
+
+def test_inconsistent_combination_is_rejected():
+    with pytest.raises(SettingsError, match="algorithm.advantage=gae needs model.value_head=true"):
+        load_settings(overrides=["--algorithm.advantage=gae"])
+    with pytest.raises(SettingsError, match="rollout.max_in_flight"):
+        load_settings(overrides=["--rollout.max_in_flight=2", "--rollout.group_size=4"])
+
+
+def test_unknown_section_and_missing_file():
+    with pytest.raises(SettingsError, match="nosuch: Extra inputs are not permitted"):
+        load_settings(overrides=["--nosuch.field=1"])
+    with pytest.raises(SettingsError, match="config file not found"):
+        load_settings("does/not/exist.yaml")
+
+
+def test_override_parsing():
+    assert parse_overrides(["--a.b=1", "--a.c", "true", "--d.e=null"]) == {"a": {"b": 1, "c": True}, "d": {"e": None}}
+    with pytest.raises(SettingsError, match="overrides look like --section.field=value"):
+        parse_overrides(["positional"])
+
+
+def test_cli_validate_exits_2_with_the_field_named(capsys):
+    assert main(["validate", "--rollout.group_size=0"]) == 2
+    assert "rollout.group_size: Input should be greater than or equal to 2" in capsys.readouterr().err
+
+
+def test_fit_help_lists_every_field_with_its_doc():
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_agentrl", "fit", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for section, model in Settings.model_fields.items():
+        for name, info in model.annotation.model_fields.items():
+            assert f"--{section}.{name} " in out
+            assert info.description and info.description in out, f"{section}.{name} has no docstring"
