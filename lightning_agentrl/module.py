@@ -30,7 +30,10 @@ class AgentRLModule(L.LightningModule):
         self.settings = settings
         self.model_path = model_path
         self.policy = None
+        self.value_head: torch.nn.Linear | None = None
+        self.reference = None
         self.automatic_optimization = False
+        self.offline_policy_version = 0
         self.save_hyperparameters({"settings": settings.model_dump(mode="json"), "model_path": model_path})
 
     @override
@@ -39,17 +42,25 @@ class AgentRLModule(L.LightningModule):
             return
         from transformers import AutoModelForCausalLM
 
-        self.policy = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=getattr(torch, self.settings.model.dtype)
-        )
+        dtype = getattr(torch, self.settings.model.dtype)
+        self.policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
         if self.settings.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = False
+        if self.settings.model.value_head:
+            # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
+            self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1, dtype=dtype)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+        if self.settings.algorithm.kl_coef > 0:
+            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+            self.reference.requires_grad_(False)
 
     @override
     def configure_optimizers(self):
         t = self.settings.trainer
-        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         warmup = max(t.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
@@ -58,17 +69,20 @@ class AgentRLModule(L.LightningModule):
 
     @override
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
-        return batch.to(device) if isinstance(batch, RolloutBatch) else super().transfer_batch_to_device(
-            batch, device, dataloader_idx
-        )
+        if isinstance(batch, RolloutBatch):
+            return batch.to(device)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     # -- credit ------------------------------------------------------------------------------
-    def token_advantages(self, batch: RolloutBatch, train_mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Advantages per token [N] over the included episodes; excluded episodes get 0."""
+    def episode_advantages(self, batch: RolloutBatch, train_mask: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
+        """Group-based advantages per token [N] over the included episodes (excluded ones get 0 and
+        leave the baseline). None for ``gae``, which is computed per micro-batch from the critic."""
         a = self.settings.algorithm
         keep = batch.include
         metrics: dict[str, float] = {}
         rewards, groups = batch.rewards[keep], batch.group_ids[keep]
+        if a.advantage == "gae":
+            return None, metrics
         if a.advantage in ("grpo", "rloo", "reinforce_decay"):
             if a.advantage == "grpo":
                 values = adv.grpo(rewards, groups, std=a.grpo_std)
@@ -79,55 +93,53 @@ class AgentRLModule(L.LightningModule):
             per_episode = torch.zeros_like(batch.rewards)
             per_episode[keep] = values.to(per_episode.dtype)
             return adv.expand_to_tokens(per_episode, batch.seq_ids, train_mask), metrics
-        if a.advantage == "gigpo":
-            turn_keep = keep[batch.turn_traj]
-            # re-index included episodes 0..B'-1 so the estimator sees a dense batch
-            new_index = torch.cumsum(keep.long(), 0) - 1
-            per_turn, stats = adv.gigpo(
-                batch.turn_rewards[turn_keep],
-                new_index[batch.turn_traj[turn_keep]],
-                [k for k, kept in zip(batch.turn_state_keys, turn_keep.tolist(), strict=True) if kept],
-                groups,
-                gamma=a.gamma,
-                omega=a.gigpo_omega,
-                similarity_threshold=a.gigpo_similarity,
-                episode_rewards=rewards,
-            )
-            full = torch.zeros(batch.turn_traj.numel(), dtype=torch.float32, device=batch.rewards.device)
-            full[turn_keep] = per_turn.to(full.dtype)
-            metrics.update({f"gigpo/{k}": float(v) for k, v in stats.items() if isinstance(v, int | float)})
-            token_turn = batch.token_turn
-            if not self.settings.algorithm.loss_mask:  # observations take the advantage of the turn before
-                token_turn = _carry_forward(token_turn, batch.segment_ids)
-            return adv.expand_to_tokens(full, token_turn, train_mask), metrics
-        raise ValueError(f"algorithm.advantage={a.advantage!r} needs a value head, which this module does not have")
+        assert a.advantage == "gigpo", a.advantage
+        turn_keep = keep[batch.turn_traj]
+        # re-index included episodes 0..B'-1 so the estimator sees a dense batch
+        new_index = torch.cumsum(keep.long(), 0) - 1
+        per_turn, stats = adv.gigpo(
+            batch.turn_rewards[turn_keep],
+            new_index[batch.turn_traj[turn_keep]],
+            [k for k, kept in zip(batch.turn_state_keys, turn_keep.tolist(), strict=True) if kept],
+            groups,
+            gamma=a.gamma,
+            omega=a.gigpo_omega,
+            similarity_threshold=a.gigpo_similarity,
+            episode_rewards=rewards,
+        )
+        full = torch.zeros(batch.turn_traj.numel(), dtype=torch.float32, device=batch.rewards.device)
+        full[turn_keep] = per_turn.to(full.dtype)
+        metrics.update({k: float(v) for k, v in stats.items() if isinstance(v, int | float)})
+        return adv.expand_to_tokens(full, self._token_turn(batch), train_mask), metrics
+
+    def _token_turn(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.settings.algorithm.loss_mask:
+            return batch.token_turn
+        return _carry_forward(batch.token_turn, batch.segment_ids)  # observations: the turn before
 
     def train_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """Where the loss goes: the action tokens; with ``loss_mask: false`` (an ablation) also the
         observations and scaffolding after the first action of each segment."""
-        action = batch.loss_mask * batch.include[batch.seq_ids].to(batch.loss_mask.dtype)
+        included = batch.include[batch.seq_ids].to(batch.loss_mask.dtype)
         if self.settings.algorithm.loss_mask:
-            return action
-        after_first_action = _after_first(batch.loss_mask, batch.segment_ids)
-        return after_first_action * batch.include[batch.seq_ids].to(batch.loss_mask.dtype)
+            return batch.loss_mask * included
+        return _after_first(batch.loss_mask, batch.segment_ids) * included
 
-    # -- log-probs ---------------------------------------------------------------------------
-    def sequence_logprobs(self, input_ids, position_ids, segment_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs (and entropies) of ``input_ids[targets_at]`` under the policy, one packed pass.
-
-        Shapes: input_ids/position_ids/segment_ids [n] (one micro-batch), targets_at [m] indices
-        with ``targets_at > 0`` and in the same segment as the position before them.
-        """
+    # -- forward -----------------------------------------------------------------------------
+    def hidden_states(self, model, input_ids, position_ids, segment_ids) -> torch.Tensor:
+        """Last hidden states [n, H] of one packed micro-batch: positions restart per segment and
+        attention is block-diagonal causal, so segments never see each other."""
         n = input_ids.numel()
         same_segment = segment_ids[:, None] == segment_ids[None, :]
         causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
-        attention = (causal & same_segment)[None, None]  # [1, 1, n, n] block-diagonal causal
-        decoder = self.policy.get_decoder()
-        hidden = decoder(
-            input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=attention
-        ).last_hidden_state[0]
-        head = self.policy.get_output_embeddings()
-        logprobs, entropy = token_logprobs(
+        attention = (causal & same_segment)[None, None]  # [1, 1, n, n]
+        out = model.get_decoder()(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=attention)
+        return out.last_hidden_state[0]
+
+    def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of ``input_ids[targets_at]``; ``hidden[t-1]`` predicts token t."""
+        head = model.get_output_embeddings()
+        return token_logprobs(
             hidden[targets_at - 1],
             head.weight,
             input_ids[targets_at],
@@ -135,22 +147,48 @@ class AgentRLModule(L.LightningModule):
             chunk_size=self.settings.trainer.logprob_chunk_tokens,
             lm_head_bias=getattr(head, "bias", None),
         )
-        return logprobs, entropy
 
     # -- the step ----------------------------------------------------------------------------
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
-        a, t = self.settings.algorithm, self.settings.trainer
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
+        log = self.accumulate_gradients(batch)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.settings.trainer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        log["policy/grad_norm"] = float(grad_norm)
+        log["policy/lr"] = scheduler.get_last_lr()[0]
+        self.log_dict(log, on_step=True, prog_bar=False, batch_size=batch.num_episodes)
+        self.log("loss", log["loss/total"], prog_bar=True, batch_size=batch.num_episodes)
+        return torch.tensor(log["loss/total"])
+
+    def _policy_version(self) -> int:
+        """Optimizer steps behind the current weights (``offline_policy_version`` outside a Trainer)."""
+        return self.global_step if self._trainer is not None else self.offline_policy_version
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self._trainer is not None:
+            self.manual_backward(loss)
+        else:  # used outside a Trainer (tests, notebooks)
+            loss.backward()
+
+    def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
+        """Forward and backward over micro-batches; gradients add up to those of the whole batch.
+
+        Returns the step's metrics. Does not step the optimizer."""
+        a, t = self.settings.algorithm, self.settings.trainer
         train_mask = self.train_mask(batch)
-        token_adv, metrics = self.token_advantages(batch, train_mask)
+        token_adv, log = self.episode_advantages(batch, train_mask)
         num_tokens = float(train_mask.sum())
         num_seqs = int(batch.include.sum())
-        totals: dict[str, float] = {}
+        num_turns_kept = float(batch.include[batch.turn_traj].sum()) if batch.turn_traj.numel() else 0.0
+        sums: dict[str, float] = {}
         weight_sum = 0.0
         mismatch_max, mismatch_sum, mismatch_n = 0.0, 0.0, 0
         loss_total = torch.zeros((), device=self.device)
+        values_seen, returns_seen = [], []
 
         for sl in _micro_batches(batch.seq_ids, t.micro_batch_tokens):
             mask = train_mask[sl]
@@ -158,49 +196,73 @@ class AgentRLModule(L.LightningModule):
             targets_at = targets_at[targets_at > 0]
             if targets_at.numel() == 0:
                 continue
-            logprobs, entropy = self.sequence_logprobs(
-                batch.input_ids[sl], batch.position_ids[sl], batch.segment_ids[sl], targets_at
-            )
+            input_ids, seq_ids = batch.input_ids[sl], batch.seq_ids[sl]
+            hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+            logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
             dense_lp = torch.zeros(mask.shape, dtype=logprobs.dtype, device=mask.device).index_put(
                 (targets_at,), logprobs
             )
+            loss = torch.zeros((), device=self.device)
+
+            micro_adv = token_adv[sl] if token_adv is not None else None
+            if self.value_head is not None:
+                value_loss, micro_adv_gae, value_stats = self._critic(batch, sl, hidden, mask, num_turns_kept)
+                loss = loss + a.value_coef * value_loss
+                sums["loss/value"] = sums.get("loss/value", 0.0) + float(value_loss.detach())
+                if micro_adv is None:
+                    micro_adv = micro_adv_gae
+                values_seen.append(value_stats[0])
+                returns_seen.append(value_stats[1])
+            assert micro_adv is not None
+
             behavior = batch.behavior_logprobs[sl]
             # Tokens without a behavior log-prob (observations in the no-mask ablation) are on-policy.
             behavior = torch.where(torch.isnan(behavior), dense_lp.detach(), behavior)
-            lag = (self.global_step - batch.policy_versions[sl]).clamp(min=0)
+            lag = (self._policy_version() - batch.policy_versions[sl]).clamp(min=0)
             # Decoupled PPO: one update per batch, so the weights before it are the proximal policy.
             stale = bool((lag[targets_at] > 0).any())
-            proximal = dense_lp.detach() if stale else None
-            loss, step_metrics = losses.policy_loss(
+            policy_loss, step_metrics = losses.policy_loss(
                 dense_lp,
                 behavior,
-                token_adv[sl],
+                micro_adv,
                 mask,
-                batch.seq_ids[sl],
+                seq_ids,
                 clip_low=a.clip_low,
                 clip_high=a.clip_high,
                 dual_clip=a.dual_clip,
                 agg=a.aggregation,
-                proximal_logprobs=proximal,
+                proximal_logprobs=dense_lp.detach() if stale else None,
                 is_weights=batch.token_weights[sl],
                 is_cap=a.importance_cap,
                 num_seqs=num_seqs,
                 num_tokens=num_tokens,
             )
-            if a.entropy_coef > 0:
+            loss = loss + policy_loss
+            if a.entropy_coef > 0 and entropy is not None:
                 dense_entropy = torch.zeros_like(dense_lp).index_put((targets_at,), entropy)
                 loss = loss - a.entropy_coef * losses.aggregate(
-                    dense_entropy, mask, batch.seq_ids[sl], a.aggregation, num_seqs, num_tokens=num_tokens
+                    dense_entropy, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens
                 )
-            self.manual_backward(loss)
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_hidden = self.hidden_states(self.reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+                    ref_lp, _ = self.token_logprobs_at(self.reference, ref_hidden, input_ids, targets_at)
+                dense_ref = torch.zeros_like(dense_lp).index_put((targets_at,), ref_lp)
+                kl = losses.kl_penalty(dense_lp, dense_ref, kind=a.kl_estimator)
+                kl_loss = losses.aggregate(kl, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens)
+                loss = loss + a.kl_coef * kl_loss
+                sums["loss/kl"] = sums.get("loss/kl", 0.0) + float(kl_loss.detach())
+
+            self._backward(loss)
             loss_total = loss_total + loss.detach()
             share = float(mask.sum())
             weight_sum += share
             for key, value in step_metrics.items():
                 if key != "loss/policy":
-                    totals[key] = totals.get(key, 0.0) + float(value) * share
+                    sums[key] = sums.get(key, 0.0) + float(value) * share
+            sums["loss/policy"] = sums.get("loss/policy", 0.0) + float(policy_loss.detach())
             if entropy is not None:
-                totals["policy/entropy"] = totals.get("policy/entropy", 0.0) + float(entropy.sum())
+                sums["policy/entropy"] = sums.get("policy/entropy", 0.0) + float(entropy.detach().sum())
             # train/inference mismatch on tokens sampled by the current weights (lag 0)
             on_policy = (lag[targets_at] == 0) & (batch.loss_mask[sl][targets_at] > 0)
             if on_policy.any():
@@ -209,26 +271,55 @@ class AgentRLModule(L.LightningModule):
                 mismatch_sum += float(diff.sum())
                 mismatch_n += int(on_policy.sum())
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), t.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        additive = {"loss/policy", "loss/kl", "loss/value"}
+        for key, value in sums.items():
+            log[key] = value if key in additive else value / max(weight_sum, 1.0)
+        if values_seen:
+            from lightning_agentrl.algorithms.diagnostics import explained_variance
 
-        log = {key: value / max(weight_sum, 1.0) for key, value in totals.items()}
-        log.update(metrics)
+            log["value/explained_variance"] = explained_variance(torch.cat(values_seen), torch.cat(returns_seen))
         log.update(
             {
-                "loss/policy": float(loss_total),
-                "policy/grad_norm": float(grad_norm),
-                "policy/lr": scheduler.get_last_lr()[0],
+                "loss/total": float(loss_total),
                 "tokens/train": num_tokens,
                 "mismatch/logprob_max": mismatch_max,
                 "mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else 0.0,
             }
         )
-        self.log_dict(log, on_step=True, prog_bar=False, batch_size=batch.num_episodes)
-        self.log("loss", float(loss_total), prog_bar=True, batch_size=batch.num_episodes)
-        return loss_total
+        return log
+
+    def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, num_turns_kept: float):
+        """Value loss and (for ``gae``) token advantages of the episodes in micro-batch ``sl``.
+
+        V of a turn = value head at the token just before the action (the state it starts from).
+        A truncated episode bootstraps from V at its last token when ``rollout.truncation`` is
+        ``bootstrap``. A segment boundary is not an end: turns of all segments of an episode form
+        one chain.
+        """
+        a = self.settings.algorithm
+        first, last = int(batch.seq_ids[sl.start]), int(batch.seq_ids[sl.stop - 1])
+        turns = torch.nonzero((batch.turn_traj >= first) & (batch.turn_traj <= last)).squeeze(-1)
+        local_traj = batch.turn_traj[turns] - first
+        values = self.value_head(hidden[batch.turn_starts[turns] - sl.start - 1]).squeeze(-1).float()
+        episodes = torch.arange(first, last + 1, device=values.device)
+        truncated = torch.tensor(
+            [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
+        )
+        bootstrap = None
+        if self.settings.rollout.truncation == "bootstrap":
+            bootstrap = self.value_head(hidden[batch.episode_last[episodes] - sl.start]).squeeze(-1).float().detach()
+        turn_adv, returns = adv.gae(
+            batch.turn_rewards[turns], values.detach(), local_traj, a.gamma, a.gae_lambda,
+            bootstrap_values=bootstrap, truncated=truncated if bootstrap is not None else None,
+        )
+        keep = batch.include[batch.turn_traj[turns]].to(values.dtype)
+        value_loss, _ = losses.value_loss(values, values.detach(), returns, keep, clip=a.value_clip)
+        # value_loss is a mean over this micro-batch's turns; rescale to the batch's turn count
+        value_loss = value_loss * float(keep.sum()) / max(num_turns_kept, 1.0)
+        token_turn = self._token_turn(batch)[sl]
+        local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]) if turns.numel() else token_turn, token_turn)
+        micro_adv = adv.expand_to_tokens(turn_adv.to(values.dtype), local_turn, mask) if turns.numel() else torch.zeros_like(mask)
+        return value_loss, micro_adv, (values.detach()[keep > 0], returns[keep > 0])
 
 
 def _micro_batches(seq_ids: torch.Tensor, max_tokens: int) -> list[slice]:

@@ -151,10 +151,16 @@ class AlgorithmSettings(_Section):
     """KL estimator."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus."""
+    value_coef: float = Field(0.5, ge=0.0)
+    """Weight of the value (critic) loss; only with `model.value_head`."""
+    value_clip: float | None = Field(0.2, gt=0.0)
+    """Clip of the value loss around the old values (None = plain squared error)."""
     importance_cap: float | None = Field(5.0, gt=0.0)
     """Truncate importance weights proximal/behavior at this value (None = no cap)."""
-    staleness_decay: float = Field(1.0, gt=0.0, le=1.0)
-    """Token weight decay**lag for tokens sampled `lag` policy versions ago (1 = no decay)."""
+    staleness_weighting: Literal["none", "exp", "inverse"] = "none"
+    """Down-weight tokens sampled `lag` versions ago: exp(-rate*lag), 1/(1+rate*lag), or not at all."""
+    staleness_rate: float = Field(0.5, ge=0.0)
+    """The rate of `staleness_weighting`."""
     starpo_keep_fraction: float = Field(1.0, gt=0.0, le=1.0)
     """StarPO-S: keep only this fraction of groups, those with the highest reward std."""
 
@@ -245,8 +251,8 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.algorithm.advantage == "gae" and not self.model.value_head:
             raise ValueError("algorithm.advantage=gae needs model.value_head=true (a critic)")
-        if self.rollout.truncation == "bootstrap" and not self.model.value_head:
-            raise ValueError("rollout.truncation=bootstrap needs model.value_head=true (a critic)")
+        if self.rollout.truncation == "bootstrap" and self.algorithm.advantage != "gae":
+            raise ValueError("rollout.truncation=bootstrap needs algorithm.advantage=gae (the critic bootstraps returns)")
         if self.rollout.max_in_flight < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_in_flight ({self.rollout.max_in_flight}) must be >= rollout.group_size "

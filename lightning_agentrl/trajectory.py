@@ -162,6 +162,8 @@ class RolloutBatch:
     turn_rewards: torch.Tensor
     turn_state_keys: list[str] = field(default_factory=list)
     trajectories: list[Trajectory] = field(default_factory=list)
+    turn_starts: torch.Tensor | None = None  # [K] packed index of each turn's first action token
+    episode_last: torch.Tensor | None = None  # [B] packed index of each episode's last token
     # per segment [S]
     segment_traj: torch.Tensor | None = None
 
@@ -194,6 +196,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         raise ValueError("cannot pack an empty list of trajectories")
     ids, pos, mask, blp, ver, seq, seg, tturn = ([] for _ in range(8))
     turn_traj, turn_rewards, state_keys, segment_traj, num_turns = [], [], [], [], []
+    turn_starts, episode_last = [], []
     turn_offset = 0
     segment_index = 0
     for b, traj in enumerate(trajectories):
@@ -206,6 +209,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
                 for t in range(turn.action_start, turn.action_end):
                     turn_of_token[t] = turn_offset + k
                 turn_traj.append(b)
+                turn_starts.append(len(ids) + turn.action_start)
                 turn_rewards.append(turn.reward)
                 state_keys.append(turn.state_key)
             turn_offset += len(segment.turns)
@@ -221,6 +225,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
             segment_traj.append(b)
             segment_index += 1
         num_turns.append(traj_turns)
+        episode_last.append(len(ids) - 1)
     long = torch.long
     return RolloutBatch(
         input_ids=torch.tensor(ids, dtype=long),
@@ -240,5 +245,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         turn_rewards=torch.tensor(turn_rewards, dtype=torch.float32),
         turn_state_keys=state_keys,
         trajectories=list(trajectories),
+        turn_starts=torch.tensor(turn_starts, dtype=long),
+        episode_last=torch.tensor(episode_last, dtype=long),
         segment_traj=torch.tensor(segment_traj, dtype=long),
     )
