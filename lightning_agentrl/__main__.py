@@ -1,8 +1,9 @@
-"""Command line: ``python -m lightning_agentrl {fit,validate,inspect} ...``.
+"""Command line: ``python -m lightning_agentrl {fit,validate,inspect,credit} ...``.
 
     python -m lightning_agentrl fit --config configs/smoke.yaml [--resume last] [--section.field=value ...]
     python -m lightning_agentrl validate --config configs/smoke.yaml      # settings only, no work
     python -m lightning_agentrl inspect runs/smoke                          # a run folder or a .jsonl file
+    python -m lightning_agentrl credit runs/smoke                           # advantages of every estimator
     python -m lightning_agentrl fit --help                                  # every setting, documented
 """
 
@@ -33,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=int, default=0, help="which trajectory of the file (default 0)")
     p.add_argument("--all", action="store_true", help="print every trajectory of the file")
     p.add_argument("--model", help="tokenizer folder (default: the run's policy/ or the tiny model)")
+    p = sub.add_parser("credit", help="per-turn advantages of every estimator for a saved batch")
+    p.add_argument("path", type=Path, help="a run folder or a step_*.jsonl file")
+    p.add_argument("--gamma", type=float, default=0.95, help="GiGPO discount (default 0.95)")
+    p.add_argument("--omega", type=float, default=1.0, help="GiGPO step-advantage weight (default 1.0)")
+    p.add_argument("--similarity", type=float, default=None, help="GiGPO LCS similarity threshold (default exact)")
     return parser
 
 
@@ -75,9 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "inspect":
+    if args.command in ("inspect", "credit"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "credit":
+            from lightning_agentrl.credit import print_report
+
+            try:
+                return print_report(args.path, gamma=args.gamma, omega=args.omega, similarity=args.similarity)
+            except FileNotFoundError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
         return _inspect(args)
     if args.help:
         print(f"usage: python -m lightning_agentrl {args.command} [--config FILE] [--resume last] [--section.field=value ...]\n")

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_agentrl.rollout.service import RolloutService
+from lightning_agentrl.strategies import gather_full_state_dict
 from lightning_agentrl.trajectory import RolloutBatch, pack
 
 
@@ -47,7 +48,8 @@ class RolloutDataModule(L.LightningDataModule):
         if self._started:
             return
         module = self.trainer.lightning_module
-        self.service.start(initial_weights=module.policy.state_dict().items(), version=self.trainer.global_step)
+        weights = gather_full_state_dict(module.policy)
+        self.service.start(initial_weights=weights.items(), version=self.trainer.global_step)
         self._started = True
 
     @override

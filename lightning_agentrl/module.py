@@ -154,11 +154,16 @@ class AgentRLModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         log = self.accumulate_gradients(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.settings.trainer.grad_clip)
-        optimizer.step()
+        engine = self._deepspeed_engine()
+        if engine is None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.settings.trainer.grad_clip))
+            optimizer.step()
+        else:  # ZeRO partitions the gradients: DeepSpeed clips (config) and reports the norm
+            optimizer.step()
+            grad_norm = float(engine.get_global_grad_norm() or 0.0)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        log["policy/grad_norm"] = float(grad_norm)
+        log["policy/grad_norm"] = grad_norm
         log["policy/lr"] = scheduler.get_last_lr()[0]
         self.log_dict(log, on_step=True, prog_bar=False, batch_size=batch.num_episodes)
         self.log("loss", log["loss/total"], prog_bar=True, batch_size=batch.num_episodes)
@@ -168,11 +173,21 @@ class AgentRLModule(L.LightningModule):
         """Optimizer steps behind the current weights (``offline_policy_version`` outside a Trainer)."""
         return self.global_step if self._trainer is not None else self.offline_policy_version
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self._trainer is not None:
-            self.manual_backward(loss)
-        else:  # used outside a Trainer (tests, notebooks)
+    def _deepspeed_engine(self):
+        if self._trainer is None:
+            return None
+        model = self.trainer.strategy.model
+        return model if type(model).__name__ == "DeepSpeedEngine" else None
+
+    def _backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        if self._trainer is None:  # used outside a Trainer (tests, notebooks)
             loss.backward()
+            return
+        engine = self._deepspeed_engine()
+        if engine is not None:
+            # A step's micro-batches vary in number: tell ZeRO which backward ends the accumulation.
+            engine.set_gradient_accumulation_boundary(last)
+        self.manual_backward(loss)
 
     def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
         """Forward and backward over micro-batches; gradients add up to those of the whole batch.
@@ -190,12 +205,13 @@ class AgentRLModule(L.LightningModule):
         loss_total = torch.zeros((), device=self.device)
         values_seen, returns_seen = [], []
 
-        for sl in _micro_batches(batch.seq_ids, t.micro_batch_tokens):
+        micro = [
+            sl for sl in _micro_batches(batch.seq_ids, t.micro_batch_tokens) if bool((train_mask[sl][1:] > 0).any())
+        ]
+        for index, sl in enumerate(micro):
             mask = train_mask[sl]
             targets_at = torch.nonzero(mask > 0).squeeze(-1)
             targets_at = targets_at[targets_at > 0]
-            if targets_at.numel() == 0:
-                continue
             input_ids, seq_ids = batch.input_ids[sl], batch.seq_ids[sl]
             hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
             logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
@@ -253,7 +269,7 @@ class AgentRLModule(L.LightningModule):
                 loss = loss + a.kl_coef * kl_loss
                 sums["loss/kl"] = sums.get("loss/kl", 0.0) + float(kl_loss.detach())
 
-            self._backward(loss)
+            self._backward(loss, last=index == len(micro) - 1)
             loss_total = loss_total + loss.detach()
             share = float(mask.sum())
             weight_sum += share

@@ -107,6 +107,12 @@ class EnvSettings(_Section):
     """Consecutive malformed or failing tool calls before the episode ends with `tool_error`."""
     max_observation_chars: int = Field(2000, ge=100)
     """Longest observation shown to the agent; longer tool output is cut with a marker."""
+    system_prompt: str | None = None
+    """System prompt of the coding environment; `{tools}` in it becomes the tool list. None = the built-in one."""
+    summarizer: Literal["none", "policy", "rule"] = "none"
+    """When the context would overflow: `none` ends the episode (`max_context`); `policy` has the policy write a summary (trained, mask 1); `rule` writes one from the tool history (mask 0). Either starts a new segment of the same episode."""
+    summary_max_tokens: int = Field(128, ge=1)
+    """Token budget of a summary written by the policy (kept free in every segment)."""
 
 
 class RolloutSettings(_Section):
@@ -120,6 +126,8 @@ class RolloutSettings(_Section):
     """Most policy versions an episode may lag behind the trainer; 0 = synchronous (on-policy)."""
     truncation: Literal["zero", "filter", "bootstrap"] = "zero"
     """Truncated episodes (max_turns, max_context, timeout): reward 0, compact filtering, or critic bootstrap."""
+    partial_rollout_s: float | None = Field(None, ge=0)
+    """Partial rollouts: an episode running longer than this (seconds, per iteration) is parked and continued with newer weights; None = off. Needs max_staleness >= 1."""
 
 
 class AlgorithmSettings(_Section):

@@ -45,12 +45,14 @@ def make_strategy(
     offload_optimizer: bool = False,
     offload_parameters: bool = False,
     accelerator: str = "auto",
+    gradient_clipping: float | None = None,
 ) -> str | Strategy:
     """The Lightning strategy for ``name`` on ``accelerator`` ("auto" means CUDA if available).
 
     ``"auto"`` and ``"ddp"`` are returned as strings for the Trainer to resolve. The DeepSpeed names
     return a strategy object: Lightning's ``DeepSpeedStrategy`` on GPUs, :class:`CPUDeepSpeedStrategy`
-    on CPU. ``offload_parameters`` only exists in ZeRO-3.
+    on CPU. ``offload_parameters`` only exists in ZeRO-3. ``gradient_clipping`` goes into the
+    DeepSpeed config (with ZeRO the gradients are partitioned, so only DeepSpeed can clip them).
     """
     if name not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {name!r}; valid choices: {', '.join(STRATEGY_NAMES)}")
@@ -68,9 +70,16 @@ def make_strategy(
     stage = 3 if name == "deepspeed_stage_3" else 2
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
     strategy_cls = CPUDeepSpeedStrategy if on_cpu else DeepSpeedStrategy
-    return strategy_cls(
-        stage=stage, offload_optimizer=offload_optimizer, offload_parameters=offload_parameters
+    strategy = strategy_cls(
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_parameters=offload_parameters,
+        # one RolloutBatch per step: the loader has no batch size for Lightning to read
+        logging_batch_size_per_gpu=1,
     )
+    if gradient_clipping is not None:
+        strategy.config["gradient_clipping"] = gradient_clipping
+    return strategy
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):

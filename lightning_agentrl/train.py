@@ -90,7 +90,14 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning.pytorch.callbacks import ModelCheckpoint
     from transformers import AutoTokenizer
 
-    from lightning_agentrl.callbacks import CompactFilter, RolloutMetrics, WeightSync
+    from lightning_agentrl.callbacks import (
+        CompactFilter,
+        GroupFilter,
+        RolloutMetrics,
+        SegmentBoundaries,
+        StalenessWeighting,
+        WeightSync,
+    )
     from lightning_agentrl.callbacks.compact_filter import TRUNCATIONS
     from lightning_agentrl.checkpoint_io import AtomicCheckpointIO
     from lightning_agentrl.datamodule import RolloutDataModule
@@ -100,6 +107,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning_agentrl.rollout.chat import ChatCodec
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
+    from lightning_agentrl.rollout.summarize import make_summarizer
     from lightning_agentrl.strategies import make_strategy
     from lightning_agentrl.tasks import load_tasks
 
@@ -130,7 +138,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         if url is None:
             from sandbox_server.launch import start_local_server
 
-            server = stack.enter_context(start_local_server())
+            server = stack.enter_context(start_local_server(log_file=run_dir / "sandbox_server.log"))
             url, token = server.url, server.token
 
         def make_client():
@@ -146,6 +154,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
                 task,
                 tool_timeout_s=settings.env.tool_timeout_s,
                 max_observation_chars=settings.env.max_observation_chars,
+                system_prompt=settings.env.system_prompt,
             )
 
         e, r = settings.engine, settings.rollout
@@ -156,7 +165,9 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
             make_env=make_env,
             codec=codec,
             tasks=tasks,
-            sampling=SamplingParams(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p),
+            sampling=SamplingParams(
+                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, seed=settings.run.seed
+            ),
             budget=EpisodeBudget(
                 max_turns=settings.env.max_turns,
                 max_context_tokens=settings.env.max_context_tokens,
@@ -164,7 +175,13 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
                 episode_timeout_s=settings.env.episode_timeout_s,
                 max_tool_errors=settings.env.max_tool_errors,
             ),
-            plan=RolloutPlan(r.group_size, r.groups_per_step, r.max_in_flight, r.max_staleness, settings.run.seed),
+            plan=RolloutPlan(
+                r.group_size, r.groups_per_step, r.max_in_flight, r.max_staleness, settings.run.seed,
+                partial_rollout_s=r.partial_rollout_s,
+            ),
+            summarizer=make_summarizer(
+                settings.env.summarizer, codec, max_summary_tokens=settings.env.summary_max_tokens
+            ),
         )
         stack.callback(service.stop)
 
@@ -188,11 +205,17 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
                 settings.trainer.strategy,
                 offload_optimizer=settings.trainer.offload_optimizer,
                 accelerator=settings.trainer.accelerator,
+                gradient_clipping=settings.trainer.grad_clip if settings.trainer.strategy.startswith("deepspeed") else None,
             ),
             precision=settings.trainer.precision,
             logger=logger if logger is not None else False,
             callbacks=[
                 CompactFilter(filtered),
+                StalenessWeighting(
+                    settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness
+                ),
+                GroupFilter(settings.algorithm.starpo_keep_fraction),
+                SegmentBoundaries(),
                 RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
                 WeightSync(service, settings.trainer.sync_weights_every),
                 checkpointing,
@@ -211,6 +234,11 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         service.stop()
 
         policy_dir = run_dir / "policy"
+        if trainer.is_global_zero and logger is not None:
+            from lightning_agentrl.plots import plot_run
+
+            for path in plot_run(logger._tracking_uri, logger.run_id, run_dir / "plots"):
+                logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="plots")
         if trainer.is_global_zero:
             module.policy.save_pretrained(policy_dir)
             tokenizer.save_pretrained(policy_dir)

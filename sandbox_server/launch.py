@@ -12,6 +12,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +22,17 @@ from sandbox_server.__main__ import TOKEN_ENV
 from sandbox_server.options import ServerOptions
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux), so a
+    killed trainer never leaves a server (and its sandboxes) behind. Elsewhere: a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:
@@ -49,9 +61,11 @@ class LocalSandboxServer:
             argv += ["--" + name.replace("_", "-"), str(value)]
         env = {**os.environ, TOKEN_ENV: token}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH", "")]))
-        self._log = open(log_file, "ab") if log_file else None  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(argv, env=env, stdout=self._log or subprocess.DEVNULL,
-                                        stderr=self._log or subprocess.PIPE)
+        self._log_path = log_file
+        # A file, never a pipe: nobody drains a pipe during a long run, and a full pipe blocks the server.
+        self._log = open(log_file, "ab") if log_file else tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(argv, env=env, stdout=self._log, stderr=self._log,
+                                        preexec_fn=_die_with_parent)
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:
@@ -63,7 +77,7 @@ class LocalSandboxServer:
         headers = {"Authorization": f"Bearer {self.token}"}
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                err = self._read_log()
                 raise RuntimeError(f"sandbox server exited with code {self.process.returncode}: {err[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/v1/health", headers=headers, timeout=1.0).status_code == 200:
@@ -72,6 +86,15 @@ class LocalSandboxServer:
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"sandbox server at {self.url} not healthy after {timeout_s} s")
+
+    def _read_log(self) -> str:
+        if self._log is None:
+            return ""
+        self._log.flush()
+        if self._log_path is not None:
+            return Path(self._log_path).read_bytes().decode(errors="replace")
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
 
     def health(self) -> dict:
         response = httpx.get(f"{self.url}/v1/health", headers={"Authorization": f"Bearer {self.token}"})
@@ -87,8 +110,6 @@ class LocalSandboxServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.process.stderr:
-            self.process.stderr.close()
         if self._log:
             self._log.close()
             self._log = None

@@ -1,7 +1,10 @@
 """Callbacks: one concern each, each resumable through ``state_dict``."""
 
 from lightning_agentrl.callbacks.compact_filter import CompactFilter
+from lightning_agentrl.callbacks.group_filter import GroupFilter
 from lightning_agentrl.callbacks.rollout_metrics import RolloutMetrics
+from lightning_agentrl.callbacks.segments import SegmentBoundaries
+from lightning_agentrl.callbacks.staleness import StalenessWeighting
 from lightning_agentrl.callbacks.weight_sync import WeightSync
 
-__all__ = ["CompactFilter", "RolloutMetrics", "WeightSync"]
+__all__ = ["CompactFilter", "GroupFilter", "RolloutMetrics", "SegmentBoundaries", "StalenessWeighting", "WeightSync"]

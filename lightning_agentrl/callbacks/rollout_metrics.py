@@ -11,7 +11,6 @@ from collections import Counter
 from pathlib import Path
 
 import lightning as L
-import torch
 from typing_extensions import override
 
 from lightning_agentrl.algorithms.advantages import group_reward_stats
@@ -45,15 +44,9 @@ class RolloutMetrics(L.Callback):
         metrics["tokens/per_episode"] = num_tokens / len(trajectories)
         metrics["episode/turns_mean"] = float(batch.num_turns.float().mean())
         metrics["episode/seconds_mean"] = sum(t.timings.get("episode_s", 0.0) for t in trajectories) / len(trajectories)
-        actions = batch.loss_mask > 0
-        if actions.any():
-            lag = (trainer.global_step - batch.policy_versions[actions]).clamp(min=0)
-            metrics["staleness/lag_mean"] = float(lag.float().mean())
-            metrics["staleness/lag_max"] = float(lag.max())
-            for value, count in zip(*torch.unique(lag, return_counts=True), strict=True):
-                metrics[f"staleness/tokens_lag_{int(value)}"] = float(count)
         if self.service is not None:
             metrics["rollout/in_flight"] = float(self.service.num_in_flight)
+            pl_module.log("in_flight", float(self.service.num_in_flight), prog_bar=True, on_step=True, batch_size=1)
             metrics["rollout/dropped_stale_groups"] = float(self.service.buffer.num_dropped_stale)
         pl_module.log_dict(metrics, on_step=True, batch_size=len(trajectories))
         pl_module.log("reward", metrics["reward/mean"], prog_bar=True, on_step=True, batch_size=len(trajectories))
@@ -81,6 +74,12 @@ class RolloutMetrics(L.Callback):
         if logger is not None and hasattr(logger, "run_id") and hasattr(logger.experiment, "log_artifact"):
             logger.experiment.log_artifact(logger.run_id, str(sample), artifact_path="trajectories")
             logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="trajectories")
+            from lightning_agentrl.credit import credit_rows
+
+            rows, _ = credit_rows(trajectories)
+            if rows:
+                columns = {key: [row[key] for row in rows] for key in rows[0]}
+                logger.experiment.log_table(logger.run_id, data=columns, artifact_file=f"credit/step_{step:06d}.json")
 
     @override
     def state_dict(self) -> dict:

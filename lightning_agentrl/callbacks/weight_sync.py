@@ -9,6 +9,8 @@ from __future__ import annotations
 import lightning as L
 from typing_extensions import override
 
+from lightning_agentrl.strategies import gather_full_state_dict
+
 
 class WeightSync(L.Callback):
     def __init__(self, service, every_n_steps: int = 1) -> None:
@@ -23,7 +25,9 @@ class WeightSync(L.Callback):
         step = trainer.global_step
         if step % self.every_n_steps != 0 or step >= (trainer.max_steps if trainer.max_steps > 0 else step + 1):
             return  # no sync after the final step: nothing would use it
-        self.service.update_weights(pl_module.policy.state_dict().items(), version=step)
+        # every rank gathers (a collective under ZeRO-3); rank 0's copy feeds the engine
+        weights = gather_full_state_dict(pl_module.policy)
+        self.service.update_weights(weights.items(), version=step)
         self.num_syncs += 1
         pl_module.log("rollout/policy_version", float(step), on_step=True, batch_size=1)
 

@@ -34,12 +34,14 @@ class CodingEnv:
         tool_timeout_s: float = 20.0,
         max_observation_chars: int = 2000,
         scoring_timeout_s: float | None = None,
+        system_prompt: str | None = None,
     ) -> None:
         self.client = client
         self.task = task
         self.tool_timeout_s = tool_timeout_s
         self.max_observation_chars = max_observation_chars
         self.scoring_timeout_s = scoring_timeout_s or task.scoring_timeout_s
+        self.system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
         self.sandbox_id: str | None = None
         self._written: dict[str, str] = {}
         self._last_observation = ""
@@ -49,7 +51,8 @@ class CodingEnv:
         self.sandbox_id = await self.client.create(dict(self.task.files))
         tools = "\n".join(tool.render() for tool in CODING_TOOLS)
         return [
-            {"role": "system", "content": SYSTEM_PROMPT.format(tools=tools)},
+            # replace, not str.format: a custom prompt may contain other braces (JSON examples)
+            {"role": "system", "content": self.system_prompt.replace("{tools}", tools)},
             {"role": "user", "content": self.task.prompt},
         ]
 

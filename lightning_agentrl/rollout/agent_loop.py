@@ -4,24 +4,56 @@ The loop owns the token ids of the episode. It asks the engine for an action giv
 ids so far, appends the sampled ids with mask 1 and their behavior log-probs and policy version,
 decodes a *copy* of the action to text only to let the environment parse the tool call, and
 appends the observation as template scaffolding (encoded once) around the encoding of only the
-new observation text, all with mask 0. Each episode ends with exactly one termination reason.
+new observation text, all with mask 0. Each episode ends with exactly one termination reason:
+
+==============  ==================================================================================
+submitted       the environment said ``done`` (the agent submitted; the reward is the score)
+max_turns       ``max_turns`` environment steps were taken
+max_context     the next action or observation does not fit in ``max_context_tokens`` (and no
+                summarizer is configured, or even the summarized context does not fit)
+timeout         a generation past ``generation_timeout_s``, a tool command past the environment's
+                tool timeout, or the episode past ``episode_timeout_s`` (``info["timeout"]`` says which)
+tool_error      ``max_tool_errors`` consecutive actions that the environment rejected
+sandbox_error   the sandbox service failed (lost sandbox, server unreachable); excluded from training
+==============  ==================================================================================
+
+Three more things happen here:
+
+- **Deterministic sampling**: request ``k`` of an episode is sampled with the seed
+  :func:`request_seed` ``(run seed, episode id, k)``, so a run is reproducible whatever the
+  engine's batching (engines sample each request with its own generator).
+- **Summarized history** (:mod:`~lightning_agentrl.rollout.summarize`): when the context would
+  overflow, history is compressed into a new segment of the same episode.
+- **Partial rollouts** (Kimi-Researcher): with ``park_after_s``, an episode that has been running
+  that long is *parked* at its next turn boundary: :func:`play_episode` returns a
+  :class:`ParkedEpisode` (its ids so far, counters, and the environment's state, sandbox id
+  included) instead of a trajectory; passing its state back as ``resume`` continues it, typically
+  with newer weights, so its tokens carry several policy versions.
+
+:func:`check_token_in_token_out` verifies, per turn, that the ids recorded as an action are the
+ids the engine returned (a digest of each generation is kept in ``Trajectory.info``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from lightning_agentrl.envs.base import Environment
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
-from lightning_agentrl.trajectory import Segment, TerminationReason, Trajectory, Turn
+from lightning_agentrl.rollout.summarize import Summarizer
+from lightning_agentrl.trajectory import RolloutBatch, Segment, TerminationReason, Trajectory, Turn
+
+DIGESTS_KEY = "action_digests"  # Trajectory.info key: one digest per turn, in the order of ``trajectory.turns``
 
 
 @dataclass(frozen=True)
 class EpisodeBudget:
-    """Limits of one episode; each one maps to a termination reason."""
+    """Limits of one episode; each one maps to a termination reason (the tool timeout is the env's)."""
 
     max_turns: int = 4
     max_context_tokens: int = 2048
@@ -29,7 +61,115 @@ class EpisodeBudget:
     episode_timeout_s: float = 600.0
     max_tool_errors: int = 3
 
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_context_tokens", "max_tool_errors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EpisodeBudget.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("generation_timeout_s", "episode_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EpisodeBudget.{name} must be > 0, got {getattr(self, name)}")
 
+
+def request_seed(run_seed: int | None, episode_id: str, request_index: int) -> int | None:
+    """Seed of one generation request: a pure function of the run seed, the episode and the request.
+
+    ``None`` stays ``None`` (unseeded sampling). The same (seed, episode, index) always gives the same
+    63-bit seed, in any process, unlike Python's salted ``hash``.
+    """
+    if run_seed is None:
+        return None
+    digest = hashlib.blake2b(f"{run_seed}/{episode_id}/{request_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def action_digest(token_ids: list[int]) -> str:
+    """A short fingerprint of a list of token ids (the engine's output for one request)."""
+    return hashlib.blake2b(",".join(map(str, token_ids)).encode(), digest_size=8).hexdigest()
+
+
+def action_text_of(codec: ChatCodec, token_ids: list[int]) -> str:
+    """The text the environment parses: the action without its end-of-turn id.
+
+    Only the end-of-turn id is dropped, not every special token: tokenizers that register tool tags
+    such as ``<tool_call>`` as special tokens would otherwise lose them, and no call would ever parse.
+    """
+    ids = token_ids[:-1] if token_ids and token_ids[-1] == codec.eos_token_id else token_ids
+    return codec.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+# -- episode state (partial rollouts) ---------------------------------------------------------------
+@dataclass
+class EpisodeState:
+    """Everything needed to continue an episode later; round-trips through :meth:`state_dict`."""
+
+    trajectory: Trajectory
+    messages: list[dict]  # the opening messages: every summarized segment starts from them
+    history: list[dict] = field(default_factory=list)  # per env step: action, observation, tool (texts)
+    num_steps: int = 0  # environment steps taken (the max_turns budget)
+    consecutive_errors: int = 0
+    active_s: float = 0.0  # wall clock spent running, parked time excluded (the episode budget)
+    generation_s: float = 0.0
+    tool_s: float = 0.0
+    env_state: dict = field(default_factory=dict)
+    parked_version: int = -1  # the engine's policy version when the episode was last parked
+    num_parks: int = 0
+
+    def state_dict(self) -> dict:
+        return {
+            "trajectory": self.trajectory.model_dump(mode="json"),
+            "messages": self.messages,
+            "history": self.history,
+            "num_steps": self.num_steps,
+            "consecutive_errors": self.consecutive_errors,
+            "active_s": self.active_s,
+            "generation_s": self.generation_s,
+            "tool_s": self.tool_s,
+            "env_state": self.env_state,
+            "parked_version": self.parked_version,
+            "num_parks": self.num_parks,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> EpisodeState:
+        return cls(**{**state, "trajectory": Trajectory.model_validate(state["trajectory"])})
+
+
+@dataclass
+class ParkedEpisode:
+    """An episode stopped at a turn boundary. ``env`` is the live environment (its sandbox is kept);
+    it is ``None`` after a restore from a checkpoint: rebuild it and :func:`restore_env_state`."""
+
+    state: EpisodeState
+    env: Environment | None = None
+
+
+def save_env_state(env: Environment) -> dict:
+    """The environment's resumable state: its ``state_dict()`` if it has one, else its JSON-serializable
+    attributes (for :class:`~lightning_agentrl.envs.coding.CodingEnv`: sandbox id, files written, last
+    observation)."""
+    if hasattr(env, "state_dict"):
+        return env.state_dict()
+    state = {}
+    for name, value in vars(env).items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue  # clients, tasks, score objects: rebuilt by the service, not state
+        state[name] = value
+    return state
+
+
+def restore_env_state(env: Environment, state: dict) -> Environment:
+    """Inverse of :func:`save_env_state` on a freshly built environment (no ``reset``)."""
+    if hasattr(env, "load_state_dict"):
+        env.load_state_dict(state)
+    else:
+        for name, value in state.items():
+            setattr(env, name, value)
+    return env
+
+
+# -- the loop ---------------------------------------------------------------------------------------
 async def run_episode(
     *,
     engine: GenerationEngine,
@@ -40,53 +180,137 @@ async def run_episode(
     episode_id: str,
     task_id: str,
     group_id: int,
+    summarizer: Summarizer | None = None,
 ) -> Trajectory:
     """Play one episode to its end and return its trajectory (the environment is closed)."""
+    outcome = await play_episode(
+        engine=engine, env=env, codec=codec, sampling=sampling, budget=budget, episode_id=episode_id,
+        task_id=task_id, group_id=group_id, summarizer=summarizer,
+    )
+    assert isinstance(outcome, Trajectory), "an episode without park_after_s always ends"
+    return outcome
+
+
+async def play_episode(
+    *,
+    engine: GenerationEngine,
+    env: Environment,
+    codec: ChatCodec,
+    sampling: SamplingParams,
+    budget: EpisodeBudget,
+    episode_id: str,
+    task_id: str,
+    group_id: int,
+    summarizer: Summarizer | None = None,
+    resume: EpisodeState | None = None,
+    park_after_s: float | None = None,
+) -> Trajectory | ParkedEpisode:
+    """Play an episode (from the start, or from ``resume``) until it ends or is parked.
+
+    ``sampling.seed`` is the run seed; each request gets its own seed from :func:`request_seed`.
+    With ``park_after_s``, once this call has run that long and taken at least one step, the
+    episode is parked at the next turn boundary and returned as a :class:`ParkedEpisode` (the
+    environment stays open). Otherwise the environment is closed and the trajectory returned.
+    """
     from sandbox_client import CommandTimeout, SandboxInfraError
 
-    trajectory = Trajectory(episode_id=episode_id, task_id=task_id, group_id=group_id)
-    segment = Segment()
-    trajectory.segments.append(segment)
+    if park_after_s is not None and park_after_s < 0:
+        raise ValueError(f"park_after_s must be >= 0, got {park_after_s}")
+    trajectory = resume.trajectory if resume is not None else Trajectory(
+        episode_id=episode_id, task_id=task_id, group_id=group_id
+    )
+    state = resume
+    run_seed = sampling.seed
     sampling = replace(sampling, stop_token_ids=tuple({*sampling.stop_token_ids, codec.eos_token_id}))
+    # Room for a full action after each observation when history can be summarized; else the legacy rule.
+    reserve = summarizer.reserve_tokens if summarizer is not None else 0
+    limit = budget.max_context_tokens - reserve
     started = time.monotonic()
-    generation_s = tool_s = 0.0
-    termination = TerminationReason.MAX_TURNS
+    phase = "episode"
+    termination: TerminationReason | None = None
+    parked = False
+    deadline = None
+
+    async def generate(ids: list[int], max_new_tokens: int):
+        nonlocal phase
+        phase = "generation"
+        t0 = time.monotonic()
+        request = replace(
+            sampling, max_new_tokens=max_new_tokens,
+            seed=request_seed(run_seed, episode_id, len(trajectory.turns)),
+        )
+        generation = await asyncio.wait_for(engine.generate(list(ids), request, episode_id), budget.generation_timeout_s)
+        state.generation_s += time.monotonic() - t0
+        phase = "episode"
+        trajectory.info.setdefault(DIGESTS_KEY, []).append(action_digest(generation.token_ids))
+        return generation
+
+    def append_action(segment: Segment, generation, *, tool: str | None = None) -> Turn:
+        start = len(segment.token_ids)
+        segment.extend(generation.token_ids, mask=1, logprobs=generation.logprobs, version=generation.policy_version)
+        turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=env.state_key, tool=tool)
+        segment.turns.append(turn)
+        return turn
+
+    async def summarize(pending_observation: str | None) -> bool:
+        """Open a new segment = opening messages + summary; False when even that does not fit."""
+        policy_summary = None
+        if summarizer.writes_actions:
+            segment = trajectory.segments[-1]
+            segment.extend(summarizer.instruction_ids(), mask=0)
+            room = budget.max_context_tokens - len(segment.token_ids)
+            assert room >= 1, "the summary reserve keeps room for the instruction and the summary"
+            generation = await generate(segment.token_ids, min(summarizer.max_summary_tokens, room))
+            append_action(segment, generation, tool="summarize")
+            policy_summary = action_text_of(codec, generation.token_ids)
+        message = summarizer.summary_message(
+            state.history, policy_summary=policy_summary, pending_observation=pending_observation
+        )
+        ids = codec.prompt_ids([*state.messages, message])
+        if len(ids) + sampling.max_new_tokens > limit:
+            return False
+        segment = Segment()
+        segment.extend(ids, mask=0)
+        trajectory.segments.append(segment)
+        return True
+
     try:
-        async with asyncio.timeout(budget.episode_timeout_s):
-            messages = await env.reset()
-            segment.extend(codec.prompt_ids(messages), mask=0)
-            consecutive_errors = 0
-            for _ in range(budget.max_turns):
-                room = budget.max_context_tokens - len(segment.token_ids)
+        async with asyncio.timeout(max(budget.episode_timeout_s - (resume.active_s if resume else 0.0), 0.0)) as deadline:
+            if state is None:
+                messages = await env.reset()
+                state = EpisodeState(trajectory=trajectory, messages=messages)
+                first = Segment()
+                first.extend(codec.prompt_ids(messages), mask=0)
+                trajectory.segments.append(first)
+            steps_this_call = 0
+            while True:
+                if state.num_steps >= budget.max_turns:
+                    termination = TerminationReason.MAX_TURNS
+                    break
+                if park_after_s is not None and steps_this_call > 0 and time.monotonic() - started >= park_after_s:
+                    parked = True
+                    break
+                segment = trajectory.segments[-1]
+                room = limit - len(segment.token_ids)
                 if room < 1:
                     termination = TerminationReason.MAX_CONTEXT
                     break
-                state_key = env.state_key
-                t0 = time.monotonic()
-                generation = await asyncio.wait_for(
-                    engine.generate(
-                        list(segment.token_ids),
-                        replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room)),
-                        episode_id,
-                    ),
-                    budget.generation_timeout_s,
-                )
-                generation_s += time.monotonic() - t0
-                start = len(segment.token_ids)
-                segment.extend(
-                    generation.token_ids, mask=1, logprobs=generation.logprobs, version=generation.policy_version
-                )
-                turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=state_key)
-                segment.turns.append(turn)
+                generation = await generate(segment.token_ids, min(sampling.max_new_tokens, room))
+                turn = append_action(segment, generation)
                 if generation.finish_reason != "stop":
-                    if len(segment.token_ids) >= budget.max_context_tokens:
+                    if len(segment.token_ids) >= limit:
                         termination = TerminationReason.MAX_CONTEXT
                         break
                     segment.extend(codec.close_action_ids(), mask=0)
 
+                phase = "tool"
                 t0 = time.monotonic()
-                result = await env.step(codec.decode(generation.token_ids))
-                tool_s += time.monotonic() - t0
+                action_text = action_text_of(codec, generation.token_ids)
+                result = await env.step(action_text)
+                state.tool_s += time.monotonic() - t0
+                phase = "episode"
+                state.num_steps += 1
+                steps_this_call += 1
                 turn.tool = result.info.get("tool")
                 turn.reward = result.reward
                 if result.done:
@@ -95,28 +319,102 @@ async def run_episode(
                     if result.info.get("scoring_timed_out"):
                         trajectory.info["scoring_timed_out"] = True
                     break
-                consecutive_errors = consecutive_errors + 1 if result.info.get("error") else 0
-                if consecutive_errors >= budget.max_tool_errors:
+                state.consecutive_errors = state.consecutive_errors + 1 if result.info.get("error") else 0
+                if state.consecutive_errors >= budget.max_tool_errors:
                     termination = TerminationReason.TOOL_ERROR
                     break
+                state.history.append({"action": action_text, "observation": result.observation, "tool": turn.tool})
                 observation = codec.observation_ids(result.observation).all
-                if len(segment.token_ids) + len(observation) >= budget.max_context_tokens:
-                    termination = TerminationReason.MAX_CONTEXT
-                    break
+                needed = len(observation) + (sampling.max_new_tokens if summarizer is not None else 0)
+                if len(segment.token_ids) + needed >= limit:
+                    if summarizer is not None and state.num_steps >= budget.max_turns:
+                        termination = TerminationReason.MAX_TURNS  # no action left to summarize for
+                        break
+                    if summarizer is None or not await summarize(result.observation):
+                        termination = TerminationReason.MAX_CONTEXT
+                        break
+                    continue
                 segment.extend(observation, mask=0)
-    except (TimeoutError, CommandTimeout):
+    except (TimeoutError, CommandTimeout) as err:
         termination = TerminationReason.TIMEOUT
+        if isinstance(err, CommandTimeout):
+            phase = "tool"
+        elif deadline is not None and deadline.expired():
+            phase = "episode"
+        trajectory.info["timeout"] = phase
     except SandboxInfraError as err:
         termination = TerminationReason.SANDBOX_ERROR
-        trajectory.info["sandbox_error"] = str(err)
+        trajectory.info["sandbox_error"] = f"{type(err).__name__}: {err}"
     finally:
-        await env.close()
+        if not parked:
+            await env.close()
+    if state is not None:
+        state.active_s += time.monotonic() - started
+    if parked:
+        state.env_state = save_env_state(env)
+        state.parked_version = engine.policy_version
+        state.num_parks += 1
+        return ParkedEpisode(state, env)
+
+    assert termination is not None, "every episode ends with exactly one reason"
     if termination is not TerminationReason.SUBMITTED:
         trajectory.reward = 0.0
     trajectory.termination = termination
+    if state is not None and state.num_parks:
+        trajectory.info["num_parks"] = state.num_parks
     trajectory.timings = {
-        "episode_s": time.monotonic() - started,
-        "generation_s": generation_s,
-        "tool_s": tool_s,
+        "episode_s": state.active_s if state is not None else time.monotonic() - started,
+        "generation_s": state.generation_s if state is not None else 0.0,
+        "tool_s": state.tool_s if state is not None else 0.0,
     }
     return trajectory
+
+
+# -- token-in/token-out check ---------------------------------------------------------------------
+class TokenMismatchError(RuntimeError):
+    """The ids recorded as an action are not the ids the engine returned for it."""
+
+
+def check_token_in_token_out(batch_or_trajectories: RolloutBatch | list[Trajectory]) -> int:
+    """Check every turn of every trajectory; return the number of turns checked.
+
+    For each turn, the ids in ``[action_start, action_end)`` of its segment must hash to the digest the
+    agent loop took of the engine's output, carry loss mask 1 and a behavior logprob; no token outside
+    an action may carry mask 1. Cost: one hash per turn, a pass over the masks (no model, no decode).
+    Raises :class:`TokenMismatchError` naming the episode and turn.
+    """
+    trajectories = (
+        batch_or_trajectories.trajectories
+        if isinstance(batch_or_trajectories, RolloutBatch)
+        else batch_or_trajectories
+    )
+    num_checked = 0
+    for trajectory in trajectories:
+        digests = trajectory.info.get(DIGESTS_KEY, [])
+        turns = trajectory.turns
+        if len(digests) != len(turns):
+            raise TokenMismatchError(
+                f"episode {trajectory.episode_id}: {len(turns)} turns but {len(digests)} recorded generation digests"
+            )
+        index = 0
+        for s, segment in enumerate(trajectory.segments):
+            in_action = [False] * len(segment.token_ids)
+            for turn in segment.turns:
+                ids = segment.token_ids[turn.action_start : turn.action_end]
+                where = f"episode {trajectory.episode_id}, segment {s}, turn {index}"
+                if action_digest(ids) != digests[index]:
+                    raise TokenMismatchError(f"{where}: the recorded action ids differ from the engine's output")
+                span = range(turn.action_start, turn.action_end)
+                if any(segment.loss_mask[t] != 1 or segment.behavior_logprobs[t] is None for t in span):
+                    raise TokenMismatchError(f"{where}: an action token has mask 0 or no behavior logprob")
+                for t in span:
+                    in_action[t] = True
+                index += 1
+                num_checked += 1
+            stray = [t for t, m in enumerate(segment.loss_mask) if m and not in_action[t]]
+            if stray:
+                raise TokenMismatchError(
+                    f"episode {trajectory.episode_id}, segment {s}: {len(stray)} tokens outside any action "
+                    f"have loss mask 1 (first at {stray[0]})"
+                )
+    return num_checked

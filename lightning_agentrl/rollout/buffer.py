@@ -39,7 +39,9 @@ class RolloutBuffer:
         with self._cond:
             return len(self._ready)
 
-    def take(self, num_groups: int, policy_version: int, timeout_s: float | None = None) -> list[list[Trajectory]]:
+    def take(
+        self, num_groups: int, policy_version: int, timeout_s: float | None = None
+    ) -> list[list[Trajectory]]:
         """Block until ``num_groups`` fresh groups are ready; drop stale ones on the way."""
         taken: list[list[Trajectory]] = []
         with self._cond:
@@ -51,7 +53,9 @@ class RolloutBuffer:
                         raise TimeoutError(f"no rollout group became ready within {timeout_s} s")
                     continue
                 group = self._ready.popleft()
-                oldest = min((t.min_policy_version for t in group if t.min_policy_version >= 0), default=policy_version)
+                oldest = min(
+                    (t.min_policy_version for t in group if t.min_policy_version >= 0), default=policy_version
+                )
                 if policy_version - oldest > self.max_staleness:
                     self.num_dropped_stale += 1
                     continue

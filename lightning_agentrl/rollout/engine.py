@@ -29,7 +29,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
+    seed: int | None = None  # this request's own seed: same seed, same samples, whatever the batch
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -96,14 +96,17 @@ class TorchEngine:
     """In-process generation with transformers: concurrent requests are decoded as one batch.
 
     Requests that arrive while a batch is decoding wait and form the next batch (continuous
-    batching at batch granularity). Each batch is left-padded and decoded with a KV cache in a
-    worker thread, so the event loop keeps serving tool calls meanwhile. Weight updates wait for
+    batching at batch granularity). Each request is sampled with its own ``torch.Generator``
+    seeded from ``SamplingParams.seed``, so its ids do not depend on which requests share its
+    batch. Each batch is left-padded and decoded with a KV cache in a worker thread, so the event loop keeps serving tool calls meanwhile. Weight updates wait for
     the batch in flight: no generation mixes two policy versions.
 
     The model is the engine's own copy; the trainer pushes new weights with :meth:`update_weights`.
     """
 
-    def __init__(self, model, *, pad_token_id: int, max_batch_size: int = 16, policy_version: int = 0) -> None:
+    def __init__(
+        self, model, *, pad_token_id: int, max_batch_size: int = 16, policy_version: int = 0
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
@@ -125,7 +128,9 @@ class TorchEngine:
             self._lock = asyncio.Lock()
             self._worker = asyncio.get_running_loop().create_task(self._serve())
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, session_id: str = "") -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str = ""
+    ) -> Generation:
         import asyncio
 
         if not prompt_ids:
@@ -176,14 +181,15 @@ class TorchEngine:
             attention[i, width - lengths[i] :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         temperature = torch.tensor([max(r.sampling.temperature, 1e-6) for r in batch], device=device)[:, None]
-        greedy = torch.tensor([r.sampling.greedy for r in batch], device=device)
         top_p = torch.tensor([r.sampling.top_p for r in batch], device=device)[:, None]
         budget = [r.sampling.max_new_tokens for r in batch]
         stops = [set(r.sampling.stop_token_ids) for r in batch]
-        generator = None
-        seeds = {r.sampling.seed for r in batch}
-        if len(seeds) == 1 and None not in seeds:
-            generator = torch.Generator(device=device).manual_seed(seeds.pop())
+        # One generator per request: a seeded request draws the same samples whatever else shares
+        # its batch, so a run is reproducible however concurrent episodes happen to be batched.
+        generators = [
+            None if r.sampling.seed is None else torch.Generator(device=device).manual_seed(r.sampling.seed)
+            for r in batch
+        ]
 
         out_ids: list[list[int]] = [[] for _ in batch]
         out_lp: list[list[float]] = [[] for _ in batch]
@@ -193,14 +199,20 @@ class TorchEngine:
         step_ids, step_pos = input_ids, position_ids
         for _ in range(max(budget)):
             out = self.model(
-                input_ids=step_ids, attention_mask=attention, position_ids=step_pos, past_key_values=past, use_cache=True
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=step_pos,
+                past_key_values=past,
+                use_cache=True,
             )
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             logprobs = torch.log_softmax(logits / temperature, dim=-1)  # the distribution sampled from
             sample_probs = _top_p_filter(logprobs.exp(), top_p)
-            sampled = torch.multinomial(sample_probs, 1, generator=generator).squeeze(-1)
-            token = torch.where(greedy, logits.argmax(-1), sampled)
+            token = logits.argmax(-1)
+            for i in range(num):
+                if reasons[i] is None and not batch[i].sampling.greedy:
+                    token[i] = torch.multinomial(sample_probs[i], 1, generator=generators[i])[0]
             token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
             for i in range(num):
                 if reasons[i] is not None:
@@ -216,8 +228,12 @@ class TorchEngine:
                 break
             step_ids = token[:, None]
             step_pos = step_pos[:, -1:] + 1
-            attention = torch.cat([attention, torch.ones((num, 1), dtype=attention.dtype, device=device)], dim=1)
-        return [(ids, lps, reason or "length") for ids, lps, reason in zip(out_ids, out_lp, reasons, strict=True)]
+            attention = torch.cat(
+                [attention, torch.ones((num, 1), dtype=attention.dtype, device=device)], dim=1
+            )
+        return [
+            (ids, lps, reason or "length") for ids, lps, reason in zip(out_ids, out_lp, reasons, strict=True)
+        ]
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self._ensure_started()
@@ -229,7 +245,9 @@ class TorchEngine:
             if target is None:
                 raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
             if target.shape != tensor.shape:
-                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
         async with self._lock:
             with torch.no_grad():
                 for name, tensor in incoming:

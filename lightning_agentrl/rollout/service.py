@@ -8,6 +8,15 @@ trainer thread takes whole groups and pushes new weights through :meth:`update_w
 Staleness gate: with the engine at policy version v (weights after v optimizer steps), at most
 ``(v + 1 + max_staleness) * groups_per_step`` groups have been started. With ``max_staleness = 0``
 this is synchronous on-policy training: batch k is generated entirely by the weights of step k.
+
+Partial rollouts (``partial_rollout_s``, Kimi-Researcher): an episode that has run that long in
+the current iteration is parked at its next turn boundary, releases its slot, and continues once
+the engine has newer weights; its group is ready when all of its episodes have ended. If every
+running episode is parked and nothing else can make progress (the gate is closed and the buffer
+cannot fill a batch), parked episodes continue with the current weights rather than wait forever.
+Parked episodes, and the finished episodes of unfinished groups, are part of :meth:`state_dict`;
+a restored parked episode rebuilds its environment around the saved sandbox id (if the sandbox
+is gone, its next tool call ends the episode with ``sandbox_error``).
 """
 
 from __future__ import annotations
@@ -16,14 +25,21 @@ import asyncio
 import random
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from lightning_agentrl.rollout.agent_loop import EpisodeBudget, run_episode
+from lightning_agentrl.rollout.agent_loop import (
+    EpisodeBudget,
+    EpisodeState,
+    ParkedEpisode,
+    play_episode,
+    restore_env_state,
+)
 from lightning_agentrl.rollout.buffer import RolloutBuffer
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
+from lightning_agentrl.rollout.summarize import Summarizer
 from lightning_agentrl.tasks import Task
 from lightning_agentrl.trajectory import Trajectory
 
@@ -35,6 +51,25 @@ class RolloutPlan:
     max_in_flight: int
     max_staleness: int
     seed: int = 0
+    partial_rollout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.partial_rollout_s is not None:
+            if self.partial_rollout_s < 0:
+                raise ValueError(f"rollout.partial_rollout_s must be >= 0, got {self.partial_rollout_s}")
+            if self.max_staleness < 1:
+                raise ValueError(
+                    "rollout.partial_rollout_s needs rollout.max_staleness >= 1: a parked episode continues "
+                    "with newer weights, so its group always mixes two policy versions"
+                )
+
+
+@dataclass
+class _GroupProgress:
+    """A started group: its finished episodes and its parked ones, by index in the group."""
+
+    finished: dict[int, Trajectory] = field(default_factory=dict)
+    parked: dict[int, ParkedEpisode] = field(default_factory=dict)
 
 
 class RolloutService:
@@ -51,6 +86,7 @@ class RolloutService:
         sampling: SamplingParams,
         budget: EpisodeBudget,
         plan: RolloutPlan,
+        summarizer: Summarizer | None = None,
     ) -> None:
         if not tasks:
             raise ValueError("no tasks to roll out")
@@ -62,11 +98,15 @@ class RolloutService:
         self.sampling = sampling
         self.budget = budget
         self.plan = plan
+        self.summarizer = summarizer
         self.buffer = RolloutBuffer(plan.max_staleness)
         self.engine_version = engine.policy_version
         self._next_group = 0
         self._pending: set[int] = set()  # started, not finished: restarted after a resume
         self._restart: list[int] = []
+        self._progress: dict[int, _GroupProgress] = {}
+        self._changed: asyncio.Condition | None = None  # version bumped, an episode ended or parked
+        self._at_gate = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._gate: asyncio.Event | None = None
@@ -74,6 +114,8 @@ class RolloutService:
         self._initial: tuple[list[tuple[str, torch.Tensor]], int] | None = None
         self.num_in_flight = 0
         self.num_episodes_finished = 0
+        self.num_groups_finished = 0
+        self.num_parks = 0  # times an episode was parked (one episode may park several times)
 
     # -- task order --------------------------------------------------------------------------
     def task_for_group(self, group_id: int) -> Task:
@@ -102,6 +144,7 @@ class RolloutService:
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
         self._gate = asyncio.Event()
+        self._changed = asyncio.Condition()
         self._started.set()
         try:
             self._loop.run_until_complete(self._produce())
@@ -148,6 +191,16 @@ class RolloutService:
         await self.engine.update_weights(named, version)
         self.engine_version = version
         self._gate.set()
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def num_parked(self) -> int:
+        """Episodes parked right now, waiting for newer weights."""
+        return sum(len(p.parked) for p in list(self._progress.values()))
 
     # -- producer ----------------------------------------------------------------------------
     def _groups_allowed(self) -> int:
@@ -167,7 +220,10 @@ class RolloutService:
                 else:
                     while self._next_group >= self._groups_allowed():
                         self._gate.clear()
+                        self._at_gate = True
+                        await self._notify()
                         await self._gate.wait()
+                    self._at_gate = False
                     group_id = self._next_group
                     self._next_group += 1
                 self._pending.add(group_id)
@@ -188,35 +244,93 @@ class RolloutService:
 
     async def _run_group(self, client, slots: asyncio.Semaphore, group_id: int) -> None:
         task = self.task_for_group(group_id)
-        episodes = [self._run_episode(client, slots, task, group_id, i) for i in range(self.plan.group_size)]
-        trajectories = await asyncio.gather(*episodes)
+        progress = self._progress.setdefault(group_id, _GroupProgress())
+        todo = [i for i in range(self.plan.group_size) if i not in progress.finished]
+        await asyncio.gather(*(self._run_episode(client, slots, task, group_id, i, progress) for i in todo))
+        trajectories = [progress.finished[i] for i in range(self.plan.group_size)]
+        self._progress.pop(group_id, None)
         self._pending.discard(group_id)
-        self.buffer.put(list(trajectories))
+        self.buffer.put(trajectories)
+        self.num_groups_finished += 1
 
-    async def _run_episode(self, client, slots: asyncio.Semaphore, task: Task, group_id: int, index: int) -> Trajectory:
-        async with slots:
-            self.num_in_flight += 1
-            try:
-                trajectory = await run_episode(
-                    engine=self.engine,
-                    env=self.make_env(client, task),
-                    codec=self.codec,
-                    sampling=self.sampling,
-                    budget=self.budget,
-                    episode_id=f"g{group_id}-e{index}",
-                    task_id=task.id,
-                    group_id=group_id,
-                )
-            finally:
-                self.num_in_flight -= 1
-            self.num_episodes_finished += 1
-            return trajectory
+    def _stalled(self) -> bool:
+        """Nothing but parked episodes could make progress: no episode runs, no group may start, and
+        the buffer cannot fill the trainer's next batch (so no newer weights will ever come)."""
+        return (
+            self.num_in_flight == 0
+            and self._at_gate
+            and len(self.buffer) < self.plan.groups_per_step
+            # a group whose episodes all ended is about to reach the buffer: not stalled
+            and all(progress.parked for progress in self._progress.values())
+        )
+
+    async def _run_episode(
+        self, client, slots: asyncio.Semaphore, task: Task, group_id: int, index: int, progress: _GroupProgress
+    ) -> None:
+        parked = progress.parked.get(index)
+        while True:
+            if parked is not None:
+                version = parked.state.parked_version
+                async with self._changed:
+                    await self._changed.wait_for(lambda v=version: self.engine_version > v or self._stalled())
+                progress.parked.pop(index, None)
+            async with slots:
+                self.num_in_flight += 1
+                try:
+                    if parked is None:
+                        env, resume = self.make_env(client, task), None
+                    else:
+                        env = parked.env or restore_env_state(self.make_env(client, task), parked.state.env_state)
+                        resume = parked.state
+                    outcome = await play_episode(
+                        engine=self.engine,
+                        env=env,
+                        codec=self.codec,
+                        sampling=self.sampling,
+                        budget=self.budget,
+                        episode_id=f"g{group_id}-e{index}",
+                        task_id=task.id,
+                        group_id=group_id,
+                        summarizer=self.summarizer,
+                        resume=resume,
+                        park_after_s=self.plan.partial_rollout_s,
+                    )
+                finally:
+                    self.num_in_flight -= 1
+            if isinstance(outcome, Trajectory):
+                progress.finished[index] = outcome
+                self.num_episodes_finished += 1
+                await self._notify()
+                return
+            parked = outcome
+            progress.parked[index] = parked
+            self.num_parks += 1
+            await self._notify()
 
     # -- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Task position, ready groups, and the progress of started groups (finished and parked
+        episodes); episodes that were running restart from scratch on resume."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and self._thread is not None:
+            # Snapshot on the loop's thread: episodes park and finish there.
+            return asyncio.run_coroutine_threadsafe(self._snapshot(), loop).result()
+        return self._state()
+
+    async def _snapshot(self) -> dict:
+        return self._state()
+
+    def _state(self) -> dict:
         return {
             "next_group": self._next_group,
             "restart": sorted(self._pending | set(self._restart)),
+            "groups": {
+                str(group_id): {
+                    "finished": {str(i): t.model_dump(mode="json") for i, t in p.finished.items()},
+                    "parked": {str(i): e.state.state_dict() for i, e in p.parked.items()},
+                }
+                for group_id, p in self._progress.items()
+            },
             "buffer": self.buffer.state_dict(),
             "num_episodes_finished": self.num_episodes_finished,
         }
@@ -225,5 +339,12 @@ class RolloutService:
         assert self._thread is None, "load state before start()"
         self._next_group = state["next_group"]
         self._restart = list(state["restart"])
+        self._progress = {
+            int(group_id): _GroupProgress(
+                finished={int(i): Trajectory.model_validate(t) for i, t in p["finished"].items()},
+                parked={int(i): ParkedEpisode(EpisodeState.from_state_dict(e)) for i, e in p["parked"].items()},
+            )
+            for group_id, p in state.get("groups", {}).items()
+        }
         self.buffer.load_state_dict(state["buffer"])
         self.num_episodes_finished = state["num_episodes_finished"]

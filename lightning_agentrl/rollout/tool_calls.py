@@ -33,8 +33,12 @@ class ToolSpec:
 
 CODING_TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("read_file", "show a file of the workspace", {"path": "relative path"}),
-    ToolSpec("write_file", "replace a file's whole content", {"path": "relative path", "content": "new text"}),
-    ToolSpec("run", "run a shell command in the workspace, e.g. the visible tests", {"command": "shell command"}),
+    ToolSpec(
+        "write_file", "replace a file's whole content", {"path": "relative path", "content": "new text"}
+    ),
+    ToolSpec(
+        "run", "run a shell command in the workspace, e.g. the visible tests", {"command": "shell command"}
+    ),
     ToolSpec("submit", "finish; hidden tests decide the reward", {}),
 )
 

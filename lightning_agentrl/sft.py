@@ -1,0 +1,175 @@
+"""Format-only warm start: supervised steps on demonstrations that teach the tool-call format, not the skill.
+
+A randomly initialized model cannot write a single valid tool call, so RL from scratch would see
+reward 0 forever. The warm start trains on demonstration episodes of the copy-the-key suite
+(:mod:`lightning_agentrl.envs.learn_tasks`): read key.txt -> write answer.txt -> submit. The value
+written is a **random** key drawn independently of the one shown in the observation, so the demos
+teach the format and the order of tools but carry no information about *what* to write: after the
+warm start the success rate is chance (``1 / len(alphabet) ** key_length``), and whatever rises
+above it is learned by RL.
+
+Demonstrations go through the same token path as rollouts (:class:`ChatCodec`): the prompt is the
+chat template's rendering of the environment's opening messages, each action is its encoding plus
+the eos id (loss mask 1), each observation is the codec's scaffolding around the encoding of only
+the observation text (mask 0). The loss is the mean negative log-likelihood of the mask-1 tokens:
+
+    L = -(1 / sum_t m[t]) * sum_t m[t] * log p(y[t] | y[<t])      ids [B, T], mask [B, T]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lightning_agentrl.envs.coding import SYSTEM_PROMPT
+from lightning_agentrl.envs.learn_tasks import ANSWER_FILE, KEY_FILE, PROMPT, LearnSuiteSpec
+from lightning_agentrl.rollout.chat import ChatCodec
+from lightning_agentrl.rollout.tool_calls import CODING_TOOLS
+
+DETOUR_COMMAND = "ls"
+DETOUR_OUTPUT = f"exit code 0\n{ANSWER_FILE}\n{KEY_FILE}\n"
+
+
+def opening_messages(system_prompt: str | None = None, prompt: str = PROMPT) -> list[dict]:
+    """The system and user messages :class:`CodingEnv` opens every episode with (``system_prompt``
+    as in ``env.system_prompt``: None = the environment's built-in one)."""
+    tools = "\n".join(tool.render() for tool in CODING_TOOLS)
+    system = (SYSTEM_PROMPT if system_prompt is None else system_prompt).replace("{tools}", tools)
+    return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+
+
+def tool_call(name: str, **arguments: str) -> str:
+    """The text of one action in the format of :mod:`lightning_agentrl.rollout.tool_calls`."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def demonstration_turns(key: str, written: str, *, detour: bool = False) -> list[tuple[str, str | None]]:
+    """(action text, observation text) per turn; the last action (submit) has no observation.
+
+    ``detour`` adds a useless ``run ls`` turn before the write (a longer episode, used to force
+    truncations with a small ``env.max_turns``).
+    """
+    turns: list[tuple[str, str | None]] = [(tool_call("read_file", path=KEY_FILE), key + "\n")]
+    if detour:
+        turns.append((tool_call("run", command=DETOUR_COMMAND), DETOUR_OUTPUT))
+    turns.append((tool_call("write_file", path=ANSWER_FILE, content=written), f"wrote {len(written)} characters to {ANSWER_FILE}"))
+    turns.append((tool_call("submit"), None))
+    return turns
+
+
+def render_demonstration(
+    codec: ChatCodec, turns: list[tuple[str, str | None]], system_prompt: str | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask (1 = action) of one demonstration, built like a rollout."""
+    ids = codec.prompt_ids(opening_messages(system_prompt))
+    mask = [0] * len(ids)
+    for action, observation in turns:
+        action_ids = codec.encode(action) + [codec.eos_token_id]
+        ids += action_ids
+        mask += [1] * len(action_ids)
+        if observation is not None:
+            obs = codec.observation_ids(observation).all
+            ids += obs
+            mask += [0] * len(obs)
+    return ids, mask
+
+
+def random_key(spec: LearnSuiteSpec, rng: random.Random) -> str:
+    return "".join(rng.choice(spec.alphabet) for _ in range(spec.key_length))
+
+
+def make_demonstrations(
+    codec: ChatCodec,
+    keys: list[str],
+    spec: LearnSuiteSpec,
+    *,
+    num: int,
+    seed: int = 0,
+    detour_prob: float = 0.0,
+    system_prompt: str | None = None,
+) -> list[tuple[list[int], list[int]]]:
+    """``num`` demonstrations over ``keys`` (cycled); the written value is random, never copied."""
+    if not keys:
+        raise ValueError("make_demonstrations needs at least one key")
+    if not 0.0 <= detour_prob <= 1.0:
+        raise ValueError(f"detour_prob must be in [0, 1], got {detour_prob}")
+    rng = random.Random(seed)
+    demos = []
+    for i in range(num):
+        key = keys[i % len(keys)]
+        turns = demonstration_turns(key, random_key(spec, rng), detour=rng.random() < detour_prob)
+        demos.append(render_demonstration(codec, turns, system_prompt))
+    return demos
+
+
+def masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean NLL of the mask-1 tokens. logits [B, T, V] predict input_ids [B, T] shifted by one; mask [B, T]."""
+    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target_lp = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    m = mask[:, 1:].to(target_lp.dtype)
+    return -(target_lp * m).sum() / m.sum().clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class WarmStartResult:
+    path: Path
+    steps: int
+    final_loss: float
+    seconds: float
+
+
+def warm_start(
+    model_path: str | Path,
+    out_dir: str | Path,
+    keys: list[str],
+    spec: LearnSuiteSpec,
+    *,
+    steps: int = 150,
+    batch_size: int = 16,
+    lr: float = 2e-3,
+    seed: int = 0,
+    detour_prob: float = 0.0,
+    system_prompt: str | None = None,
+) -> WarmStartResult:
+    """Train ``model_path`` on format-only demonstrations; save model and tokenizer to ``out_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    codec = ChatCodec(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+    demos = make_demonstrations(
+        codec, keys, spec, num=steps * batch_size, seed=seed, detour_prob=detour_prob, system_prompt=system_prompt
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    pad = tokenizer.pad_token_id
+    loss_value = float("nan")
+    for step in range(steps):
+        batch = demos[step * batch_size : (step + 1) * batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (ids, m) in enumerate(batch):  # right padding: padding is never a target (mask 0)
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+            mask[row, : len(m)] = torch.tensor(m)
+        logits = model(input_ids=input_ids, attention_mask=attention).logits
+        loss = masked_nll(logits, input_ids, mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss_value = float(loss.detach())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return WarmStartResult(out, steps, loss_value, time.monotonic() - started)

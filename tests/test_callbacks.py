@@ -1,0 +1,87 @@
+"""Each callback changes the batch only through its documented fields, and resumes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_agentrl.callbacks import CompactFilter, GroupFilter, SegmentBoundaries, StalenessWeighting
+from lightning_agentrl.trajectory import Segment, TerminationReason, Trajectory, Turn, pack
+
+
+class Recorder:
+    """The module's logging surface, at the test's edge."""
+
+    def __init__(self) -> None:
+        self.logged: dict[str, float] = {}
+
+    def log_dict(self, metrics, **_):
+        self.logged.update(metrics)
+
+    def log(self, name, value, **_):
+        self.logged[name] = value
+
+
+def episode(i, *, reward, version, termination=TerminationReason.SUBMITTED, group=0, segments=1):
+    trajectory = Trajectory(episode_id=f"e{i}", task_id="t", group_id=group, reward=reward, termination=termination)
+    for _ in range(segments):
+        segment = Segment()
+        segment.extend([1, 2], mask=0)
+        segment.extend([3, 4], mask=1, logprobs=[-1.0, -1.0], version=version)
+        segment.turns.append(Turn(action_start=2, action_end=4))
+        trajectory.segments.append(segment)
+    trajectory.segments[-1].turns[-1].reward = reward
+    return trajectory
+
+
+def test_compact_filter_excludes_the_listed_reasons_and_counts_them():
+    batch = pack([
+        episode(0, reward=1, version=0),
+        episode(1, reward=0, version=0, termination=TerminationReason.MAX_TURNS),
+        episode(2, reward=0, version=0, termination=TerminationReason.SANDBOX_ERROR),
+        episode(3, reward=0, version=0, termination=TerminationReason.TOOL_ERROR),
+    ])
+    module = Recorder()
+    callback = CompactFilter(("sandbox_error", "max_turns", "max_context", "timeout"))
+    callback.on_train_batch_start(SimpleNamespace(global_step=0), module, batch, 0)
+    assert batch.include.tolist() == [True, False, False, True]
+    assert module.logged["filter/excluded_max_turns"] == 1.0
+    assert module.logged["filter/excluded_sandbox_error"] == 1.0
+    restored = CompactFilter(("sandbox_error",))
+    restored.load_state_dict(callback.state_dict())
+    assert restored.state_dict() == callback.state_dict()
+
+
+def test_staleness_weights_tokens_and_drops_episodes_past_the_bound():
+    batch = pack([episode(i, reward=float(i % 2), version=v) for i, v in enumerate([5, 4, 3, 1])])
+    module = Recorder()
+    callback = StalenessWeighting("exp", rate=0.5, max_staleness=2)
+    callback.on_train_batch_start(SimpleNamespace(global_step=5), module, batch, 0)
+    assert batch.include.tolist() == [True, True, True, False]  # lag 4 > 2
+    weights = batch.token_weights[batch.loss_mask > 0].reshape(4, 2)[:, 0]
+    torch.testing.assert_close(weights, torch.exp(-0.5 * torch.tensor([0.0, 1.0, 2.0, 4.0])))
+    assert batch.token_weights[batch.loss_mask == 0].eq(1).all()
+    assert module.logged["staleness/tokens_lag_4"] == 2.0
+    assert module.logged["staleness/num_dropped"] == 1.0
+    assert callback.state_dict() == {"num_dropped": 1}
+
+
+def test_group_filter_keeps_the_most_disagreeing_groups():
+    rewards = [1, 1, 1, 1, 1, 0, 1, 0]  # group 0 agrees, group 1 disagrees
+    batch = pack([episode(i, reward=r, version=0, group=i // 4) for i, r in enumerate(rewards)])
+    GroupFilter(0.5).on_train_batch_start(SimpleNamespace(global_step=0), Recorder(), batch, 0)
+    assert batch.include.tolist() == [False] * 4 + [True] * 4
+    with pytest.raises(ValueError, match="keep_fraction"):
+        GroupFilter(0.0)
+
+
+def test_segment_boundaries_count_split_episodes_and_keep_the_outcome_on_the_last_turn():
+    batch = pack([episode(0, reward=1, version=0, segments=3), episode(1, reward=0, version=0)])
+    module = Recorder()
+    SegmentBoundaries().on_train_batch_start(SimpleNamespace(global_step=0), module, batch, 0)
+    assert module.logged["segments/split_episodes"] == 1.0
+    assert module.logged["segments/per_episode"] == 2.0
+    assert batch.turn_rewards.tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert batch.seq_ids.unique().tolist() == [0, 1]  # the three segments are one episode
