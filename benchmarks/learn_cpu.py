@@ -35,7 +35,9 @@ from lightning_agentrl.tasks import load_tasks  # noqa: E402
 from lightning_agentrl.trajectory import load_trajectories  # noqa: E402
 
 
-def warm_started_model(settings: Settings, out_dir: Path, *, steps: int, seed: int, detour_prob: float = 0.0) -> dict:
+def warm_started_model(
+    settings: Settings, out_dir: Path, *, steps: int, seed: int, detour_prob: float = 0.0, echo_prob: float = 0.0
+) -> dict:
     """Run the format-only warm start (or reuse a finished one in ``out_dir``); return its record."""
     from lightning_agentrl.train import resolve_model_path
 
@@ -51,10 +53,11 @@ def warm_started_model(settings: Settings, out_dir: Path, *, steps: int, seed: i
         steps=steps,
         seed=seed,
         detour_prob=detour_prob,
+        echo_prob=echo_prob,
         system_prompt=settings.env.system_prompt,
     )
     record = {"path": str(result.path), "steps": result.steps, "final_loss": result.final_loss, "seconds": result.seconds,
-              "detour_prob": detour_prob, "seed": seed}
+              "detour_prob": detour_prob, "echo_prob": echo_prob, "seed": seed}
     record_file.write_text(json.dumps(record, indent=2))
     return record
 

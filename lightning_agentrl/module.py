@@ -34,7 +34,8 @@ class AgentRLModule(L.LightningModule):
         self.reference = None
         self.automatic_optimization = False
         self.offline_policy_version = 0
-        self.save_hyperparameters({"settings": settings.model_dump(mode="json"), "model_path": model_path})
+        # kept in checkpoints; the resolved settings reach MLflow once, flattened, from train.py
+        self.save_hyperparameters({"settings": settings.model_dump(mode="json"), "model_path": model_path}, logger=False)
 
     @override
     def configure_model(self) -> None:

@@ -62,11 +62,20 @@ def demonstration_turns(key: str, written: str, *, detour: bool = False) -> list
     return turns
 
 
+def echo_turns(value: str) -> list[tuple[str, str | None]]:
+    """A generic demonstration outside the task: put a value named in the user message into a call."""
+    return [(tool_call("run", command=f"echo {value}"), f"exit code 0\n{value}\n"), (tool_call("submit"), None)]
+
+
+def echo_prompt(value: str) -> str:
+    return f"Run echo {value}, then submit."
+
+
 def render_demonstration(
-    codec: ChatCodec, turns: list[tuple[str, str | None]], system_prompt: str | None = None
+    codec: ChatCodec, turns: list[tuple[str, str | None]], system_prompt: str | None = None, prompt: str = PROMPT
 ) -> tuple[list[int], list[int]]:
     """Token ids and loss mask (1 = action) of one demonstration, built like a rollout."""
-    ids = codec.prompt_ids(opening_messages(system_prompt))
+    ids = codec.prompt_ids(opening_messages(system_prompt, prompt))
     mask = [0] * len(ids)
     for action, observation in turns:
         action_ids = codec.encode(action) + [codec.eos_token_id]
@@ -91,16 +100,27 @@ def make_demonstrations(
     num: int,
     seed: int = 0,
     detour_prob: float = 0.0,
+    echo_prob: float = 0.0,
     system_prompt: str | None = None,
 ) -> list[tuple[list[int], list[int]]]:
-    """``num`` demonstrations over ``keys`` (cycled); the written value is random, never copied."""
+    """``num`` demonstrations over ``keys`` (cycled); the written value is random, never copied.
+
+    With probability ``echo_prob`` a demonstration is instead a generic one outside the task
+    (:func:`echo_turns`: copy a value from the *user message* into a ``run`` call), the kind of
+    skill a pretrained model brings; no demonstration ever copies from an observation.
+    """
     if not keys:
         raise ValueError("make_demonstrations needs at least one key")
-    if not 0.0 <= detour_prob <= 1.0:
-        raise ValueError(f"detour_prob must be in [0, 1], got {detour_prob}")
+    for name, value in (("detour_prob", detour_prob), ("echo_prob", echo_prob)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
     rng = random.Random(seed)
     demos = []
     for i in range(num):
+        if rng.random() < echo_prob:
+            value = random_key(spec, rng)
+            demos.append(render_demonstration(codec, echo_turns(value), system_prompt, echo_prompt(value)))
+            continue
         key = keys[i % len(keys)]
         turns = demonstration_turns(key, random_key(spec, rng), detour=rng.random() < detour_prob)
         demos.append(render_demonstration(codec, turns, system_prompt))
@@ -134,6 +154,7 @@ def warm_start(
     lr: float = 2e-3,
     seed: int = 0,
     detour_prob: float = 0.0,
+    echo_prob: float = 0.0,
     system_prompt: str | None = None,
 ) -> WarmStartResult:
     """Train ``model_path`` on format-only demonstrations; save model and tokenizer to ``out_dir``."""
@@ -146,7 +167,8 @@ def warm_start(
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     demos = make_demonstrations(
-        codec, keys, spec, num=steps * batch_size, seed=seed, detour_prob=detour_prob, system_prompt=system_prompt
+        codec, keys, spec, num=steps * batch_size, seed=seed, detour_prob=detour_prob, echo_prob=echo_prob,
+        system_prompt=system_prompt,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     pad = tokenizer.pad_token_id

@@ -96,6 +96,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         RolloutMetrics,
         SegmentBoundaries,
         StalenessWeighting,
+        TokenCheck,
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import TRUNCATIONS
@@ -188,8 +189,13 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         filtered = ("sandbox_error", *(t.value for t in TRUNCATIONS)) if r.truncation == "filter" else ("sandbox_error",)
         logger = _mlflow_logger(settings, run_dir)
         if logger is not None:
-            logger.log_hyperparams(flatten(settings))
-            logger.experiment.log_artifact(logger.run_id, str(run_dir / "settings.yaml"))
+            params = flatten(settings)
+            logged = logger.experiment.get_run(logger.run_id).data.params
+            # MLflow params are write-once: a resumed run logs only new keys; the settings it resumed
+            # with (e.g. run.resume=last, a longer max_steps) are kept as an artifact of their own.
+            logger.log_hyperparams({k: v for k, v in params.items() if k not in logged})
+            artifact_path = "resumed" if logged else None
+            logger.experiment.log_artifact(logger.run_id, str(run_dir / "settings.yaml"), artifact_path=artifact_path)
         checkpointing = ModelCheckpoint(
             dirpath=checkpoint_dir,
             filename="step_{step}",
@@ -210,6 +216,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
             precision=settings.trainer.precision,
             logger=logger if logger is not None else False,
             callbacks=[
+                TokenCheck(),
                 CompactFilter(filtered),
                 StalenessWeighting(
                     settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness

@@ -99,6 +99,9 @@ def test_mlflow_has_params_metrics_and_a_sample(smoke_run):
     assert sorted(plots) == ["plots/reward.png", "plots/termination.png"]
     credit = [a.path for a in client.list_artifacts(result.mlflow_run_id, "credit")]
     assert len(credit) == 2
+    # the engine's behavior log-probs equal the trainer's recomputation (fp32, lag 0)
+    mismatch = client.get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
+    assert len(mismatch) == 2 and all(0 < m.value < 1e-4 for m in mismatch)
 
 
 def test_trained_ids_are_the_generated_ids(smoke_run):

@@ -5,6 +5,7 @@ from lightning_agentrl.callbacks.group_filter import GroupFilter
 from lightning_agentrl.callbacks.rollout_metrics import RolloutMetrics
 from lightning_agentrl.callbacks.segments import SegmentBoundaries
 from lightning_agentrl.callbacks.staleness import StalenessWeighting
+from lightning_agentrl.callbacks.token_check import TokenCheck
 from lightning_agentrl.callbacks.weight_sync import WeightSync
 
-__all__ = ["CompactFilter", "GroupFilter", "RolloutMetrics", "SegmentBoundaries", "StalenessWeighting", "WeightSync"]
+__all__ = ["CompactFilter", "GroupFilter", "RolloutMetrics", "SegmentBoundaries", "StalenessWeighting", "TokenCheck", "WeightSync"]

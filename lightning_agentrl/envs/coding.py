@@ -107,6 +107,19 @@ class CodingEnv:
         self._last_observation = text
         return StepResult(text, info={**info, "error": error})
 
+    def state_dict(self) -> dict:
+        """What a parked episode needs to continue in this sandbox (SPEC §6 partial rollouts)."""
+        return {
+            "sandbox_id": self.sandbox_id,
+            "written": dict(self._written),
+            "last_observation": self._last_observation,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sandbox_id = state["sandbox_id"]
+        self._written = dict(state["written"])
+        self._last_observation = state["last_observation"]
+
     async def close(self) -> None:
         if self.sandbox_id is not None:
             sandbox_id, self.sandbox_id = self.sandbox_id, None

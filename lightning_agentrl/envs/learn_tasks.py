@@ -52,7 +52,7 @@ class LearnSuiteSpec:
 
     num_train: int = 40
     num_test: int = 20
-    alphabet: str = "0123456789"
+    alphabet: str = "1234"
     key_length: int = 1
     seed: int = 0
 
