@@ -46,7 +46,9 @@ def print_report(path: Path, *, gamma: float, omega: float, similarity: float | 
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        console.width = max(console.width, 160)  # eleven columns: never squeeze the numbers away
     source = latest_batch(path)
     rows, summary = credit_rows(load_trajectories(source), gamma=gamma, omega=omega, similarity=similarity)
     table = Table(title=f"credit per turn: {source}")

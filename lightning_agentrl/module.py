@@ -59,6 +59,32 @@ class AgentRLModule(L.LightningModule):
             self.reference.requires_grad_(False)
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # RNG streams, so a resumed run draws what the uninterrupted one would have
+        import random
+
+        import numpy as np
+
+        checkpoint["rng"] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+        }
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        import random
+
+        import numpy as np
+
+        state = checkpoint.get("rng")
+        if state is None:
+            return
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+
+    @override
     def configure_optimizers(self):
         t = self.settings.trainer
         params = [p for p in self.parameters() if p.requires_grad]

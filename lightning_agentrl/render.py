@@ -63,7 +63,8 @@ def print_trajectory(trajectory: Trajectory, tokenizer, console=None) -> None:
     from rich.text import Text
 
     console = console or Console()
-    console.rule(header(trajectory))
+    console.rule()
+    console.print(header(trajectory), style="bold", soft_wrap=True)
     for k, segment in enumerate(trajectory.segments):
         if len(trajectory.segments) > 1:
             console.rule(f"segment {k}", style="dim")

@@ -225,3 +225,16 @@ def test_fit_with_the_vllm_engine_trains_on_the_generated_ids(tmp_path, tiny_mod
     )
     mismatch = MlflowClient(result.tracking_uri).get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
     assert len(mismatch) == 2 and all(m.value < 1e-4 for m in mismatch)
+
+
+def test_inspect_and_credit_commands_read_the_run(smoke_run, capsys):
+    from lightning_agentrl.__main__ import main
+
+    result, _, _, _ = smoke_run
+    assert main(["inspect", str(result.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "termination" in out and "policy versions" in out and "<|im_start|>" in out
+    assert main(["credit", str(result.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "grpo" in out and "gigpo/anchor_hit_rate" in out
+    assert main(["inspect", str(result.run_dir / "nothing-here")]) == 2
