@@ -87,16 +87,6 @@ def action_digest(token_ids: list[int]) -> str:
     return hashlib.blake2b(",".join(map(str, token_ids)).encode(), digest_size=8).hexdigest()
 
 
-def action_text_of(codec: ChatCodec, token_ids: list[int]) -> str:
-    """The text the environment parses: the action without its end-of-turn id.
-
-    Only the end-of-turn id is dropped, not every special token: tokenizers that register tool tags
-    such as ``<tool_call>`` as special tokens would otherwise lose them, and no call would ever parse.
-    """
-    ids = token_ids[:-1] if token_ids and token_ids[-1] == codec.eos_token_id else token_ids
-    return codec.tokenizer.decode(ids, skip_special_tokens=False)
-
-
 # -- episode state (partial rollouts) ---------------------------------------------------------------
 @dataclass
 class EpisodeState:
@@ -262,7 +252,7 @@ async def play_episode(
             assert room >= 1, "the summary reserve keeps room for the instruction and the summary"
             generation = await generate(segment.token_ids, min(summarizer.max_summary_tokens, room))
             append_action(segment, generation, tool="summarize")
-            policy_summary = action_text_of(codec, generation.token_ids)
+            policy_summary = codec.decode_action(generation.token_ids)
         message = summarizer.summary_message(
             state.history, policy_summary=policy_summary, pending_observation=pending_observation
         )
@@ -305,7 +295,7 @@ async def play_episode(
 
                 phase = "tool"
                 t0 = time.monotonic()
-                action_text = action_text_of(codec, generation.token_ids)
+                action_text = codec.decode_action(generation.token_ids)
                 result = await env.step(action_text)
                 state.tool_s += time.monotonic() - t0
                 phase = "episode"

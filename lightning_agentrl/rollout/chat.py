@@ -66,7 +66,18 @@ class ChatCodec:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
+        """Text for people (tests, logs): special tokens such as template markers dropped."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_action(self, ids: list[int]) -> str:
+        """The text the environment parses: the action without its end-of-turn id.
+
+        Only that id is dropped, not every special token: tokenizers that register tool tags such
+        as ``<tool_call>`` as special tokens would otherwise lose them, and no call would parse.
+        """
+        if ids and ids[-1] == self.eos_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The first context: system and user messages plus the generation prompt."""
