@@ -35,8 +35,10 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 
+# Ratio benchmarks; each writes benchmarks/results/*.json and prints one summary line.
 bench: install
 	$(PY) benchmarks/sandbox_bench.py
+	$(PY) benchmarks/engine_compare.py
 
 validate-tasks: install
 	$(PY) -m lightning_agentrl.tasks validate tasks/bugfix

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--warm-start-steps", type=int, default=120)
+    parser.add_argument("--echo-prob", type=float, default=0.5)
     parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task")
     parser.add_argument("overrides", nargs="*", help="settings overrides for both arms (after --)")
     args = parser.parse_args(argv)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = load_settings(config, [f"--run.dir={root}", *args.overrides])
     warm = warm_started_model(base, root / "warm_start", steps=args.warm_start_steps, seed=0,
-                              detour_prob=spec["detour_prob"])
+                              detour_prob=spec["detour_prob"], echo_prob=args.echo_prob)
     runs = []
     for seed in args.seeds:
         for arm, arm_overrides in spec["arms"].items():

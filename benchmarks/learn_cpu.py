@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=None, help="default: runs/learn_cpu-<time>")
     parser.add_argument("--out", default="benchmarks/results/learn_cpu.json")
     parser.add_argument("--warm-start-steps", type=int, default=120)
+    parser.add_argument("--echo-prob", type=float, default=0.5,
+                        help="share of generic echo demonstrations in the warm start (see lightning_agentrl.sft)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task per evaluation")
     parser.add_argument("overrides", nargs="*", help="settings overrides, e.g. --trainer.lr=2e-4 (after --)")
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     run_dir = Path(args.run_dir or f"runs/learn_cpu-{time.strftime('%Y%m%d-%H%M%S')}")
     base = load_settings(args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides])
-    warm = warm_started_model(base, run_dir / "warm_start", steps=args.warm_start_steps, seed=args.seed)
+    warm = warm_started_model(base, run_dir / "warm_start", steps=args.warm_start_steps, seed=args.seed,
+                              echo_prob=args.echo_prob)
     settings = load_settings(
         args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides, f"--model.path={warm['path']}"]
     )

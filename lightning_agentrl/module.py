@@ -44,7 +44,10 @@ class AgentRLModule(L.LightningModule):
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, self.settings.model.dtype)
-        self.policy = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        kwargs = {"dtype": dtype}
+        if self.settings.model.attn_implementation:
+            kwargs["attn_implementation"] = self.settings.model.attn_implementation
+        self.policy = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         if self.settings.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = False
@@ -55,7 +58,7 @@ class AgentRLModule(L.LightningModule):
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
         if self.settings.algorithm.kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval()
+            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs).eval()
             self.reference.requires_grad_(False)
 
     @override
@@ -157,11 +160,21 @@ class AgentRLModule(L.LightningModule):
     def hidden_states(self, model, input_ids, position_ids, segment_ids) -> torch.Tensor:
         """Last hidden states [n, H] of one packed micro-batch: positions restart per segment and
         attention is block-diagonal causal, so segments never see each other."""
+        decoder = model.get_decoder()
+        if str(model.config._attn_implementation).startswith("flash_attention"):
+            # varlen kernels find the segment boundaries where position ids restart: no [n, n] mask
+            out = decoder(input_ids=input_ids[None], position_ids=position_ids[None])
+            return out.last_hidden_state[0]
         n = input_ids.numel()
         same_segment = segment_ids[:, None] == segment_ids[None, :]
         causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
-        attention = (causal & same_segment)[None, None]  # [1, 1, n, n]
-        out = model.get_decoder()(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=attention)
+        allowed = (causal & same_segment)[None, None]  # [1, 1, n, n]
+        # additive float mask: every kernel (eager, sdpa) reads it the same way, unlike a bool one
+        dtype = next(model.parameters()).dtype
+        attention = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+        out = decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=attention)
         return out.last_hidden_state[0]
 
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:

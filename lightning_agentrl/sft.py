@@ -8,6 +8,12 @@ teach the format and the order of tools but carry no information about *what* to
 warm start the success rate is chance (``1 / len(alphabet) ** key_length``), and whatever rises
 above it is learned by RL.
 
+A pretrained LLM can copy a value from its context; the random-init tiny model cannot. Optional
+generic demonstrations (``echo_prob``) stand in for that pretrained skill: the user names a value
+and the agent puts it in a ``run`` call (``echo 3``). They copy from the *user message* in another
+task's prompt, never from an observation; inside the copy-the-key task the demonstrated value
+stays random, so the baseline stays at chance and copying the observed key is left to RL.
+
 Demonstrations go through the same token path as rollouts (:class:`ChatCodec`): the prompt is the
 chat template's rendering of the environment's opening messages, each action is its encoding plus
 the eos id (loss mask 1), each observation is the codec's scaffolding around the encoding of only

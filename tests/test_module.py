@@ -143,3 +143,18 @@ def test_kl_to_reference_is_zero_before_any_update(tiny_model_path, base):
     module.configure_model()
     _, log = gradients(module, batch)
     assert log["loss/kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, base, attn):
+    """Segments packed in one row see only themselves: the block mask works for each kernel."""
+    _, batch = base
+    module = AgentRLModule(load_settings(overrides=[f"--model.attn_implementation={attn}"]), str(tiny_model_path))
+    module.configure_model()
+    module.policy.eval()
+    with torch.no_grad():
+        packed = module.hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
+        for segment in batch.segment_ids.unique().tolist():
+            where = batch.segment_ids == segment
+            alone = module.policy.get_decoder()(input_ids=batch.input_ids[where][None]).last_hidden_state[0]
+            torch.testing.assert_close(packed[where], alone, atol=1e-4, rtol=1e-4)
