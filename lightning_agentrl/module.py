@@ -68,10 +68,12 @@ class AgentRLModule(L.LightningModule):
 
         import numpy as np
 
+        kind, keys, position, has_gauss, cached = np.random.get_state()
+        # plain types and tensors only: checkpoints load with torch.load(weights_only=True)
         checkpoint["rng"] = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)],
         }
 
     @override
@@ -85,7 +87,8 @@ class AgentRLModule(L.LightningModule):
             return
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+        kind, keys, position, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
 
     @override
     def configure_optimizers(self):
