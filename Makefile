@@ -8,7 +8,7 @@ RUN_ID := $(shell date +%Y%m%d-%H%M%S)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install smoke test lint format bench mlflow-ui validate-tasks clean
+.PHONY: install smoke test lint format bench mlflow-ui validate-tasks learn compare-gigpo compare-mask compare-truncation clean
 
 install: $(STAMP)
 
@@ -39,6 +39,15 @@ format: install
 bench: install
 	$(PY) benchmarks/sandbox_bench.py
 	$(PY) benchmarks/engine_compare.py
+
+# Proof that it learns: warm start + GRPO on the copy-the-key suite, held-out success per step
+# (benchmarks/results/learn_cpu.json and .png).
+learn: install
+	$(PY) benchmarks/learn_cpu.py --run-dir runs/learn_cpu-$(RUN_ID)
+
+# Credit-assignment comparisons at equal rollout budget (held-out success, 3 seeds, mean ± std).
+compare-gigpo compare-mask compare-truncation: install
+	$(PY) benchmarks/compare.py $(patsubst compare-%,%,$@) --root runs/$@-$(RUN_ID)
 
 validate-tasks: install
 	$(PY) -m lightning_agentrl.tasks validate tasks/bugfix

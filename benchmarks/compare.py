@@ -72,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>)")
     parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--warm-start-steps", type=int, default=120)
+    parser.add_argument("--warm-start-steps", type=int, default=100)
     parser.add_argument("--echo-prob", type=float, default=0.5)
+    parser.add_argument("--value-in-loss", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task")
-    parser.add_argument("overrides", nargs="*", help="settings overrides for both arms (after --)")
-    args = parser.parse_args(argv)
+    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
+    args.overrides = overrides  # settings overrides for both arms, after --
     spec = COMPARISONS[args.name]
     config = f"configs/compare_{args.name}.yaml"
     root = Path(args.root or f"runs/compare_{args.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     base = load_settings(config, [f"--run.dir={root}", *args.overrides])
     warm = warm_started_model(base, root / "warm_start", steps=args.warm_start_steps, seed=0,
-                              detour_prob=spec["detour_prob"], echo_prob=args.echo_prob)
+                              detour_prob=spec["detour_prob"], echo_prob=args.echo_prob,
+                              value_in_loss=args.value_in_loss)
     runs = []
     for seed in args.seeds:
         for arm, arm_overrides in spec["arms"].items():

@@ -4,7 +4,9 @@
     python benchmarks/learn_cpu.py --seed 1 -- --trainer.lr=2e-4    # settings overrides after --
 
 1. Format-only warm start (:mod:`lightning_agentrl.sft`): demonstrations read key.txt and write a
-   RANDOM value, so the warm-started policy knows the tool-call format but succeeds only by chance.
+   RANDOM value, so the warm-started policy knows the tool-call format but succeeds only by chance;
+   half of the demonstrations are generic ones outside the task (write a value named in the user
+   message to note.txt), standing in for the copying a pretrained model can already do.
 2. GRPO with ``configs/learn_cpu.yaml`` through the real stack (sandbox service on loopback, torch
    engine, Lightning, MLflow), starting from the warm-started weights.
 3. Held-out evaluation (:class:`HeldOutEvaluation`) on the ``test`` split before RL (the baseline),
@@ -36,7 +38,14 @@ from lightning_agentrl.trajectory import load_trajectories  # noqa: E402
 
 
 def warm_started_model(
-    settings: Settings, out_dir: Path, *, steps: int, seed: int, detour_prob: float = 0.0, echo_prob: float = 0.0
+    settings: Settings,
+    out_dir: Path,
+    *,
+    steps: int,
+    seed: int,
+    detour_prob: float = 0.0,
+    echo_prob: float = 0.0,
+    value_in_loss: bool = True,
 ) -> dict:
     """Run the format-only warm start (or reuse a finished one in ``out_dir``); return its record."""
     from lightning_agentrl.train import resolve_model_path
@@ -55,9 +64,11 @@ def warm_started_model(
         detour_prob=detour_prob,
         echo_prob=echo_prob,
         system_prompt=settings.env.system_prompt,
+        value_in_loss=value_in_loss,
     )
     record = {"path": str(result.path), "steps": result.steps, "final_loss": result.final_loss, "seconds": result.seconds,
-              "detour_prob": detour_prob, "echo_prob": echo_prob, "seed": seed}
+              "detour_prob": detour_prob, "echo_prob": echo_prob,
+              "value_in_loss": value_in_loss, "seed": seed}
     record_file.write_text(json.dumps(record, indent=2))
     return record
 
@@ -81,6 +92,21 @@ def run_with_evaluation(settings: Settings, *, every: int, samples_per_task: int
     )
     result = fit(settings, callbacks=[evaluation])
     return result, evaluation.history
+
+
+def copy_probe(model_dir: str | Path, system_prompt: str | None) -> dict:
+    """How much the written value depends on the read key (:func:`value_distribution`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.sft import value_distribution
+
+    spec = LearnSuiteSpec()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = value_distribution(model, ChatCodec(AutoTokenizer.from_pretrained(model_dir)), spec, system_prompt)
+    diagonal = sum(rows[i][i] for i in range(len(rows))) / len(rows)
+    return {"p_value_given_key": [[round(v, 4) for v in row] for row in rows], "diagonal_mass": round(diagonal, 4),
+            "chance": spec.chance}
 
 
 def plot(history: list[dict], rewards: list[dict], chance: float, path: Path, title: str) -> None:
@@ -111,19 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="default: runs/learn_cpu-<time>")
     parser.add_argument("--out", default="benchmarks/results/learn_cpu.json")
-    parser.add_argument("--warm-start-steps", type=int, default=120)
+    parser.add_argument("--warm-start-steps", type=int, default=100)
     parser.add_argument("--echo-prob", type=float, default=0.5,
                         help="share of generic echo demonstrations in the warm start (see lightning_agentrl.sft)")
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--value-in-loss", action=argparse.BooleanOptionalAction, default=True,
+                        help="train the warm start on the (random) written value; --no-value-in-loss masks it out")
+    parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task per evaluation")
-    parser.add_argument("overrides", nargs="*", help="settings overrides, e.g. --trainer.lr=2e-4 (after --)")
-    args = parser.parse_args(argv)
+    own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
+    args.overrides = overrides  # settings overrides after --, e.g. --trainer.lr=2e-4
 
     started = time.monotonic()
     run_dir = Path(args.run_dir or f"runs/learn_cpu-{time.strftime('%Y%m%d-%H%M%S')}")
     base = load_settings(args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides])
     warm = warm_started_model(base, run_dir / "warm_start", steps=args.warm_start_steps, seed=args.seed,
-                              echo_prob=args.echo_prob)
+                              echo_prob=args.echo_prob, value_in_loss=args.value_in_loss)
     settings = load_settings(
         args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides, f"--model.path={warm['path']}"]
     )
@@ -152,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_success": history[0]["success"],
         "final_success": history[-1]["success"],
         "run_dir": str(run_dir),
+        "copy_probe": {"warm_start": copy_probe(warm["path"], settings.env.system_prompt),
+                       "final": copy_probe(result.policy_dir, settings.env.system_prompt)},
     }
     out.write_text(json.dumps(record, indent=2) + "\n")
     png = out.with_suffix(".png")

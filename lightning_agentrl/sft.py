@@ -10,9 +10,9 @@ above it is learned by RL.
 
 A pretrained LLM can copy a value from its context; the random-init tiny model cannot. Optional
 generic demonstrations (``echo_prob``) stand in for that pretrained skill: the user names a value
-and the agent puts it in a ``run`` call (``echo 3``). They copy from the *user message* in another
-task's prompt, never from an observation; inside the copy-the-key task the demonstrated value
-stays random, so the baseline stays at chance and copying the observed key is left to RL.
+and the agent writes it to note.txt. They copy from the *user message* of another task's prompt,
+never from an observation; inside the copy-the-key task the demonstrated value stays random, so
+the baseline stays at chance and copying the observed key is left to RL.
 
 Demonstrations go through the same token path as rollouts (:class:`ChatCodec`): the prompt is the
 chat template's rendering of the environment's opening messages, each action is its encoding plus
@@ -68,25 +68,64 @@ def demonstration_turns(key: str, written: str, *, detour: bool = False) -> list
     return turns
 
 
+NOTE_FILE = "note.txt"
+ECHO_PROMPTS = (
+    "Write {value} to " + NOTE_FILE + ", then submit.",
+    "Please save {value} in " + NOTE_FILE + " and submit.",
+    "The value is {value}. Put it in " + NOTE_FILE + ", then submit.",
+)
+
+
 def echo_turns(value: str) -> list[tuple[str, str | None]]:
-    """A generic demonstration outside the task: put a value named in the user message into a call."""
-    return [(tool_call("run", command=f"echo {value}"), f"exit code 0\n{value}\n"), (tool_call("submit"), None)]
+    """A generic demonstration outside the task: write a value named in the user message to a file."""
+    return [
+        (tool_call("write_file", path=NOTE_FILE, content=value), f"wrote {len(value)} characters to {NOTE_FILE}"),
+        (tool_call("submit"), None),
+    ]
 
 
-def echo_prompt(value: str) -> str:
-    return f"Run echo {value}, then submit."
+def echo_prompt(value: str, variant: int = 0) -> str:
+    return ECHO_PROMPTS[variant % len(ECHO_PROMPTS)].format(value=value)
+
+
+def _value_span(codec: ChatCodec, action_ids: list[int], action: str) -> tuple[int, int] | None:
+    """Token span of the written value (``"content": "<value>"``) inside ``action_ids``, if any."""
+    marker = '"content": "'
+    if marker not in action:
+        return None
+    prefix = action[: action.index(marker) + len(marker)]
+    for start in range(len(action_ids)):
+        if codec.tokenizer.decode(action_ids[:start]) == prefix:
+            value = action[len(prefix) :].split('"', 1)[0]
+            for end in range(start + 1, len(action_ids) + 1):
+                if codec.tokenizer.decode(action_ids[start:end]) == value:
+                    return start, end
+    return None
 
 
 def render_demonstration(
-    codec: ChatCodec, turns: list[tuple[str, str | None]], system_prompt: str | None = None, prompt: str = PROMPT
+    codec: ChatCodec,
+    turns: list[tuple[str, str | None]],
+    system_prompt: str | None = None,
+    prompt: str = PROMPT,
+    *,
+    value_in_loss: bool = True,
 ) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask (1 = action) of one demonstration, built like a rollout."""
+    """Token ids and loss mask (1 = action) of one demonstration, built like a rollout.
+
+    ``value_in_loss=False`` masks the written value's tokens out (mask 0): the demonstration then
+    says nothing about *what* to write, only how.
+    """
     ids = codec.prompt_ids(opening_messages(system_prompt, prompt))
     mask = [0] * len(ids)
     for action, observation in turns:
         action_ids = codec.encode(action) + [codec.eos_token_id]
+        action_mask = [1] * len(action_ids)
+        span = None if value_in_loss else _value_span(codec, action_ids, action)
+        if span is not None:
+            action_mask[span[0] : span[1]] = [0] * (span[1] - span[0])
         ids += action_ids
-        mask += [1] * len(action_ids)
+        mask += action_mask
         if observation is not None:
             obs = codec.observation_ids(observation).all
             ids += obs
@@ -108,6 +147,7 @@ def make_demonstrations(
     detour_prob: float = 0.0,
     echo_prob: float = 0.0,
     system_prompt: str | None = None,
+    value_in_loss: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
     """``num`` demonstrations over ``keys`` (cycled); the written value is random, never copied.
 
@@ -125,11 +165,12 @@ def make_demonstrations(
     for i in range(num):
         if rng.random() < echo_prob:
             value = random_key(spec, rng)
-            demos.append(render_demonstration(codec, echo_turns(value), system_prompt, echo_prompt(value)))
+            prompt = echo_prompt(value, rng.randrange(len(ECHO_PROMPTS)))
+            demos.append(render_demonstration(codec, echo_turns(value), system_prompt, prompt))
             continue
         key = keys[i % len(keys)]
         turns = demonstration_turns(key, random_key(spec, rng), detour=rng.random() < detour_prob)
-        demos.append(render_demonstration(codec, turns, system_prompt))
+        demos.append(render_demonstration(codec, turns, system_prompt, value_in_loss=value_in_loss))
     return demos
 
 
@@ -162,6 +203,7 @@ def warm_start(
     detour_prob: float = 0.0,
     echo_prob: float = 0.0,
     system_prompt: str | None = None,
+    value_in_loss: bool = True,
 ) -> WarmStartResult:
     """Train ``model_path`` on format-only demonstrations; save model and tokenizer to ``out_dir``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -174,7 +216,7 @@ def warm_start(
     model.train()
     demos = make_demonstrations(
         codec, keys, spec, num=steps * batch_size, seed=seed, detour_prob=detour_prob, echo_prob=echo_prob,
-        system_prompt=system_prompt,
+        system_prompt=system_prompt, value_in_loss=value_in_loss,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     pad = tokenizer.pad_token_id
@@ -201,3 +243,29 @@ def warm_start(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return WarmStartResult(out, steps, loss_value, time.monotonic() - started)
+
+
+@torch.no_grad()
+def value_distribution(model, codec: ChatCodec, spec: LearnSuiteSpec, system_prompt: str | None = None) -> list[list[float]]:
+    """P(first value token = v | the observed key is k), teacher-forced after a correct read, for
+    single-character keys: rows k, columns v over ``spec.alphabet`` [A, A].
+
+    A policy that copies has mass on the diagonal; one that ignores the observation has identical
+    rows. Mean diagonal mass minus 1/A is how much the written value depends on the read key.
+    """
+    if spec.key_length != 1:
+        raise ValueError("value_distribution needs single-character keys")
+    candidates = [codec.encode(v) for v in spec.alphabet]
+    if any(len(ids) != 1 for ids in candidates):
+        raise ValueError("every alphabet character must be one token")
+    rows = []
+    for key in spec.alphabet:
+        turns = demonstration_turns(key, spec.alphabet[0])
+        ids, _ = render_demonstration(codec, turns, system_prompt)
+        write_ids = codec.encode(turns[1][0]) + [codec.eos_token_id]
+        start = len(ids) - len(codec.encode(turns[2][0])) - 1 - len(codec.observation_ids(turns[1][1]).all) - len(write_ids)
+        value_at = start + _value_span(codec, write_ids, turns[1][0])[0]
+        logits = model(input_ids=torch.tensor([ids[:value_at]])).logits[0, -1].float()
+        probs = torch.softmax(logits, -1)
+        rows.append([float(probs[c[0]]) for c in candidates])
+    return rows
