@@ -118,6 +118,17 @@ class EnvSettings(_Section):
     """Token budget of a summary written by the policy (kept free in every segment)."""
 
 
+class EvalSettings(_Section):
+    every_n_steps: int | None = Field(None, ge=1)
+    """Held-out evaluation every this many steps, before the first and after the last (None = off)."""
+    split: Literal["train", "test", "all"] = "test"
+    """Which tasks of `env.tasks` to evaluate on (held out: `test`)."""
+    samples_per_task: int = Field(4, ge=1)
+    """Episodes per held-out task per evaluation."""
+    temperature: float | None = Field(None, ge=0.0)
+    """Sampling temperature of evaluation episodes (None = `engine.temperature`, 0 = greedy)."""
+
+
 class RolloutSettings(_Section):
     group_size: int = Field(4, ge=2)
     """G: episodes per task in one group (the baseline is computed within a group)."""
@@ -237,6 +248,8 @@ class Settings(BaseSettings):
     """The sandbox service."""
     env: EnvSettings = Field(default_factory=EnvSettings)
     """Tasks and episode budgets."""
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+    """Held-out evaluation (`eval/success` in MLflow)."""
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     """Groups, concurrency, staleness."""
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)

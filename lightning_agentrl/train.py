@@ -217,6 +217,23 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
             save_last=True,
             save_top_k=1,
         )
+        extra = list(callbacks)
+        if settings.eval.every_n_steps is not None:
+            from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation
+
+            split = None if settings.eval.split == "all" else settings.eval.split
+            held_out = load_tasks(settings.env.tasks, split=split)
+            if not held_out:
+                raise SettingsError(f"eval.split: no {settings.eval.split} tasks in {settings.env.tasks}")
+            extra.append(
+                HeldOutEvaluation(
+                    held_out,
+                    every_n_steps=settings.eval.every_n_steps,
+                    samples_per_task=settings.eval.samples_per_task,
+                    temperature=settings.eval.temperature,
+                    seed=settings.run.seed,
+                )
+            )
         trainer = L.Trainer(
             max_steps=settings.trainer.max_steps,
             accelerator=settings.trainer.accelerator,
@@ -240,7 +257,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
                 RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
                 WeightSync(service, settings.trainer.sync_weights_every),
                 checkpointing,
-                *callbacks,
+                *extra,
             ],
             plugins=[AtomicCheckpointIO()] if not settings.trainer.strategy.startswith("deepspeed") else None,
             default_root_dir=run_dir,

@@ -57,7 +57,8 @@ def smoke_run(tmp_path_factory, tiny_model_path):
     settings = load_settings(
         REPO / "configs" / "smoke.yaml",
         [f"--run.dir={root / 'run'}", f"--env.tasks={root / 'tasks'}", "--trainer.max_steps=2",
-         f"--model.cache_dir={tiny_model_path.parent}", "--env.split=all"],
+         f"--model.cache_dir={tiny_model_path.parent}", "--env.split=all",
+         "--eval.every_n_steps=2", "--eval.split=all", "--eval.samples_per_task=1"],
     )
     recorder: dict[str, RecordingEngine] = {}
 
@@ -99,6 +100,9 @@ def test_mlflow_has_params_metrics_and_a_sample(smoke_run):
     assert sorted(plots) == ["plots/reward.png", "plots/termination.png"]
     credit = [a.path for a in client.list_artifacts(result.mlflow_run_id, "credit")]
     assert len(credit) == 2
+    # held-out evaluation: before the first step and after the last (every 2 of 2 steps)
+    evaluations = client.get_metric_history(result.mlflow_run_id, "eval/success")
+    assert sorted(m.step for m in evaluations) == [0, 2] and all(0 <= m.value <= 1 for m in evaluations)
     # the engine's behavior log-probs equal the trainer's recomputation (fp32, lag 0)
     mismatch = client.get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
     assert len(mismatch) == 2 and all(0 < m.value < 1e-4 for m in mismatch)
