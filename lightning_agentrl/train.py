@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,11 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
             f"{run_dir} already holds a run ({last}); pass --resume last to continue it, or choose another run.dir"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "settings.yaml").write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+    # A resume keeps the original settings.yaml and records what it resumed with beside it.
+    settings_file = run_dir / "settings.yaml"
+    if settings.run.resume == "last":
+        settings_file = run_dir / f"settings.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+    settings_file.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
     if settings.trainer.threads:
         torch.set_num_threads(settings.trainer.threads)
     L.seed_everything(settings.run.seed, workers=True, verbose=False)
@@ -209,7 +214,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
             # with (e.g. run.resume=last, a longer max_steps) are kept as an artifact of their own.
             logger.log_hyperparams({k: v for k, v in params.items() if k not in logged})
             artifact_path = "resumed" if logged else None
-            logger.experiment.log_artifact(logger.run_id, str(run_dir / "settings.yaml"), artifact_path=artifact_path)
+            logger.experiment.log_artifact(logger.run_id, str(settings_file), artifact_path=artifact_path)
         checkpointing = ModelCheckpoint(
             dirpath=checkpoint_dir,
             filename="step_{step}",
