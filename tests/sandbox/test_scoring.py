@@ -64,7 +64,8 @@ def test_unfixed_code_and_a_cheating_conftest_score_zero(server):
 def test_scoring_timeout_gives_the_timeout_reward(server):
     result, no_leak, _ = _score(server, {"utils.py": FIXED + "import time\ntime.sleep(30)\n"},
                                 timeout_s=1.0, timeout_reward=-0.5)
-    assert (result.reward, result.passed, result.timed_out) == (-0.5, False, True)
+    outcome = (result.reward, result.passed, result.timed_out)
+    assert outcome == (-0.5, False, True), f"carried {result.carried_files}; output:\n{result.output}"
     assert no_leak
 
 
