@@ -49,17 +49,19 @@ class CaptureBatches(L.Callback):
         self.batches.append(batch)
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, tiny_model_path):
-    root = tmp_path_factory.mktemp("fit")
+def two_task_settings(root: Path, tiny_model_path: Path, *overrides: str):
+    """The smoke recipe on two bug-fix tasks copied under ``root``, for 2 steps."""
     for name in TWO_TASKS:
         shutil.copytree(REPO / "tasks" / "bugfix" / name, root / "tasks" / name)
-    settings = load_settings(
+    return load_settings(
         REPO / "configs" / "smoke.yaml",
-        [f"--run.dir={root / 'run'}", f"--env.tasks={root / 'tasks'}", "--trainer.max_steps=2",
-         f"--model.cache_dir={tiny_model_path.parent}", "--env.split=all",
-         "--eval.every_n_steps=2", "--eval.split=all", "--eval.samples_per_task=1"],
+        [f"--run.dir={root / 'run'}", f"--env.tasks={root / 'tasks'}", "--env.split=all", "--trainer.max_steps=2",
+         f"--model.cache_dir={tiny_model_path.parent}", *overrides],
     )
+
+
+def recorded_fit(settings):
+    """``fit`` with every engine generation and every trained batch recorded."""
     recorder: dict[str, RecordingEngine] = {}
 
     def wrap(engine):
@@ -68,7 +70,16 @@ def smoke_run(tmp_path_factory, tiny_model_path):
 
     capture = CaptureBatches()
     result = fit(settings, callbacks=[capture], wrap_engine=wrap)
-    return result, recorder["engine"], capture, settings
+    return result, recorder["engine"], capture
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, tiny_model_path):
+    root = tmp_path_factory.mktemp("fit")
+    settings = two_task_settings(
+        root, tiny_model_path, "--eval.every_n_steps=2", "--eval.split=all", "--eval.samples_per_task=1"
+    )
+    return (*recorded_fit(settings), settings)
 
 
 def test_checkpoint_and_policy_are_saved(smoke_run):
@@ -207,25 +218,11 @@ def test_fit_with_the_vllm_engine_trains_on_the_generated_ids(tmp_path, tiny_mod
     pytest.importorskip("vllm")
     from mlflow.tracking import MlflowClient
 
-    tasks = tmp_path / "tasks"
-    for name in TWO_TASKS:
-        shutil.copytree(REPO / "tasks" / "bugfix" / name, tasks / name)
-    settings = load_settings(
-        REPO / "configs" / "smoke.yaml",
-        [f"--run.dir={tmp_path / 'run'}", f"--env.tasks={tasks}", "--env.split=all", "--engine.kind=vllm",
-         f"--model.cache_dir={tiny_model_path.parent}", "--trainer.max_steps=2", "--engine.max_new_tokens=32"],
-    )
-    recorder: dict[str, RecordingEngine] = {}
-
-    def wrap(engine):
-        recorder["engine"] = RecordingEngine(engine)
-        return recorder["engine"]
-
-    capture = CaptureBatches()
-    result = fit(settings, callbacks=[capture], wrap_engine=wrap)
+    settings = two_task_settings(tmp_path, tiny_model_path, "--engine.kind=vllm", "--engine.max_new_tokens=32")
+    result, engine, capture = recorded_fit(settings)
     assert result.global_step == 2
     assert_trained_ids_are_generated_ids(
-        recorder["engine"], capture.batches, settings.rollout.group_size * settings.rollout.groups_per_step
+        engine, capture.batches, settings.rollout.group_size * settings.rollout.groups_per_step
     )
     mismatch = MlflowClient(result.tracking_uri).get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
     assert len(mismatch) == 2 and all(m.value < 1e-4 for m in mismatch)
