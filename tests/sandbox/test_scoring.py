@@ -62,8 +62,9 @@ def test_unfixed_code_and_a_cheating_conftest_score_zero(server):
 
 
 def test_scoring_timeout_gives_the_timeout_reward(server):
-    result, no_leak, _ = _score(server, {"utils.py": FIXED + "import time\ntime.sleep(30)\n"},
-                                timeout_s=1.0, timeout_reward=-0.5)
+    # helpers.py too: without it the import fails at once and the run ends before its timeout
+    slow = {"utils.py": FIXED + "import time\ntime.sleep(30)\n", "helpers.py": "def to_int(x):\n    return int(x)\n"}
+    result, no_leak, _ = _score(server, slow, timeout_s=1.0, timeout_reward=-0.5)
     outcome = (result.reward, result.passed, result.timed_out)
     assert outcome == (-0.5, False, True), f"carried {result.carried_files}; output:\n{result.output}"
     assert no_leak
