@@ -376,9 +376,12 @@ class AgentRLModule(L.LightningModule):
         value_loss, _ = losses.value_loss(values, values.detach(), returns, keep, clip=a.value_clip)
         # value_loss is a mean over this micro-batch's turns; rescale to the batch's turn count
         value_loss = value_loss * float(keep.sum()) / max(num_turns_kept, 1.0)
-        token_turn = self._token_turn(batch)[sl]
-        local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]) if turns.numel() else token_turn, token_turn)
-        micro_adv = adv.expand_to_tokens(turn_adv.to(values.dtype), local_turn, mask) if turns.numel() else torch.zeros_like(mask)
+        if turns.numel() == 0:
+            micro_adv = torch.zeros_like(mask)
+        else:  # turn indices of this micro-batch, counted from its first turn
+            token_turn = self._token_turn(batch)[sl]
+            local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
+            micro_adv = adv.expand_to_tokens(turn_adv.to(values.dtype), local_turn, mask)
         return value_loss, micro_adv, (values.detach()[keep > 0], returns[keep > 0])
 
 
