@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -85,3 +86,26 @@ def test_segment_boundaries_count_split_episodes_and_keep_the_outcome_on_the_las
     assert module.logged["segments/per_episode"] == 2.0
     assert batch.turn_rewards.tolist() == [0.0, 0.0, 1.0, 0.0]
     assert batch.seq_ids.unique().tolist() == [0, 1]  # the three segments are one episode
+
+
+def test_rollout_metrics_logs_a_credit_table_every_step_for_long_runs(tmp_path, tiny_tokenizer):
+    """A credit table per step for 200 steps into a real MLflow sqlite store: none of them may break
+    the run (MLflow's log_table keeps a per-run list in a tag that the store cuts at 8000 characters,
+    which failed at step ~150 of a learning run)."""
+    from lightning.pytorch.loggers import MLFlowLogger
+    from mlflow.tracking import MlflowClient
+
+    from lightning_agentrl.callbacks.rollout_metrics import RolloutMetrics
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(experiment_name="credit", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts"))
+    callback = RolloutMetrics(tmp_path / "run", tiny_tokenizer, num_samples=1)
+    trajectories = [episode(i, reward=float(i % 2), version=0) for i in range(4)]
+    for step in range(200):
+        callback._save(SimpleNamespace(global_step=step, logger=logger), trajectories)
+    client = MlflowClient(tracking_uri=uri)
+    tables = [a.path for a in client.list_artifacts(logger.run_id, "credit")]
+    assert len(tables) == 200
+    local = client.download_artifacts(logger.run_id, "credit/step_000199.json", str(tmp_path / "down"))
+    table = json.loads(open(local).read())
+    assert len(table["data"]) == 4 and all(len(row) == len(table["columns"]) for row in table["data"])

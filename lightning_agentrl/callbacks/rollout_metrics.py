@@ -78,8 +78,10 @@ class RolloutMetrics(L.Callback):
 
             rows, _ = credit_rows(trajectories)
             if rows:
-                columns = {key: [row[key] for row in rows] for key in rows[0]}
-                logger.experiment.log_table(logger.run_id, data=columns, artifact_file=f"credit/step_{step:06d}.json")
+                # log_dict, not log_table: log_table also appends to the run tag mlflow.loggedArtifacts,
+                # which the store cuts at 8000 characters, so after ~150 steps every call fails to parse it.
+                table = {"columns": list(rows[0]), "data": [list(row.values()) for row in rows]}
+                logger.experiment.log_dict(logger.run_id, table, artifact_file=f"credit/step_{step:06d}.json")
 
     @override
     def state_dict(self) -> dict:
