@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--echo-prob", type=float, default=0.5)
     parser.add_argument("--value-in-loss", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task")
+    parser.add_argument("--eval-every", type=int, default=30, help="held-out evaluation every N steps (and at the end)")
     own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
     args.overrides = overrides  # settings overrides for both arms, after --
@@ -96,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                                               *arm_overrides, f"--model.path={warm['path']}"])
             t0 = time.monotonic()
             result, history = run_with_evaluation(
-                settings, every=settings.trainer.max_steps, samples_per_task=args.eval_samples, seed=seed
+                settings, every=args.eval_every, samples_per_task=args.eval_samples, seed=seed
             )
             runs.append({
                 "arm": arm, "seed": seed, "overrides": arm_overrides, "run_dir": str(run_dir),
                 "baseline_success": history[0]["success"], "final_success": history[-1]["success"],
+                "success_per_step": [{"step": h["step"], "success": h["success"]} for h in history],
                 "train_reward_per_step": [r["reward"] for r in train_rewards(run_dir)],
                 "train_truncation_rate": truncation_rate(run_dir), "seconds": round(time.monotonic() - t0, 1),
                 "episodes": result.global_step * settings.rollout.groups_per_step * settings.rollout.group_size,
@@ -111,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for arm in spec["arms"]:
         finals = [r["final_success"] for r in runs if r["arm"] == arm]
+        curves = [r["success_per_step"] for r in runs if r["arm"] == arm]
+        steps = sorted({h["step"] for curve in curves for h in curve})
+        at = {step: [h["success"] for curve in curves for h in curve if h["step"] == step] for step in steps}
         summary[arm] = {
+            "success_per_step": [{"step": step, "mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0}
+                                 for step, v in at.items()],
             "final_success_mean": statistics.fmean(finals),
             "final_success_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "final_success": finals,

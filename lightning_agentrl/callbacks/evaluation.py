@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from dataclasses import replace
 
 import lightning as L
@@ -90,6 +91,7 @@ class HeldOutEvaluation(L.Callback):
             "success": sum(rewards) / len(rewards),
             "submitted_frac": sum(submitted) / len(submitted),
             "episodes": len(rewards),
+            "time": time.time(),  # wall clock when the evaluation finished (success against time)
         }
         self.history.append(entry)
         if trainer.logger is not None:
