@@ -45,10 +45,11 @@ COMPARISONS: dict[str, dict] = {
         "detour_prob": 0.0,
     },
     "truncation": {
-        "question": "truncated episodes scored 0 vs compact filtering (warm start takes a 4-turn detour "
-        "in half of its demos; env.max_turns=3 truncates those)",
+        "question": "truncated episodes scored 0 vs compact filtering, with a forced truncation rate: 30% of "
+        "training episodes (seeded) get 2 turns, so they end with max_turns before they can submit, "
+        "whatever the policy does",
         "arms": {"reward 0": ["--rollout.truncation=zero"], "compact filter": ["--rollout.truncation=filter"]},
-        "detour_prob": 0.5,
+        "detour_prob": 0.0,
     },
 }
 

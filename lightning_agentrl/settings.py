@@ -142,6 +142,10 @@ class RolloutSettings(_Section):
     """Truncated episodes (max_turns, max_context, timeout): reward 0, compact filtering, or critic bootstrap."""
     partial_rollout_s: float | None = Field(None, ge=0)
     """Partial rollouts: an episode running longer than this (seconds, per iteration) is parked and continued with newer weights; None = off. Needs max_staleness >= 1."""
+    forced_truncation_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Experiments only: this share of training episodes (drawn from the seed, group and index) gets only `forced_truncation_turns` turns, so it ends with max_turns whatever the policy does. Held-out evaluation is never cut."""
+    forced_truncation_turns: int = Field(1, ge=1)
+    """Turn budget of a force-truncated episode; must be below env.max_turns."""
 
 
 class AlgorithmSettings(_Section):
@@ -281,6 +285,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"rollout.max_in_flight ({self.rollout.max_in_flight}) must be >= rollout.group_size "
                 f"({self.rollout.group_size}) so a whole group can be in flight"
+            )
+        if self.rollout.forced_truncation_rate > 0 and self.rollout.forced_truncation_turns >= self.env.max_turns:
+            raise ValueError(
+                f"rollout.forced_truncation_turns ({self.rollout.forced_truncation_turns}) must be below "
+                f"env.max_turns ({self.env.max_turns}), or the forced episodes are not cut"
             )
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")

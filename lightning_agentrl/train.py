@@ -198,6 +198,8 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
             plan=RolloutPlan(
                 r.group_size, r.groups_per_step, r.max_in_flight, r.max_staleness, settings.run.seed,
                 partial_rollout_s=r.partial_rollout_s,
+                forced_truncation_rate=r.forced_truncation_rate,
+                forced_truncation_turns=r.forced_truncation_turns,
             ),
             summarizer=make_summarizer(
                 settings.env.summarizer, codec, max_summary_tokens=settings.env.summary_max_tokens

@@ -25,7 +25,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,8 +52,14 @@ class RolloutPlan:
     max_staleness: int
     seed: int = 0
     partial_rollout_s: float | None = None
+    forced_truncation_rate: float = 0.0
+    forced_truncation_turns: int = 1
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.forced_truncation_rate <= 1.0:
+            raise ValueError(f"rollout.forced_truncation_rate must be in [0, 1], got {self.forced_truncation_rate}")
+        if self.forced_truncation_turns < 1:
+            raise ValueError(f"rollout.forced_truncation_turns must be >= 1, got {self.forced_truncation_turns}")
         if self.partial_rollout_s is not None:
             if self.partial_rollout_s < 0:
                 raise ValueError(f"rollout.partial_rollout_s must be >= 0, got {self.partial_rollout_s}")
@@ -62,6 +68,18 @@ class RolloutPlan:
                     "rollout.partial_rollout_s needs rollout.max_staleness >= 1: a parked episode continues "
                     "with newer weights, so its group always mixes two policy versions"
                 )
+
+
+    def episode_budget(self, budget: EpisodeBudget, group_id: int, index: int) -> EpisodeBudget:
+        """The budget of episode ``index`` of group ``group_id``: ``budget``, or for a
+        ``forced_truncation_rate`` share of episodes (a pure function of the seed, the group and the
+        index, so a parked episode keeps its budget) only ``forced_truncation_turns`` turns."""
+        if self.forced_truncation_rate == 0.0:
+            return budget
+        draw = random.Random(f"forced-truncation/{self.seed}/{group_id}/{index}").random()
+        if draw >= self.forced_truncation_rate:
+            return budget
+        return replace(budget, max_turns=min(self.forced_truncation_turns, budget.max_turns))
 
 
 @dataclass
@@ -287,7 +305,7 @@ class RolloutService:
                         env=env,
                         codec=self.codec,
                         sampling=self.sampling,
-                        budget=self.budget,
+                        budget=self.plan.episode_budget(self.budget, group_id, index),
                         episode_id=f"g{group_id}-e{index}",
                         task_id=task.id,
                         group_id=group_id,

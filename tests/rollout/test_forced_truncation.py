@@ -1,0 +1,66 @@
+"""rollout.forced_truncation_rate cuts the turn budget of a seeded share of training episodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_agentrl.rollout.agent_loop import EpisodeBudget
+from lightning_agentrl.rollout.engine import SamplingParams
+from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
+from lightning_agentrl.settings import SettingsError, load_settings
+from lightning_agentrl.trajectory import TerminationReason
+from tests.rollout.conftest import CountingEnv, ScriptedEngine, call
+
+
+class NoClient:
+    async def close(self) -> None:
+        pass
+
+
+def plan(rate: float, seed: int = 0) -> RolloutPlan:
+    return RolloutPlan(group_size=4, groups_per_step=4, max_in_flight=16, max_staleness=0, seed=seed,
+                       forced_truncation_rate=rate, forced_truncation_turns=1)
+
+
+def test_the_cut_episodes_are_a_seeded_share_and_keep_their_budget():
+    budget = EpisodeBudget(max_turns=4)
+    cut = [[plan(0.3).episode_budget(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
+    share = sum(map(sum, cut)) / 2000
+    assert 0.26 < share < 0.34
+    assert cut == [[plan(0.3).episode_budget(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
+    other_seed = [[plan(0.3, seed=1).episode_budget(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
+    assert other_seed != cut
+    assert plan(0.0).episode_budget(budget, 0, 0) is budget
+    assert all(plan(1.0).episode_budget(budget, g, 0).max_turns == 1 for g in range(20))
+    assert plan(1.0).episode_budget(budget, 0, 0).max_context_tokens == budget.max_context_tokens
+
+
+def test_forced_episodes_end_with_max_turns_in_the_service(codec, task):
+    engine = ScriptedEngine(codec, {"*": [call("run", command="ls"), call("submit")]})
+    service = RolloutService(
+        engine=engine,
+        make_client=NoClient,
+        make_env=lambda client, task: CountingEnv(submit_at=2),
+        codec=codec,
+        tasks=[task],
+        sampling=SamplingParams(max_new_tokens=64, seed=0),
+        budget=EpisodeBudget(max_turns=4),
+        plan=plan(0.5),
+    )
+    with service:
+        batch = service.take_batch(0, timeout_s=30)
+    expected = {f"g{g}-e{i}": plan(0.5).episode_budget(EpisodeBudget(max_turns=4), g, i).max_turns == 1
+                for g in range(4) for i in range(4)}
+    assert 0 < sum(expected.values()) < 16
+    for trajectory in batch:
+        forced = expected[trajectory.episode_id]
+        assert trajectory.termination is (TerminationReason.MAX_TURNS if forced else TerminationReason.SUBMITTED)
+        assert len(trajectory.turns) == (1 if forced else 2)
+
+
+def test_settings_refuse_a_forced_budget_that_does_not_cut():
+    with pytest.raises(SettingsError, match=r"forced_truncation_turns \(4\) must be below env.max_turns \(4\)"):
+        load_settings(None, ["--rollout.forced_truncation_rate=0.3", "--rollout.forced_truncation_turns=4",
+                             "--env.max_turns=4"])
+    with pytest.raises(SettingsError, match="forced_truncation_rate"):
+        load_settings(None, ["--rollout.forced_truncation_rate=1.5"])
