@@ -1,4 +1,4 @@
-"""Credit-assignment comparisons at equal rollout budget, on held-out copy-the-key tasks (SPEC §7).
+"""Credit-assignment comparisons at equal rollout budget, on held-out copy-the-key tasks.
 
     python benchmarks/compare.py gigpo        # GRPO vs GiGPO (states repeat: every read of key.txt)
     python benchmarks/compare.py mask         # loss mask on vs off (SPEC §2 predicts on wins)
