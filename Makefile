@@ -8,7 +8,7 @@ RUN_ID := $(shell date +%Y%m%d-%H%M%S)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install smoke test lint format bench mlflow-ui validate-tasks learn compare compare-gigpo compare-mask compare-truncation clean
+.PHONY: install smoke test lint format bench mlflow-ui validate-tasks learn compare compare-gigpo compare-gigpo_detour compare-mask compare-truncation clean
 
 install: $(STAMP)
 
@@ -46,13 +46,14 @@ learn: install
 	$(PY) benchmarks/learn_cpu.py --run-dir runs/learn_cpu-$(RUN_ID)
 
 # Credit-assignment comparisons at equal rollout budget (held-out success, 3 seeds, mean ± std).
-# `make compare` runs all three at once, one torch thread each (on 2 cores this finishes sooner
-# than three runs in a row with 2 threads each).
+# `make compare` runs the first three at once, one torch thread each (on 2 cores this finishes
+# sooner than three runs in a row with 2 threads each), then GRPO vs GiGPO with detours.
 COMPARE_THREADS ?= 2
 compare: install
 	$(MAKE) -j3 compare-gigpo compare-mask compare-truncation COMPARE_THREADS=1
+	$(MAKE) compare-gigpo_detour
 
-compare-gigpo compare-mask compare-truncation: install
+compare-gigpo compare-gigpo_detour compare-mask compare-truncation: install
 	$(PY) benchmarks/compare.py $(patsubst compare-%,%,$@) --root runs/$@-$(RUN_ID) -- --trainer.threads=$(COMPARE_THREADS)
 
 validate-tasks: install

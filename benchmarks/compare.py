@@ -1,6 +1,7 @@
 """Credit-assignment comparisons at equal rollout budget, on held-out copy-the-key tasks.
 
     python benchmarks/compare.py gigpo        # GRPO vs GiGPO (states repeat: every read of key.txt)
+    python benchmarks/compare.py gigpo_detour # the same where a state is reached by different paths
     python benchmarks/compare.py mask         # loss mask on vs off (SPEC §2 predicts on wins)
     python benchmarks/compare.py truncation   # truncated episodes: reward 0 vs compact filtering
     python benchmarks/compare.py mask --seeds 0 1 2 3 -- --trainer.max_steps=30
@@ -38,6 +39,12 @@ COMPARISONS: dict[str, dict] = {
         "question": "GRPO vs GiGPO (anchor states repeat: every episode that read key.txt is in the same state)",
         "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo": ["--algorithm.advantage=gigpo"]},
         "detour_prob": 0.0,
+    },
+    "gigpo_detour": {
+        "question": "GRPO vs GiGPO where one state is reached by different paths (the warm start runs ls "
+        "between the read and the write in half of its demos, so anchor groups span episodes at different turns)",
+        "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo": ["--algorithm.advantage=gigpo"]},
+        "detour_prob": 0.5,
     },
     "mask": {
         "question": "loss mask on vs off (off: observations after the first action are trained on too)",
