@@ -69,7 +69,6 @@ class RolloutPlan:
                     "with newer weights, so its group always mixes two policy versions"
                 )
 
-
     def episode_budget(self, budget: EpisodeBudget, group_id: int, index: int) -> EpisodeBudget:
         """The budget of episode ``index`` of group ``group_id``: ``budget``, or for a
         ``forced_truncation_rate`` share of episodes (a pure function of the seed, the group and the
