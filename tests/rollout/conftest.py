@@ -66,6 +66,13 @@ class ScriptedEngine:
         pass
 
 
+class NoClient:
+    """Sandbox client stand-in for environments that need no sandbox; the service still makes and closes one."""
+
+    async def close(self) -> None:
+        pass
+
+
 class CountingEnv:
     """A message-space environment without a sandbox: step n answers a fixed observation of
     ``observation_chars`` characters, and ``done`` with reward 1 at step ``submit_at`` (never if None)."""

@@ -9,12 +9,7 @@ from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
 from lightning_agentrl.settings import SettingsError, load_settings
 from lightning_agentrl.trajectory import TerminationReason
-from tests.rollout.conftest import CountingEnv, ScriptedEngine, call
-
-
-class NoClient:
-    async def close(self) -> None:
-        pass
+from tests.rollout.conftest import CountingEnv, NoClient, ScriptedEngine, call
 
 
 def plan(rate: float, seed: int = 0) -> RolloutPlan:

@@ -9,17 +9,10 @@ import pytest
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget
 from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
-from tests.rollout.conftest import CountingEnv, ScriptedEngine, call
+from tests.rollout.conftest import CountingEnv, NoClient, ScriptedEngine, call
 
 NUM_STEPS = 5
 GROUPS_PER_STEP = 2
-
-
-class NoClient:
-    """CountingEnv needs no sandbox; the service still makes and closes one client."""
-
-    async def close(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("max_staleness", [0, 2])
