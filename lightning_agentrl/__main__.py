@@ -4,6 +4,7 @@
     python -m lightning_agentrl validate --config configs/smoke.yaml      # settings only, no work
     python -m lightning_agentrl inspect runs/smoke                          # a run folder or a .jsonl file
     python -m lightning_agentrl credit runs/smoke                           # advantages of every estimator
+    python -m lightning_agentrl export runs/smoke/checkpoints/last.ckpt out/  # a HF model from any checkpoint
     python -m lightning_agentrl fit --help                                  # every setting, documented
 """
 
@@ -39,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=float, default=0.95, help="GiGPO discount (default 0.95)")
     p.add_argument("--omega", type=float, default=1.0, help="GiGPO step-advantage weight (default 1.0)")
     p.add_argument("--similarity", type=float, default=None, help="GiGPO LCS similarity threshold (default exact)")
+    p = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model folder")
+    p.add_argument("checkpoint", type=Path, help="a .ckpt file or a DeepSpeed checkpoint folder (e.g. last.ckpt)")
+    p.add_argument("out", type=Path, help="the folder to write (config, safetensors, tokenizer)")
+    p.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as stored)")
     return parser
 
 
@@ -77,13 +82,40 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume_base(overrides: list[str]) -> Path | None:
+    """``fit --run.dir X --resume last`` without ``--config``: the settings the run last ran with
+    (its ``settings.yaml``, or its newest ``settings.resume-*.yaml``) are the base; overrides apply
+    on top."""
+    from lightning_agentrl.settings import parse_overrides
+    from lightning_agentrl.train import last_settings_file
+
+    run = parse_overrides(overrides).get("run", {})
+    if run.get("resume") != "last":
+        return None
+    if "dir" not in run:
+        raise SettingsError("--resume last without --config needs --run.dir=<the run folder>")
+    base = last_settings_file(run["dir"])
+    if base is None:
+        raise SettingsError(f"--resume last: {run['dir']} holds no settings.yaml; is it a run folder?")
+    return base
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("inspect", "credit"):
+    if args.command in ("inspect", "credit", "export"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "export":
+            from lightning_agentrl.export import export_policy
+
+            try:
+                print(export_policy(args.checkpoint, args.out, dtype=args.dtype))
+            except (FileNotFoundError, ValueError) as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            return 0
         if args.command == "credit":
             from lightning_agentrl.credit import print_report
 
@@ -101,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         rest.append(f"--run.resume={args.resume}")
     try:
-        settings = load_settings(args.config, rest)
+        settings = load_settings(args.config or _resume_base(rest), rest)
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -121,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not result.is_global_zero:
+        return 0
     console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}")
     console.print(f"  checkpoint: {result.checkpoint}")
     console.print(f"  policy:     {result.policy_dir}")

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import losses
 from lightning_agentrl.algorithms.logprobs import token_logprobs
+from lightning_agentrl.distributed import global_max, global_sum, reduce_metrics, world_size
 from lightning_agentrl.settings import Settings
 from lightning_agentrl.trajectory import RolloutBatch
 
@@ -47,6 +48,7 @@ class AgentRLModule(L.LightningModule):
         kwargs = {"dtype": dtype}
         if self.settings.model.attn_implementation:
             kwargs["attn_implementation"] = self.settings.model.attn_implementation
+        zero3 = _zero3_loading_context(self._trainer)  # noqa: F841 - alive while the models load
         self.policy = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
         if self.settings.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
@@ -60,6 +62,8 @@ class AgentRLModule(L.LightningModule):
         if self.settings.algorithm.kl_coef > 0:
             self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs).eval()
             self.reference.requires_grad_(False)
+        self.policy_logprobs = OutputLogprobs(self.policy)
+        self.reference_logprobs = OutputLogprobs(self.reference) if self.reference is not None else None
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -94,7 +98,14 @@ class AgentRLModule(L.LightningModule):
     def configure_optimizers(self):
         t = self.settings.trainer
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        if t.offload_optimizer:
+            # ZeRO's optimizer offload steps on the CPU with DeepSpeed's own (vectorized) Adam; it
+            # refuses torch's. Same AdamW update rule (decoupled weight decay).
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(params, lr=t.lr, weight_decay=t.weight_decay, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         warmup = max(t.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
@@ -182,14 +193,12 @@ class AgentRLModule(L.LightningModule):
 
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of ``input_ids[targets_at]``; ``hidden[t-1]`` predicts token t."""
-        head = model.get_output_embeddings()
-        return token_logprobs(
+        head = self.policy_logprobs if model is self.policy else self.reference_logprobs
+        return head(
             hidden[targets_at - 1],
-            head.weight,
             input_ids[targets_at],
             temperature=max(self.settings.engine.temperature, 1e-6),
             chunk_size=self.settings.trainer.logprob_chunk_tokens,
-            lm_head_bias=getattr(head, "bias", None),
         )
 
     # -- the step ----------------------------------------------------------------------------
@@ -234,119 +243,127 @@ class AgentRLModule(L.LightningModule):
         self.manual_backward(loss)
 
     def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
-        """Forward and backward over micro-batches; gradients add up to those of the whole batch.
+        """Forward and backward over micro-batches; gradients add up to those of the whole step.
 
-        Returns the step's metrics. Does not step the optimizer."""
-        a, t = self.settings.algorithm, self.settings.trainer
+        With several training processes the step is the union of every rank's batch: the loss's
+        denominators (action tokens, included episodes, turns) are summed over ranks first and each
+        rank's loss is scaled by the world size, since DDP and ZeRO average gradients over ranks.
+        Every rank runs the same number of backward passes (a rank with fewer micro-batches runs
+        zero-loss ones), because each backward is a collective. Returns the step's metrics, reduced
+        over ranks. Does not step the optimizer."""
         train_mask = self.train_mask(batch)
         token_adv, log = self.episode_advantages(batch, train_mask)
-        num_tokens = float(train_mask.sum())
-        num_seqs = int(batch.include.sum())
-        num_turns_kept = float(batch.include[batch.turn_traj].sum()) if batch.turn_traj.numel() else 0.0
-        sums: dict[str, float] = {}
-        weight_sum = 0.0
-        mismatch_max, mismatch_sum, mismatch_n = 0.0, 0.0, 0
-        loss_total = torch.zeros((), device=self.device)
-        values_seen, returns_seen = [], []
-
-        micro = [
-            sl for sl in _micro_batches(batch.seq_ids, t.micro_batch_tokens) if bool((train_mask[sl][1:] > 0).any())
-        ]
-        for index, sl in enumerate(micro):
-            mask = train_mask[sl]
-            targets_at = torch.nonzero(mask > 0).squeeze(-1)
-            targets_at = targets_at[targets_at > 0]
-            input_ids, seq_ids = batch.input_ids[sl], batch.seq_ids[sl]
-            hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
-            logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
-            dense_lp = torch.zeros(mask.shape, dtype=logprobs.dtype, device=mask.device).index_put(
-                (targets_at,), logprobs
-            )
-            loss = torch.zeros((), device=self.device)
-
-            micro_adv = token_adv[sl] if token_adv is not None else None
-            if self.value_head is not None:
-                value_loss, micro_adv_gae, value_stats = self._critic(batch, sl, hidden, mask, num_turns_kept)
-                loss = loss + a.value_coef * value_loss
-                sums["loss/value"] = sums.get("loss/value", 0.0) + float(value_loss.detach())
-                if micro_adv is None:
-                    micro_adv = micro_adv_gae
-                values_seen.append(value_stats[0])
-                returns_seen.append(value_stats[1])
-            assert micro_adv is not None
-
-            behavior = batch.behavior_logprobs[sl]
-            # Tokens without a behavior log-prob (observations in the no-mask ablation) are on-policy.
-            behavior = torch.where(torch.isnan(behavior), dense_lp.detach(), behavior)
-            lag = (self._policy_version() - batch.policy_versions[sl]).clamp(min=0)
-            # Decoupled PPO: one update per batch, so the weights before it are the proximal policy.
-            stale = bool((lag[targets_at] > 0).any())
-            policy_loss, step_metrics = losses.policy_loss(
-                dense_lp,
-                behavior,
-                micro_adv,
-                mask,
-                seq_ids,
-                clip_low=a.clip_low,
-                clip_high=a.clip_high,
-                dual_clip=a.dual_clip,
-                agg=a.aggregation,
-                proximal_logprobs=dense_lp.detach() if stale else None,
-                is_weights=batch.token_weights[sl],
-                is_cap=a.importance_cap,
-                num_seqs=num_seqs,
-                num_tokens=num_tokens,
-            )
-            loss = loss + policy_loss
-            if a.entropy_coef > 0 and entropy is not None:
-                dense_entropy = torch.zeros_like(dense_lp).index_put((targets_at,), entropy)
-                loss = loss - a.entropy_coef * losses.aggregate(
-                    dense_entropy, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens
-                )
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_hidden = self.hidden_states(self.reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
-                    ref_lp, _ = self.token_logprobs_at(self.reference, ref_hidden, input_ids, targets_at)
-                dense_ref = torch.zeros_like(dense_lp).index_put((targets_at,), ref_lp)
-                kl = losses.kl_penalty(dense_lp, dense_ref, kind=a.kl_estimator)
-                kl_loss = losses.aggregate(kl, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens)
-                loss = loss + a.kl_coef * kl_loss
-                sums["loss/kl"] = sums.get("loss/kl", 0.0) + float(kl_loss.detach())
-
-            self._backward(loss, last=index == len(micro) - 1)
-            loss_total = loss_total + loss.detach()
-            share = float(mask.sum())
-            weight_sum += share
-            for key, value in step_metrics.items():
-                if key != "loss/policy":
-                    sums[key] = sums.get(key, 0.0) + float(value) * share
-            sums["loss/policy"] = sums.get("loss/policy", 0.0) + float(policy_loss.detach())
-            if entropy is not None:
-                sums["policy/entropy"] = sums.get("policy/entropy", 0.0) + float(entropy.detach().sum())
-            # train/inference mismatch on tokens sampled by the current weights (lag 0)
-            on_policy = (lag[targets_at] == 0) & (batch.loss_mask[sl][targets_at] > 0)
-            if on_policy.any():
-                diff = (logprobs.detach()[on_policy] - batch.behavior_logprobs[sl][targets_at][on_policy]).abs()
-                mismatch_max = max(mismatch_max, float(diff.max()))
-                mismatch_sum += float(diff.sum())
-                mismatch_n += int(on_policy.sum())
-
-        additive = {"loss/policy", "loss/kl", "loss/value"}
-        for key, value in sums.items():
-            log[key] = value if key in additive else value / max(weight_sum, 1.0)
-        if values_seen:
-            from lightning_agentrl.algorithms.diagnostics import explained_variance
-
-            log["value/explained_variance"] = explained_variance(torch.cat(values_seen), torch.cat(returns_seen))
-        log.update(
-            {
-                "loss/total": float(loss_total),
-                "tokens/train": num_tokens,
-                "mismatch/logprob_max": mismatch_max,
-                "mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else 0.0,
-            }
+        num_turns_local = float(batch.include[batch.turn_traj].sum()) if batch.turn_traj.numel() else 0.0
+        num_tokens, num_seqs, num_turns_kept = global_sum(
+            float(train_mask.sum()), float(batch.include.sum()), num_turns_local
         )
+        totals = _StepTotals()
+        micro = [
+            sl
+            for sl in _micro_batches(batch.seq_ids, self.settings.trainer.micro_batch_tokens)
+            if bool((train_mask[sl][1:] > 0).any())
+        ]
+        num_micro = int(global_max(len(micro)))
+        for index in range(num_micro):
+            last = index == num_micro - 1
+            if index >= len(micro):
+                self._backward(self._zero_loss(batch), last=last)
+                continue
+            loss = self._micro_loss(
+                batch, micro[index], train_mask, token_adv, totals,
+                num_tokens=num_tokens, num_seqs=int(num_seqs), num_turns_kept=num_turns_kept,
+            )
+            self._backward(loss * world_size(), last=last)
+        log.update(totals.reduced())
+        log["tokens/train"] = num_tokens
         return log
+
+    def _micro_loss(
+        self, batch: RolloutBatch, sl: slice, train_mask, token_adv, totals: _StepTotals, *,
+        num_tokens: float, num_seqs: int, num_turns_kept: float,
+    ) -> torch.Tensor:
+        """The loss of micro-batch ``sl`` with the step's global denominators; adds its metrics to ``totals``."""
+        a = self.settings.algorithm
+        mask = train_mask[sl]
+        targets_at = torch.nonzero(mask > 0).squeeze(-1)
+        targets_at = targets_at[targets_at > 0]
+        input_ids, seq_ids = batch.input_ids[sl], batch.seq_ids[sl]
+        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+        logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
+        dense_lp = torch.zeros(mask.shape, dtype=logprobs.dtype, device=mask.device).index_put((targets_at,), logprobs)
+        loss = torch.zeros((), device=self.device)
+
+        micro_adv = token_adv[sl] if token_adv is not None else None
+        if self.value_head is not None:
+            value_loss, micro_adv_gae, value_stats = self._critic(batch, sl, hidden, mask, num_turns_kept)
+            loss = loss + a.value_coef * value_loss
+            totals.add("loss/value", float(value_loss.detach()))
+            if micro_adv is None:
+                micro_adv = micro_adv_gae
+            totals.values.append(value_stats[0])
+            totals.returns.append(value_stats[1])
+        assert micro_adv is not None
+
+        behavior = batch.behavior_logprobs[sl]
+        # Tokens without a behavior log-prob (observations in the no-mask ablation) are on-policy.
+        behavior = torch.where(torch.isnan(behavior), dense_lp.detach(), behavior)
+        lag = (self._policy_version() - batch.policy_versions[sl]).clamp(min=0)
+        # Decoupled PPO: one update per batch, so the weights before it are the proximal policy.
+        stale = bool((lag[targets_at] > 0).any())
+        policy_loss, step_metrics = losses.policy_loss(
+            dense_lp, behavior, micro_adv, mask, seq_ids,
+            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, agg=a.aggregation,
+            proximal_logprobs=dense_lp.detach() if stale else None,
+            is_weights=batch.token_weights[sl], is_cap=a.importance_cap,
+            num_seqs=num_seqs, num_tokens=num_tokens,
+        )
+        loss = loss + policy_loss
+        if a.entropy_coef > 0 and entropy is not None:
+            dense_entropy = torch.zeros_like(dense_lp).index_put((targets_at,), entropy)
+            loss = loss - a.entropy_coef * losses.aggregate(
+                dense_entropy, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens
+            )
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_hidden = self.hidden_states(self.reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+                ref_lp, _ = self.token_logprobs_at(self.reference, ref_hidden, input_ids, targets_at)
+            dense_ref = torch.zeros_like(dense_lp).index_put((targets_at,), ref_lp)
+            kl = losses.kl_penalty(dense_lp, dense_ref, kind=a.kl_estimator)
+            kl_loss = losses.aggregate(kl, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens)
+            loss = loss + a.kl_coef * kl_loss
+            totals.add("loss/kl", float(kl_loss.detach()))
+
+        share = float(mask.sum())
+        totals.add("loss/total", float(loss.detach()))
+        totals.add("loss/policy", float(policy_loss.detach()))
+        totals.add("weight", share)
+        for key, value in step_metrics.items():
+            if key.endswith("_max"):
+                totals.maxima[key] = max(totals.maxima.get(key, 0.0), float(value))
+            elif key != "loss/policy":
+                totals.add(key, float(value) * share)
+        if entropy is not None:
+            totals.add("policy/entropy", float(entropy.detach().sum()))
+        # train/inference mismatch on tokens sampled by the current weights (lag 0)
+        on_policy = (lag[targets_at] == 0) & (batch.loss_mask[sl][targets_at] > 0)
+        if on_policy.any():
+            diff = (logprobs.detach()[on_policy] - batch.behavior_logprobs[sl][targets_at][on_policy]).abs()
+            totals.maxima["mismatch/logprob_max"] = max(totals.maxima["mismatch/logprob_max"], float(diff.max()))
+            totals.add("mismatch_sum", float(diff.sum()))
+            totals.add("mismatch_n", float(on_policy.sum()))
+        return loss
+
+    def _zero_loss(self, batch: RolloutBatch) -> torch.Tensor:
+        """A loss of exactly 0 that still reaches every trainable parameter: the backward pass of a
+        rank that has run out of micro-batches while others have not (each backward is a collective)."""
+        n = min(2, batch.input_ids.numel())
+        input_ids = batch.input_ids[:n]
+        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[:n], batch.segment_ids[:n])
+        logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, torch.arange(1, n, device=hidden.device))
+        loss = logprobs.sum() + hidden.sum()
+        if self.value_head is not None:
+            loss = loss + self.value_head(hidden).sum()
+        return loss * 0.0
 
     def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, num_turns_kept: float):
         """Value loss and (for ``gae``) token advantages of the episodes in micro-batch ``sl``.
@@ -383,6 +400,48 @@ class AgentRLModule(L.LightningModule):
             local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
             micro_adv = adv.expand_to_tokens(turn_adv.to(values.dtype), local_turn, mask)
         return value_loss, micro_adv, (values.detach()[keep > 0], returns[keep > 0])
+
+
+class OutputLogprobs(torch.nn.Module):
+    """:func:`token_logprobs` through a model's output embedding, as a module of its own.
+
+    Why a module: the log-probs read the output embedding's weight directly (never materializing
+    all logits), outside the ``lm_head`` module's forward. Under ZeRO-3 that weight is a partitioned
+    stub except while a module that uses it runs, so it is registered here as this module's
+    external parameter: DeepSpeed gathers it for this forward and again for its backward. Without
+    ZeRO-3 this is a plain call. The head is held without registering it as a submodule (it
+    belongs to the model)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        head = model.get_output_embeddings()
+        self._head = (head,)  # a tuple: not a submodule
+        for parameter in (head.weight, getattr(head, "bias", None)):
+            if parameter is not None and hasattr(parameter, "ds_id"):
+                import deepspeed
+
+                deepspeed.zero.register_external_parameter(self, parameter)
+
+    def forward(self, hidden, target_ids, *, temperature: float, chunk_size: int):
+        (head,) = self._head
+        return token_logprobs(
+            hidden, head.weight, target_ids, temperature=temperature, chunk_size=chunk_size,
+            lm_head_bias=getattr(head, "bias", None),
+        )
+
+
+def _zero3_loading_context(trainer):
+    """Under ZeRO-3, tell transformers (``HfDeepSpeedConfig``) so that ``from_pretrained`` creates
+    the model partitioned and initializes and loads each weight gathered; without it, weight
+    initialization indexes partitioned stubs. Transformers holds it weakly: it applies while the
+    returned object is alive, so keep it only while models load (later models, e.g. the exported
+    policy, must not be partitioned)."""
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if not getattr(strategy, "zero_stage_3", False):
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(strategy.config)
 
 
 def _micro_batches(seq_ids: torch.Tensor, max_tokens: int) -> list[slice]:
@@ -423,3 +482,36 @@ def _carry_forward(token_turn: torch.Tensor, segment_ids: torch.Tensor) -> torch
         out[i] = last
     return out
 
+
+
+class _StepTotals:
+    """The metrics of one step, summed over micro-batches, then over ranks by :meth:`reduced`.
+
+    ``loss/*`` are sums (each micro-batch's loss carries the step's denominators already);
+    ``maxima`` are maxima; every other key is a sum of value x action tokens, divided by the step's
+    action tokens at the end."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxima: dict[str, float] = {"mismatch/logprob_max": 0.0}
+        self.values: list[torch.Tensor] = []
+        self.returns: list[torch.Tensor] = []
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def reduced(self) -> dict[str, float]:
+        local = {"loss/total": 0.0, "weight": 0.0, "mismatch_sum": 0.0, "mismatch_n": 0.0, **self.sums, **self.maxima}
+        if self.values:
+            from lightning_agentrl.algorithms.diagnostics import explained_variance
+
+            local["value/explained_variance"] = explained_variance(torch.cat(self.values), torch.cat(self.returns))
+        averaged = {"value/explained_variance"}
+        maxima = {key for key in local if key.endswith("_max")}  # the same names on every rank
+        step = reduce_metrics(local, sums=lambda key: key not in averaged and key not in maxima, maxima=maxima)
+        weight, mismatch_sum, mismatch_n = step.pop("weight"), step.pop("mismatch_sum"), step.pop("mismatch_n")
+        out = {"mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else 0.0}
+        for key, value in step.items():
+            keep = key.startswith("loss/") or key in averaged or key in maxima
+            out[key] = value if keep else value / max(weight, 1.0)
+        return out

@@ -213,7 +213,9 @@ class TrainerSettings(_Section):
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     """Lightning accelerator."""
     devices: int | Literal["auto"] = 1
-    """Devices per node."""
+    """Training processes (devices) per node."""
+    num_nodes: int = Field(1, ge=1)
+    """Nodes; each runs `devices` processes (launched by Lightning, torchrun or SLURM: docs/scaling.md)."""
     precision: str = "32-true"
     """Lightning precision string."""
     checkpoint_every: int = Field(1, ge=1)

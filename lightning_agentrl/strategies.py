@@ -24,9 +24,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,19 +154,49 @@ def gather_full_state_dict(
     Pass the HF model itself to get HF names (``model.layers.0...``, ``lm_head.weight``), or a strategy /
     LightningModule with ``prefix`` naming the submodule (e.g. ``"policy."``): keys are filtered by and
     stripped of ``prefix``. Under ZeRO-3 each rank holds a shard of every parameter; they are
-    all-gathered with ``deepspeed.zero.GatheredParameters`` (a collective: every rank must call this).
-    Under other strategies the tensors are already whole. Call it after an optimizer step, outside the
-    forward/backward pass.
+    all-gathered one module at a time with ``deepspeed.zero.GatheredParameters`` and copied to CPU, so
+    the extra accelerator memory at any moment is one layer's parameters, never a second model. A
+    collective under ZeRO-3: every rank must call it. Under other strategies the tensors are already
+    whole. Call it after an optimizer step, outside the forward/backward pass.
     """
-    module = _unwrap(strategy_or_module)
-    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]  # ZeRO-3 marks its params
-    if partitioned:
-        import deepspeed
+    return dict(iter_full_state(strategy_or_module, prefix=prefix))
 
-        # modifier_rank=None: read-only gather, no rank's edits are written back to the shards.
-        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-            return _detached_copy(module.state_dict(), prefix)
-    return _detached_copy(module.state_dict(), prefix)
+
+def iter_full_state(
+    strategy_or_module: Strategy | torch.nn.Module, *, prefix: str = ""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`gather_full_state_dict` as a stream of ``(name, CPU tensor)``, module by module."""
+    module = _unwrap(strategy_or_module)
+    wanted = set(module.state_dict().keys())  # persistent buffers and parameters, tied ones twice
+    found = False
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        tensors = [
+            (f"{module_name}.{name}" if module_name else name, tensor)
+            for name, tensor in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+        ]
+        tensors = [(name, t) for name, t in tensors if name in wanted and name.startswith(prefix)]
+        if not tensors:
+            continue
+        found = True
+        with _gathered([t for _, t in tensors]):
+            # a copy: the gathered storage is freed (re-partitioned) when the context exits
+            copies = [(name[len(prefix) :], t.detach().to("cpu", copy=True)) for name, t in tensors]
+        yield from copies
+    if not found:
+        raise ValueError(f"no tensor name starts with prefix {prefix!r}")
+
+
+@contextlib.contextmanager
+def _gathered(tensors: list[torch.Tensor]) -> Iterator[None]:
+    partitioned = [t for t in tensors if hasattr(t, "ds_id")]  # ZeRO-3 marks its parameters
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    # modifier_rank=None: read-only gather, no rank's edits are written back to the shards.
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
 
 
 def _unwrap(strategy_or_module: Strategy | torch.nn.Module) -> torch.nn.Module:
@@ -183,22 +214,11 @@ def _unwrap(strategy_or_module: Strategy | torch.nn.Module) -> torch.nn.Module:
     return strategy_or_module
 
 
-def _detached_copy(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    # Copy: the gathered storage is freed (re-partitioned) when the context exits.
-    full = {
-        name[len(prefix) :]: tensor.detach().to("cpu", copy=True)
-        for name, tensor in state.items()
-        if name.startswith(prefix)
-    }
-    if not full:
-        raise ValueError(f"no tensor name starts with prefix {prefix!r}")
-    return full
-
-
 __all__ = [
     "STRATEGY_NAMES",
     "CPUDeepSpeedStrategy",
     "gather_full_state_dict",
+    "iter_full_state",
     "make_strategy",
     "prepare_cpu_deepspeed_environment",
 ]

@@ -11,7 +11,6 @@ Everything a run writes goes under ``run.dir``::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from lightning_agentrl.settings import Settings, SettingsError, flatten
+from lightning_agentrl.settings import Settings, SettingsError, TrainerSettings, flatten
 
 
 @dataclass
@@ -30,6 +29,7 @@ class FitResult:
     tracking_uri: str | None
     mlflow_run_id: str | None
     global_step: int
+    is_global_zero: bool = True
 
 
 def resolve_model_path(settings: Settings) -> str:
@@ -64,23 +64,45 @@ def make_engine(settings: Settings, model_path: str, tokenizer):
     return TorchEngine(model, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, max_batch_size=e.max_batch_size)
 
 
-def _mlflow_logger(settings: Settings, run_dir: Path):
+def tracking_uri(settings: Settings, run_dir: Path) -> str:
+    return settings.tracking.uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+def build_logger(settings: Settings, run_dir: Path):
+    """Lightning's MLFlowLogger, continuing the run's MLflow run on a resume. Nothing touches the
+    store here: the run is created on rank 0 alone, by :func:`record_settings`."""
     if not settings.tracking.enabled:
         return None
     from lightning.pytorch.loggers import MLFlowLogger
 
-    uri = settings.tracking.uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
     id_file = run_dir / "mlflow_run_id.txt"
     run_id = id_file.read_text().strip() if settings.run.resume == "last" and id_file.exists() else None
-    logger = MLFlowLogger(
+    return MLFlowLogger(
         experiment_name=settings.tracking.experiment,
         run_name=run_dir.name,
-        tracking_uri=uri,
+        tracking_uri=tracking_uri(settings, run_dir),
         artifact_location=(run_dir / "mlartifacts").resolve().as_uri(),
         run_id=run_id,
     )
-    id_file.write_text(logger.run_id)
-    return logger
+
+
+def record_settings(settings: Settings, run_dir: Path, logger) -> None:
+    """Rank 0: the resolved settings as a file (a resume keeps the original ``settings.yaml`` and
+    records its own beside it), as MLflow params and as an artifact."""
+    settings_file = run_dir / "settings.yaml"
+    if settings.run.resume == "last":
+        settings_file = run_dir / f"settings.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+    settings_file.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+    if logger is None:
+        return
+    (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
+    params = flatten(settings)
+    logged = logger.experiment.get_run(logger.run_id).data.params
+    # MLflow params are write-once: a resumed run logs only new keys; the settings it resumed
+    # with (e.g. run.resume=last, a longer max_steps) are kept as an artifact of their own.
+    logger.log_hyperparams({k: v for k, v in params.items() if k not in logged})
+    artifact_path = "resumed" if logged else None
+    logger.experiment.log_artifact(logger.run_id, str(settings_file), artifact_path=artifact_path)
 
 
 # Lightning warnings that do not apply to this loop, said once here instead of on every run:
@@ -93,55 +115,73 @@ _EXPECTED_WARNINGS = (
 )
 
 
-def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -> FitResult:
-    """Train as ``settings`` say. ``callbacks`` are added to the Trainer's; ``wrap_engine``, if given,
-    wraps the generation engine (e.g. to record or route requests)."""
-    import warnings
-
-    import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from transformers import AutoTokenizer
-
-    from lightning_agentrl.callbacks import (
-        CompactFilter,
-        GroupFilter,
-        RolloutMetrics,
-        SegmentBoundaries,
-        StalenessWeighting,
-        TokenCheck,
-        WeightSync,
-    )
-    from lightning_agentrl.callbacks.compact_filter import TRUNCATIONS
-    from lightning_agentrl.checkpoint_io import AtomicCheckpointIO
-    from lightning_agentrl.datamodule import RolloutDataModule
-    from lightning_agentrl.envs.coding import CodingEnv
-    from lightning_agentrl.module import AgentRLModule
-    from lightning_agentrl.rollout.agent_loop import EpisodeBudget
-    from lightning_agentrl.rollout.chat import ChatCodec
-    from lightning_agentrl.rollout.engine import SamplingParams
-    from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
-    from lightning_agentrl.rollout.summarize import make_summarizer
-    from lightning_agentrl.strategies import make_strategy
-    from lightning_agentrl.tasks import load_tasks
-
-    for pattern in _EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
+def check_run_dir(settings: Settings) -> Path:
+    """The run folder, refusing a resume without a checkpoint and a new run over an old one."""
     run_dir = Path(settings.run.dir)
-    checkpoint_dir = run_dir / "checkpoints"
-    last = checkpoint_dir / "last.ckpt"
+    last = run_dir / "checkpoints" / "last.ckpt"
     if settings.run.resume == "last" and not last.exists():
         raise SettingsError(f"run.resume=last but there is no checkpoint at {last}")
     if settings.run.resume == "never" and last.exists():
         raise SettingsError(
             f"{run_dir} already holds a run ({last}); pass --resume last to continue it, or choose another run.dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # A resume keeps the original settings.yaml and records what it resumed with beside it.
-    settings_file = run_dir / "settings.yaml"
     if settings.run.resume == "last":
-        settings_file = run_dir / f"settings.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    settings_file.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+        check_same_layout(settings, run_dir)
+    return run_dir
+
+
+def check_same_layout(settings: Settings, run_dir: Path) -> None:
+    """A resume keeps the strategy and the number of processes: ZeRO checkpoints are partitioned
+    per rank and the rollout state is saved per rank."""
+    previous = last_run_settings(run_dir)
+    if previous is None:
+        return
+    before, now = previous.get("trainer", {}), settings.trainer
+    for field in ("strategy", "devices", "num_nodes"):
+        old, new = before.get(field, TrainerSettings.model_fields[field].default), getattr(now, field)
+        if old != new:
+            raise SettingsError(
+                f"trainer.{field}: the run in {run_dir} ran with {old!r}, this resume asks for {new!r}; "
+                f"a resume keeps the strategy and the number of processes (drop the override, or start a new run.dir)"
+            )
+
+
+def last_settings_file(run_dir: str | Path) -> Path | None:
+    """The settings the run in ``run_dir`` last ran with: its newest ``settings.resume-*.yaml``, else
+    its ``settings.yaml`` (each is a complete resolved dump); None if it has neither."""
+    resumes = sorted(Path(run_dir).glob("settings.resume-*.yaml"))
+    path = resumes[-1] if resumes else Path(run_dir) / "settings.yaml"
+    return path if path.exists() else None
+
+
+def last_run_settings(run_dir: Path) -> dict | None:
+    path = last_settings_file(run_dir)
+    return yaml.safe_load(path.read_text()) if path is not None else None
+
+
+def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -> FitResult:
+    """Train as ``settings`` say. ``callbacks`` are added to the Trainer's; ``wrap_engine``, if given,
+    wraps the generation engine (e.g. to record or route requests).
+
+    With several processes every rank runs this function (Lightning's launcher starts the others
+    inside ``trainer.fit``; torchrun or SLURM start all of them); rank 0 alone writes the run folder's
+    settings, MLflow, trajectories and ``policy/``."""
+    import warnings
+
+    import lightning as L
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.datamodule import RolloutDataModule
+    from lightning_agentrl.distributed import NodeSandbox
+    from lightning_agentrl.module import AgentRLModule
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.tasks import load_tasks
+
+    for pattern in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    run_dir = check_run_dir(settings)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if settings.trainer.threads:
         torch.set_num_threads(settings.trainer.threads)
     L.seed_everything(settings.run.seed, workers=True, verbose=False)
@@ -152,150 +192,179 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     model_path = resolve_model_path(settings)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     codec = ChatCodec(tokenizer)
-
-    with contextlib.ExitStack() as stack:
-        url, token = settings.sandbox.url, settings.sandbox.token
-        if url is None:
-            from sandbox_server.launch import start_local_server
-
-            server = stack.enter_context(start_local_server(log_file=run_dir / "sandbox_server.log"))
-            url, token = server.url, server.token
-
-        def make_client():
-            from sandbox_client import SandboxClient
-
-            return SandboxClient(
-                url, token or "", timeout_s=settings.sandbox.request_timeout_s, max_retries=settings.sandbox.max_retries
-            )
-
-        def make_env(client, task):
-            return CodingEnv(
-                client,
-                task,
-                tool_timeout_s=settings.env.tool_timeout_s,
-                max_observation_chars=settings.env.max_observation_chars,
-                system_prompt=settings.env.system_prompt,
-            )
-
-        e, r = settings.engine, settings.rollout
-        engine = make_engine(settings, model_path, tokenizer)
-        service = RolloutService(
-            engine=wrap_engine(engine) if wrap_engine is not None else engine,
-            make_client=make_client,
-            make_env=make_env,
-            codec=codec,
-            tasks=tasks,
-            sampling=SamplingParams(
-                max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, seed=settings.run.seed
-            ),
-            budget=EpisodeBudget(
-                max_turns=settings.env.max_turns,
-                max_context_tokens=settings.env.max_context_tokens,
-                generation_timeout_s=settings.env.generation_timeout_s,
-                episode_timeout_s=settings.env.episode_timeout_s,
-                max_tool_errors=settings.env.max_tool_errors,
-            ),
-            plan=RolloutPlan(
-                r.group_size, r.groups_per_step, r.max_in_flight, r.max_staleness, settings.run.seed,
-                partial_rollout_s=r.partial_rollout_s,
-                forced_truncation_rate=r.forced_truncation_rate,
-                forced_truncation_turns=r.forced_truncation_turns,
-            ),
-            summarizer=make_summarizer(
-                settings.env.summarizer, codec, max_summary_tokens=settings.env.summary_max_tokens
-            ),
+    s = settings.sandbox
+    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries, log_dir=run_dir)
+    engine = make_engine(settings, model_path, tokenizer)
+    service = build_rollout_service(
+        settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
+    )
+    logger = build_logger(settings, run_dir)
+    trainer = build_trainer(settings, run_dir, logger, service, sandbox, tokenizer, extra=list(callbacks))
+    if trainer.is_global_zero:
+        record_settings(settings, run_dir, logger)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    try:
+        trainer.fit(
+            AgentRLModule(settings, model_path),
+            datamodule=RolloutDataModule(service),
+            ckpt_path=str(last) if settings.run.resume == "last" else None,
         )
-        stack.callback(service.stop)
+    finally:
+        service.stop()
+        sandbox.close()
+    if trainer.is_global_zero:
+        finish_run(trainer, logger, run_dir, tracking_uri(settings, run_dir))
+    return FitResult(
+        run_dir=run_dir,
+        checkpoint=last,
+        policy_dir=run_dir / "policy",
+        tracking_uri=tracking_uri(settings, run_dir) if logger is not None else None,
+        mlflow_run_id=logger.run_id if logger is not None else None,
+        global_step=trainer.global_step,
+        is_global_zero=trainer.is_global_zero,
+    )
 
-        filtered = ("sandbox_error", *(t.value for t in TRUNCATIONS)) if r.truncation == "filter" else ("sandbox_error",)
-        logger = _mlflow_logger(settings, run_dir)
-        if logger is not None:
-            params = flatten(settings)
-            logged = logger.experiment.get_run(logger.run_id).data.params
-            # MLflow params are write-once: a resumed run logs only new keys; the settings it resumed
-            # with (e.g. run.resume=last, a longer max_steps) are kept as an artifact of their own.
-            logger.log_hyperparams({k: v for k, v in params.items() if k not in logged})
-            artifact_path = "resumed" if logged else None
-            logger.experiment.log_artifact(logger.run_id, str(settings_file), artifact_path=artifact_path)
-        checkpointing = ModelCheckpoint(
-            dirpath=checkpoint_dir,
+
+def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
+    from lightning_agentrl.envs.coding import CodingEnv
+    from lightning_agentrl.rollout.agent_loop import EpisodeBudget
+    from lightning_agentrl.rollout.engine import SamplingParams
+    from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
+    from lightning_agentrl.rollout.summarize import make_summarizer
+
+    e, r, env = settings.engine, settings.rollout, settings.env
+
+    def make_env(client, task):
+        return CodingEnv(
+            client,
+            task,
+            tool_timeout_s=env.tool_timeout_s,
+            max_observation_chars=env.max_observation_chars,
+            system_prompt=env.system_prompt,
+        )
+
+    return RolloutService(
+        engine=engine,
+        make_client=sandbox.make_client,
+        make_env=make_env,
+        codec=codec,
+        tasks=tasks,
+        sampling=SamplingParams(
+            max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, seed=settings.run.seed
+        ),
+        budget=EpisodeBudget(
+            max_turns=env.max_turns,
+            max_context_tokens=env.max_context_tokens,
+            generation_timeout_s=env.generation_timeout_s,
+            episode_timeout_s=env.episode_timeout_s,
+            max_tool_errors=env.max_tool_errors,
+        ),
+        plan=RolloutPlan(
+            r.group_size, r.groups_per_step, r.max_in_flight, r.max_staleness, settings.run.seed,
+            partial_rollout_s=r.partial_rollout_s,
+            forced_truncation_rate=r.forced_truncation_rate,
+            forced_truncation_turns=r.forced_truncation_turns,
+        ),
+        summarizer=make_summarizer(env.summarizer, codec, max_summary_tokens=env.summary_max_tokens),
+    )
+
+
+def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokenizer) -> list:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_agentrl.callbacks import (
+        CompactFilter,
+        ExportPolicy,
+        GroupFilter,
+        RolloutMetrics,
+        SegmentBoundaries,
+        StalenessWeighting,
+        TokenCheck,
+        WeightSync,
+    )
+    from lightning_agentrl.callbacks.compact_filter import TRUNCATIONS
+    from lightning_agentrl.tasks import load_tasks
+
+    r = settings.rollout
+    filtered = ("sandbox_error", *(t.value for t in TRUNCATIONS)) if r.truncation == "filter" else ("sandbox_error",)
+    callbacks = [
+        sandbox,  # first: its setup starts the node's sandbox server before anything needs it
+        TokenCheck(),
+        CompactFilter(filtered),
+        StalenessWeighting(settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness),
+        GroupFilter(settings.algorithm.starpo_keep_fraction),
+        SegmentBoundaries(),
+        RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
+        WeightSync(service, settings.trainer.sync_weights_every),
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
             filename="step_{step}",
             every_n_train_steps=settings.trainer.checkpoint_every,
             save_last=True,
             save_top_k=1,
-        )
-        extra = list(callbacks)
-        if settings.eval.every_n_steps is not None:
-            from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation
+        ),
+        ExportPolicy(run_dir / "policy", tokenizer),
+    ]
+    if settings.eval.every_n_steps is not None:
+        from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation
 
-            split = None if settings.eval.split == "all" else settings.eval.split
-            held_out = load_tasks(settings.env.tasks, split=split)
-            if not held_out:
-                raise SettingsError(f"eval.split: no {settings.eval.split} tasks in {settings.env.tasks}")
-            extra.append(
-                HeldOutEvaluation(
-                    held_out,
-                    every_n_steps=settings.eval.every_n_steps,
-                    samples_per_task=settings.eval.samples_per_task,
-                    temperature=settings.eval.temperature,
-                    seed=settings.run.seed,
-                )
+        split = None if settings.eval.split == "all" else settings.eval.split
+        held_out = load_tasks(settings.env.tasks, split=split)
+        if not held_out:
+            raise SettingsError(f"eval.split: no {settings.eval.split} tasks in {settings.env.tasks}")
+        callbacks.append(
+            HeldOutEvaluation(
+                held_out,
+                every_n_steps=settings.eval.every_n_steps,
+                samples_per_task=settings.eval.samples_per_task,
+                temperature=settings.eval.temperature,
+                seed=settings.run.seed,
             )
-        trainer = L.Trainer(
-            max_steps=settings.trainer.max_steps,
-            accelerator=settings.trainer.accelerator,
-            devices=settings.trainer.devices,
-            strategy=make_strategy(
-                settings.trainer.strategy,
-                offload_optimizer=settings.trainer.offload_optimizer,
-                accelerator=settings.trainer.accelerator,
-                gradient_clipping=settings.trainer.grad_clip if settings.trainer.strategy.startswith("deepspeed") else None,
-            ),
-            precision=settings.trainer.precision,
-            logger=logger if logger is not None else False,
-            callbacks=[
-                TokenCheck(),
-                CompactFilter(filtered),
-                StalenessWeighting(
-                    settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness
-                ),
-                GroupFilter(settings.algorithm.starpo_keep_fraction),
-                SegmentBoundaries(),
-                RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
-                WeightSync(service, settings.trainer.sync_weights_every),
-                checkpointing,
-                *extra,
-            ],
-            plugins=[AtomicCheckpointIO()] if not settings.trainer.strategy.startswith("deepspeed") else None,
-            default_root_dir=run_dir,
-            log_every_n_steps=1,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            enable_model_summary=False,
         )
-        module = AgentRLModule(settings, model_path)
-        datamodule = RolloutDataModule(service)
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if settings.run.resume == "last" else None)
-        service.stop()
-
-        policy_dir = run_dir / "policy"
-        if trainer.is_global_zero and logger is not None:
-            from lightning_agentrl.plots import plot_run
-
-            for path in plot_run(logger._tracking_uri, logger.run_id, run_dir / "plots"):
-                logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="plots")
-        if trainer.is_global_zero:
-            module.policy.save_pretrained(policy_dir)
-            tokenizer.save_pretrained(policy_dir)
-            summary = {"global_step": trainer.global_step, "checkpoint": str(last), "policy": str(policy_dir)}
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return FitResult(
-            run_dir=run_dir,
-            checkpoint=last,
-            policy_dir=policy_dir,
-            tracking_uri=logger._tracking_uri if logger is not None else None,
-            mlflow_run_id=logger.run_id if logger is not None else None,
-            global_step=trainer.global_step,
-        )
+    return callbacks
 
 
+def build_trainer(settings: Settings, run_dir: Path, logger, service, sandbox, tokenizer, *, extra: list):
+    import lightning as L
+
+    from lightning_agentrl.checkpoint_io import AtomicCheckpointIO
+    from lightning_agentrl.strategies import make_strategy
+
+    t = settings.trainer
+    deepspeed = t.strategy.startswith("deepspeed")
+    return L.Trainer(
+        max_steps=t.max_steps,
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=make_strategy(
+            t.strategy,
+            offload_optimizer=t.offload_optimizer,
+            accelerator=t.accelerator,
+            gradient_clipping=t.grad_clip if deepspeed else None,
+        ),
+        precision=t.precision,
+        logger=logger if logger is not None else False,
+        callbacks=[*build_callbacks(settings, run_dir, service, sandbox, tokenizer), *extra],
+        plugins=None if deepspeed else [AtomicCheckpointIO()],
+        default_root_dir=run_dir,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_model_summary=False,
+    )
+
+
+def finish_run(trainer, logger, run_dir: Path, uri: str) -> None:
+    """Rank 0, after training: plots to MLflow and the run's summary."""
+    if logger is not None:
+        from lightning_agentrl.plots import plot_run
+
+        for path in plot_run(uri, logger.run_id, run_dir / "plots"):
+            logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="plots")
+    summary = {
+        "global_step": trainer.global_step,
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "policy": str(run_dir / "policy"),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

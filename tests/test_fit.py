@@ -87,7 +87,7 @@ def test_checkpoint_and_policy_are_saved(smoke_run):
     assert result.global_step == 2
     checkpoint = torch.load(result.checkpoint, map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 2
-    service_state = checkpoint["RolloutDataModule"]["service"]
+    service_state = checkpoint["RolloutDataModule"]["services"][0]
     assert service_state["next_group"] >= 2 * 2  # two steps of two groups were started
     assert set(checkpoint["callbacks"]) >= {"CompactFilter", "RolloutMetrics", "WeightSync"}
     assert (result.policy_dir / "config.json").exists()

@@ -2,7 +2,8 @@
 
 Computed over *all* episodes of the batch, including those a filter excluded from the loss.
 Saves every batch's trajectories as JSON lines under ``<run.dir>/trajectories/`` and logs a
-decoded sample (mask highlighted, HTML) to MLflow.
+decoded sample (mask highlighted, HTML) to MLflow. With several training processes the metrics
+are reduced over ranks (counts summed, rates averaged) and rank 0 saves every rank's trajectories.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing_extensions import override
 
 from lightning_agentrl.algorithms.advantages import group_reward_stats
 from lightning_agentrl.algorithms.diagnostics import echo_trap_warning
+from lightning_agentrl.distributed import gather_to_zero, reduce_metrics
 from lightning_agentrl.render import to_html
 from lightning_agentrl.trajectory import RolloutBatch, TerminationReason, save_trajectories
 
@@ -46,8 +48,10 @@ class RolloutMetrics(L.Callback):
         metrics["episode/seconds_mean"] = sum(t.timings.get("episode_s", 0.0) for t in trajectories) / len(trajectories)
         if self.service is not None:
             metrics["rollout/in_flight"] = float(self.service.num_in_flight)
-            pl_module.log("in_flight", float(self.service.num_in_flight), prog_bar=True, on_step=True, batch_size=1)
             metrics["rollout/dropped_stale_groups"] = float(self.service.buffer.num_dropped_stale)
+        metrics = reduce_metrics(metrics, sums=lambda key: key.startswith(("termination/", "rollout/", "groups/num")))
+        if "rollout/in_flight" in metrics:
+            pl_module.log("in_flight", metrics["rollout/in_flight"], prog_bar=True, on_step=True, batch_size=1)
         pl_module.log_dict(metrics, on_step=True, batch_size=len(trajectories))
         pl_module.log("reward", metrics["reward/mean"], prog_bar=True, on_step=True, batch_size=len(trajectories))
 
@@ -59,8 +63,9 @@ class RolloutMetrics(L.Callback):
 
             rank_zero_warn(warning)
 
+        every_rank = gather_to_zero(trajectories)
         if trainer.is_global_zero:
-            self._save(trainer, trajectories)
+            self._save(trainer, [t for share in every_rank for t in share])
 
     def _save(self, trainer: L.Trainer, trajectories) -> None:
         step = trainer.global_step

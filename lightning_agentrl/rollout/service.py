@@ -133,6 +133,25 @@ class RolloutService:
         self.num_episodes_finished = 0
         self.num_groups_finished = 0
         self.num_parks = 0  # times an episode was parked (one episode may park several times)
+        self.rank, self.world_size = 0, 1
+        self._groups_per_step_total = plan.groups_per_step
+
+    def shard(self, rank: int, world_size: int) -> None:
+        """Produce rank ``rank``'s share of each step: ``groups_per_step / world_size`` whole groups
+        (a group is never split), with group ids ``rank, rank + world_size, ...``. Group ids choose
+        the task and seed the sampling, so the ranks together draw what one process would."""
+        if self._thread is not None:
+            raise RuntimeError("shard() before start()")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        total = self._groups_per_step_total
+        if total % world_size:
+            raise ValueError(
+                f"rollout.groups_per_step ({total}) must be a multiple of the number of "
+                f"training processes ({world_size}): each process trains on whole groups"
+            )
+        self.plan = replace(self.plan, groups_per_step=total // world_size)
+        self.rank, self.world_size = rank, world_size
 
     # -- task order --------------------------------------------------------------------------
     def task_for_group(self, group_id: int) -> Task:
@@ -241,7 +260,7 @@ class RolloutService:
                         await self._notify()
                         await self._gate.wait()
                     self._at_gate = False
-                    group_id = self._next_group
+                    group_id = self._next_group * self.world_size + self.rank
                     self._next_group += 1
                 self._pending.add(group_id)
                 task = asyncio.create_task(self._run_group(client, slots, group_id))

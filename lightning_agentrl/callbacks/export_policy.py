@@ -1,0 +1,43 @@
+"""Write the trained policy as a plain Hugging Face model folder at the end of training.
+
+Under every strategy the folder holds full weights: under ZeRO-3 each rank holds a shard of every
+parameter, so all ranks gather (layer by layer, :func:`gather_full_state_dict`) and rank 0 writes.
+``python -m lightning_agentrl export`` does the same from any checkpoint after the fact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from typing_extensions import override
+
+from lightning_agentrl.strategies import gather_full_state_dict
+
+
+class ExportPolicy(L.Callback):
+    def __init__(self, directory: str | Path, tokenizer) -> None:
+        self.directory = Path(directory)
+        self.tokenizer = tokenizer
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        weights = gather_full_state_dict(pl_module.policy)  # a collective under ZeRO-3: every rank
+        if trainer.is_global_zero:
+            save_policy(pl_module.policy.config, weights, self.directory, self.tokenizer)
+
+
+def save_policy(config, weights: dict, directory: Path, tokenizer=None) -> None:
+    """A Hugging Face folder (config, safetensors, tokenizer) from a config and full weights.
+
+    The model is built on the meta device and takes ``weights`` as they are, so nothing is
+    initialized or allocated twice; tied embeddings are saved once, as ``save_pretrained`` does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)

@@ -1,0 +1,182 @@
+"""What several training processes share: one loss, reduced metrics, one sandbox service per node.
+
+One Lightning rank is one data-parallel trainer with its own rollout service (docs/scaling.md).
+Three things cross ranks, and each goes through one function here:
+
+- **The loss's denominators** (:func:`global_sum`): SPEC §2's token and sequence counts are those
+  of the whole step, summed over ranks before the backward, and each rank scales its loss by the
+  world size because DDP and ZeRO *average* gradients. So R ranks x B/R episodes give the gradient
+  of 1 rank x B episodes.
+- **Logged metrics** (:func:`reduce_metrics`): sums, means and maxima, each as the metric needs, so
+  rank 0 logs the step, not its own share.
+- **The sandbox service** (:class:`NodeSandbox`): when settings name none, local rank 0 of every
+  node starts the reference server and the node's other ranks use it; the address crosses ranks
+  with one ``all_gather_object`` (works with Lightning's launcher, torchrun and SLURM alike).
+
+Every function is a no-op in a single process, so the same code runs a laptop smoke run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def global_sum(*values: float) -> tuple[float, ...]:
+    """The sum over ranks of each value (one all-reduce for all of them); the values themselves
+    in a single process. Float64, so token counts stay exact."""
+    if not is_distributed():
+        return tuple(float(v) for v in values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tuple(tensor.tolist())
+
+
+def global_max(value: int | float) -> float:
+    if not is_distributed():
+        return float(value)
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def reduce_metrics(
+    metrics: Mapping[str, float],
+    *,
+    sums: Collection[str] | Callable[[str], bool] = (),
+    maxima: Collection[str] = (),
+) -> dict[str, float]:
+    """``metrics`` of this rank -> those of the step: keys in ``sums`` summed, in ``maxima`` maxed,
+    every other key averaged over ranks (each rank holds the same number of episodes). ``sums`` may
+    be a predicate on the key. A key that some rank lacks counts as 0 there. A collective: every
+    rank must call it."""
+    is_sum = sums if callable(sums) else set(sums).__contains__
+    if not is_distributed():
+        return dict(metrics)
+    # a rank may lack a key another has (e.g. it had nothing to train on): it counts as 0 there
+    keys = sorted(set().union(*all_gather(sorted(metrics))))
+    values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    is_max = torch.tensor([k in maxima for k in keys])
+    summed = values.clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    # max of x == -min(-x): one MAX all-reduce serves the maxima; the others are ignored
+    largest = torch.where(is_max, values, torch.full_like(values, -float("inf")))
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    size = dist.get_world_size()
+    out = {}
+    for i, key in enumerate(keys):
+        if key in maxima:
+            out[key] = float(largest[i])
+        elif is_sum(key):
+            out[key] = float(summed[i])
+        else:
+            out[key] = float(summed[i]) / size
+    return out
+
+
+def gather_to_zero(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on rank 0 (None elsewhere); ``[obj]`` in a single process."""
+    if not is_distributed():
+        return [obj]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+class NodeSandbox(L.Callback):
+    """The sandbox service this process's environments talk to.
+
+    With ``url`` set, every rank uses it. Without, local rank 0 of each node starts the reference
+    server on loopback in :meth:`setup` (after the processes exist, before any episode) and stops it
+    in :meth:`teardown`; the node's other ranks learn its address and token from rank 0 of the
+    node. :meth:`make_client` is what the rollout service and evaluation call.
+    """
+
+    def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
+                 log_dir: Path) -> None:
+        self.url, self.token = url, token
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.log_dir = Path(log_dir)
+        self._stack = contextlib.ExitStack()
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.url is not None:
+            return
+        self.start(local_rank=trainer.local_rank, node_rank=trainer.node_rank)
+
+    def start(self, *, local_rank: int = 0, node_rank: int = 0) -> None:
+        """Start this node's server (local rank 0) and share its address with the node's ranks."""
+        mine = None
+        if local_rank == 0:
+            from sandbox_server.launch import start_local_server
+
+            name = "sandbox_server.log" if node_rank == 0 else f"sandbox_server.node{node_rank}.log"
+            server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name))
+            mine = (node_rank, server.url, server.token)
+        for entry in all_gather(mine):
+            if entry is not None and entry[0] == node_rank:
+                _, self.url, self.token = entry
+        if self.url is None:
+            raise RuntimeError(f"no sandbox server was started for node {node_rank}")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def make_client(self):
+        from sandbox_client import SandboxClient
+
+        if self.url is None:
+            raise RuntimeError("the sandbox service is not started yet (NodeSandbox.setup runs with Trainer.fit)")
+        return SandboxClient(self.url, self.token or "", timeout_s=self.timeout_s, max_retries=self.max_retries)
+
+
+def launched_rank() -> int:
+    """This process's global rank as the launcher set it (0 when nothing was launched). Only for
+    the moments before a Trainer exists; afterwards ask ``trainer.global_rank``."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+__all__ = [
+    "NodeSandbox",
+    "all_gather",
+    "gather_to_zero",
+    "global_max",
+    "global_sum",
+    "is_distributed",
+    "reduce_metrics",
+    "world_size",
+]

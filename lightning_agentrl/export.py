@@ -1,0 +1,58 @@
+"""``python -m lightning_agentrl export CHECKPOINT OUT``: a Hugging Face model folder from any checkpoint.
+
+A checkpoint is a Lightning file (``last.ckpt`` of a single-process or DDP run) or a DeepSpeed
+folder (ZeRO-2/3 write ``last.ckpt`` as a folder of per-rank shards). Both are read on the CPU,
+without processes or DeepSpeed's engine: a ZeRO folder is consolidated with Lightning's
+``convert_zero_checkpoint_to_fp32_state_dict`` (fp32 master weights). The model's config and
+tokenizer come from the model path the run trained (kept in the checkpoint's hyperparameters).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lightning_agentrl.callbacks.export_policy import save_policy
+
+POLICY_PREFIX = "policy."
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """The Lightning checkpoint dict of a file or a DeepSpeed checkpoint folder."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if path.is_dir():
+        if not (path / "latest").exists() and not any(path.glob("*/mp_rank_*_model_states.pt")):
+            raise ValueError(f"{path} is a folder but not a DeepSpeed checkpoint (no */mp_rank_*_model_states.pt)")
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        with tempfile.TemporaryDirectory() as tmp:
+            consolidated = Path(tmp) / "consolidated.ckpt"
+            convert_zero_checkpoint_to_fp32_state_dict(str(path), str(consolidated))
+            return torch.load(consolidated, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None) -> Path:
+    """Write the checkpoint's policy to ``out`` as ``config.json`` + safetensors + tokenizer.
+
+    ``dtype`` (e.g. ``bfloat16``) casts floating-point weights; by default they keep the dtype the
+    checkpoint holds (fp32 masters for a ZeRO checkpoint)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    state = load_checkpoint(checkpoint)
+    model_path = state.get("hyper_parameters", {}).get("model_path")
+    if model_path is None:
+        raise ValueError(f"{checkpoint}: no model_path in its hyperparameters; not a lightning-agentrl checkpoint?")
+    weights = {k[len(POLICY_PREFIX) :]: v for k, v in state["state_dict"].items() if k.startswith(POLICY_PREFIX)}
+    if not weights:
+        raise ValueError(f"{checkpoint}: its state_dict holds no {POLICY_PREFIX}* weights")
+    if dtype is not None:
+        cast = getattr(torch, dtype)
+        weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in weights.items()}
+    out = Path(out)
+    save_policy(AutoConfig.from_pretrained(model_path), weights, out, AutoTokenizer.from_pretrained(model_path))
+    return out
