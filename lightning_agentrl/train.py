@@ -45,14 +45,18 @@ def resolve_model_path(settings: Settings) -> str:
 def make_engine(settings: Settings, model_path: str, tokenizer):
     e = settings.engine
     if e.kind == "vllm":
+        from lightning_agentrl.plan import on_gpu
         from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 
+        gpu = on_gpu(settings)  # the KV cache: a byte size on CPU, a share of the GPU on GPUs
         return VLLMEngine(
             model_path,
             num_replicas=e.num_replicas,
             dtype=settings.model.dtype,
             max_model_len=settings.env.max_context_tokens + 1,
-            kv_cache_memory_bytes=e.vllm_kv_cache_bytes,
+            kv_cache_memory_bytes=None if gpu else e.vllm_kv_cache_bytes,
+            gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
+            sleep_mode=gpu and e.sleep_while_training,
             seed=settings.run.seed,
         )
     import torch
@@ -113,10 +117,12 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import TRUNCATIONS
+    from lightning_agentrl.callbacks.engine_sleep import engine_sleep_callbacks
     from lightning_agentrl.checkpoint_io import AtomicCheckpointIO
     from lightning_agentrl.datamodule import RolloutDataModule
     from lightning_agentrl.envs.coding import CodingEnv
     from lightning_agentrl.module import AgentRLModule
+    from lightning_agentrl.plan import check_memory_plan
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.chat import ChatCodec
     from lightning_agentrl.rollout.engine import SamplingParams
@@ -127,6 +133,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
 
     for pattern in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    check_memory_plan(settings)  # GPUs only: refuse, before anything loads, a run that cannot fit
     run_dir = Path(settings.run.dir)
     checkpoint_dir = run_dir / "checkpoints"
     last = checkpoint_dir / "last.ckpt"
@@ -224,7 +231,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
             save_last=True,
             save_top_k=1,
         )
-        extra = list(callbacks)
+        extra = list(callbacks) + engine_sleep_callbacks(engine)  # after WeightSync: wake after the sync
         if settings.eval.every_n_steps is not None:
             from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation
 
