@@ -65,7 +65,7 @@ ENGINE_OVERHEAD_BYTES = 2 * GiB
 DEEPSPEED_REDUCE_BUCKET = 200_000_000
 DEEPSPEED_ALLGATHER_BUCKET = 200_000_000
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class MemoryPlanError(SettingsError):
@@ -428,7 +428,7 @@ def param_bytes_of(settings: Settings) -> int:
     """Bytes per trained parameter: 2 under ``bf16-true``/``16-true`` precision, else ``model.dtype``'s."""
     if settings.trainer.precision in ("bf16-true", "16-true", "bf16", "16"):
         return 2
-    return _DTYPE_BYTES[settings.model.dtype]
+    return DTYPE_BYTES[settings.model.dtype]
 
 
 def _zero_stage(strategy: str) -> int:
@@ -496,7 +496,7 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
 
 def _plan_engine(plan: MemoryPlan, settings: Settings, shape: ModelShape) -> None:
     e = settings.engine
-    engine_b = _DTYPE_BYTES[settings.model.dtype]
+    engine_b = DTYPE_BYTES[settings.model.dtype]
     replicas = e.num_replicas
     sleeping = e.sleep_while_training
     plan.placement = (
