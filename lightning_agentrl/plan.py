@@ -454,28 +454,30 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     stage = _zero_stage(t.strategy)
     deepspeed = t.strategy.startswith("deepspeed")
     num_params = shape.num_parameters()
+    k_per_param = optimizer_bytes_per_parameter(b, deepspeed)
     state = trainer_state_bytes(
         num_params, param_bytes=b, stage=stage, num_gpus=num_gpus,
-        optimizer_per_param=optimizer_bytes_per_parameter(b, deepspeed), offload_optimizer=t.offload_optimizer,
+        optimizer_per_param=k_per_param, offload_optimizer=t.offload_optimizer,
     )
-    k_per_param = optimizer_bytes_per_parameter(b, deepspeed)
-    shard = f"/{num_gpus}" if stage else ""
+    sharded = "/N" if stage else ""  # ZeRO-2/3 shard gradients and optimizer states
+    whole_or_sharded = "/N" if stage == 3 else ""  # only ZeRO-3 shards the parameters
     plan = MemoryPlan(model or m.path, num_params, num_gpus, gpu_bytes, placement="")
     add = plan.parts.append
-    add(Part("parameters", state.params, "both", f"{b}*P{'/N' if stage == 3 else ''}"))
-    add(Part("gradients", state.grads, "both", f"{b}*P{shard and '/N'}"))
+    add(Part("parameters", state.params, "both", f"{b}*P{whole_or_sharded}"))
+    add(Part("gradients", state.grads, "both", f"{b}*P{sharded}"))
     add(Part("optimizer states", state.optimizer, "both",
-             f"{k_per_param}*P{shard and '/N'}" + (" (offloaded to CPU)" if t.offload_optimizer else ""),
+             f"{k_per_param}*P{sharded}" + (" (offloaded to CPU)" if t.offload_optimizer else ""),
              cpu_bytes=state.optimizer_cpu))
     if stage == 3:
         biggest = max(shape.layer_parameters(), shape.vocab_size * shape.hidden_size)
         add(Part("ZeRO-3 gathered weights", 2 * biggest * b, "train", "2*max(layer, V*H)*b"))
     if deepspeed:
+        # ZeRO-2 keeps a reduce and an all-gather bucket; ZeRO-3 gathers per layer (counted above).
         buckets = (DEEPSPEED_REDUCE_BUCKET + (DEEPSPEED_ALLGATHER_BUCKET if stage == 2 else 0)) * b
-        add(Part("ZeRO buckets", buckets, "train", "(reduce + allgather bucket)*b"))
+        add(Part("ZeRO buckets", buckets, "train", "(reduce + allgather bucket)*b" if stage == 2 else "reduce bucket*b"))
     if settings.algorithm.kl_coef > 0:
         add(Part("reference model", b * num_params // (num_gpus if stage == 3 else 1), "both",
-                 f"{b}*P{'/N' if stage == 3 else ''}"))
+                 f"{b}*P{whole_or_sharded}"))
     n = t.micro_batch_tokens
     add(Part("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
              f"n={n}, " + ("L*n*H*b + n*e*b (checkpointed)" if m.gradient_checkpointing else "L*n*e*b")))

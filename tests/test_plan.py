@@ -141,6 +141,28 @@ def test_qwen_1_5b_zero2_recipe_fits_on_8_gpus_of_80_gib():
     assert plan.host_bytes == 3_087_428_608  # the sleeping engine's weights
 
 
+def test_qwen_7b_zero3_offload_recipe_fits_on_8_gpus_of_80_gib():
+    """configs/gpu_zero3.yaml: ZeRO-3, optimizer offload, one vLLM replica at u=0.75, asleep during steps."""
+    settings = load_settings(REPO / "configs" / "gpu_zero3.yaml")
+    plan = memory_plan(settings, shape_of("qwen2.5-7b"), num_gpus=8, gpu_bytes=GPU_80)
+    gpu = {p.name: p.gpu_bytes for p in plan.parts}
+    assert gpu["parameters"] == gpu["gradients"] == 1_903_904_128  # 2 * 7,615,616,512 / 8
+    assert gpu["optimizer states"] == 0 and plan.part("optimizer states").cpu_bytes == 11_423_424_768  # 12 * P / 8
+    assert gpu["ZeRO-3 gathered weights"] == 2 * 544_997_376 * 2  # 2 * max(layer, V*H = 152064*3584) * b
+    assert gpu["ZeRO buckets"] == 400_000_000  # the reduce bucket only
+    # e = 4*3584 + 2*28*128 + 2*4*128 + 4*18944 = 98,304; 28*32768*3584*2 + 32768*98,304*2
+    assert gpu["activations"] == 6_576_668_672 + 6_442_450_944
+    assert gpu["log-prob chunk"] == 1024 * 152_064 * 14 == 2_179_989_504
+    assert plan.phase_total("train") == 23_734_390_528  # 22.10 GiB
+    # generate: 3,807,808,256 resident + 2 GiB reserves + 0.75 * 80 GiB (64,424,509,440)
+    assert plan.phase_total("generate") == 70_379_801_344  # 65.55 GiB
+    # KV: 64,424,509,440 - 15,231,233,024 weights - 2 GiB = 47,045,792,768 bytes // 57,344
+    assert plan.kv_tokens == 820_413
+    assert plan.fits
+    assert plan.host_bytes == 11_423_424_768 + 15_231_233_024  # offloaded Adam + sleeping weights
+    assert any("25 of its 256 episodes at full context" in note for note in plan.notes)
+
+
 def test_qwen_32b_with_zero2_is_refused_naming_the_parameters():
     """Same recipe with the 32B model: whole bf16 parameters alone are 61 GiB per GPU under ZeRO-2."""
     plan = memory_plan(zero2_recipe(), shape_of("qwen2.5-32b"), num_gpus=8, gpu_bytes=GPU_80)
