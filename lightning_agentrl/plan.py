@@ -605,6 +605,11 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / GiB:,.2f} GiB"
 
 
+def _count(num: int) -> str:
+    """``1543714304`` -> ``1.54 B``; ``344384`` -> ``0.34 M``."""
+    return f"{num / 1e9:.2f} B" if num >= 1e9 else f"{num / 1e6:.2f} M"
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry points: the table, and the check ``fit`` runs
 
@@ -632,7 +637,7 @@ def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int 
 def refusal_message(plan: MemoryPlan) -> str:
     """One paragraph: what does not fit, by how much, and which setting would make it fit."""
     lines = [
-        f"{plan.model} ({plan.num_parameters / 1e9:.2f} B parameters) does not fit on {plan.num_gpus} GPU(s) "
+        f"{plan.model} ({_count(plan.num_parameters)} parameters) does not fit on {plan.num_gpus} GPU(s) "
         f"of {_gib(plan.gpu_bytes)}: training needs {_gib(plan.phase_total('train'))} per GPU, "
         f"generation {_gib(plan.phase_total('generate'))}."
     ]
@@ -657,7 +662,7 @@ def render_plan(plan: MemoryPlan):
     """A rich table: one row per part, bytes per GPU, the phase it is resident in, the formula."""
     from rich.table import Table
 
-    table = Table(title=f"memory plan: {plan.model}, {plan.num_parameters / 1e9:.2f} B parameters, "
+    table = Table(title=f"memory plan: {plan.model}, {_count(plan.num_parameters)} parameters, "
                         f"{plan.num_gpus} x {_gib(plan.gpu_bytes)}")
     table.add_column("part")
     table.add_column("GiB per GPU", justify="right")
