@@ -100,7 +100,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
             raise SettingsError(f"--gpus must be >= 1, got {args.gpus}")
         gpu_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
         plan = plan_for(settings, num_gpus=args.gpus, gpu_bytes=gpu_bytes, model_config=args.model_config)
-    except (SettingsError, ValueError) as err:
+    except (SettingsError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:

@@ -449,6 +449,8 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     not a problem: vLLM then queues or preempts (recomputes) requests, which costs time, not
     correctness.
     """
+    if gpu_bytes <= 0:
+        raise ValueError(f"gpu_bytes must be > 0, got {gpu_bytes}")
     t, e, m = settings.trainer, settings.engine, settings.model
     b = param_bytes_of(settings)
     stage = _zero_stage(t.strategy)
@@ -618,20 +620,27 @@ def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int 
              model_config: str | Path | None = None) -> MemoryPlan:
     """The plan of ``settings``; GPUs and their memory default to ``trainer.devices`` and, with
     CUDA present, the first device's memory (else 80 GiB)."""
+    import torch
+
     shape = ModelShape.from_config(load_model_config(settings, model_config))
+    guessed = []
     if num_gpus is None:
         devices = settings.trainer.devices
         if isinstance(devices, int):
             num_gpus = devices
         else:
-            import torch
-
             num_gpus = max(torch.cuda.device_count(), 1)
+            if not torch.cuda.is_available():
+                guessed.append(f"trainer.devices=auto counted as {num_gpus} GPU (no CUDA here; pass --gpus)")
     if gpu_bytes is None:
-        import torch
-
-        gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 80 * GiB
-    return memory_plan(settings, shape, num_gpus=num_gpus, gpu_bytes=gpu_bytes)
+        if torch.cuda.is_available():
+            gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        else:
+            gpu_bytes = 80 * GiB
+            guessed.append("no CUDA here: planned for GPUs of 80 GiB (pass --gpu-memory)")
+    plan = memory_plan(settings, shape, num_gpus=num_gpus, gpu_bytes=gpu_bytes)
+    plan.notes[:0] = guessed
+    return plan
 
 
 def refusal_message(plan: MemoryPlan) -> str:

@@ -303,3 +303,12 @@ def test_plan_cli_table_and_refusal(capsys):
     assert "optimizer states" in out and "engine KV cache" in out
     assert "does not fit" in out
     assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--gpu-memory", "lots"]) == 2
+    assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--gpu-memory", "0GiB"]) == 2
+    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--model-config", "/nonexistent.json"]) == 2
+    assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--gpus", "0"]) == 2
+
+
+def test_plan_says_what_it_assumed_without_a_gpu(capsys):
+    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--trainer.devices=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "counted as 1 GPU" in out and "GPUs of 80 GiB" in out
