@@ -53,7 +53,10 @@ def build_model(config: dict, dtype: str, tokenizer_dir: Path | None, out: Path,
     model_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=getattr(torch, dtype))
+        try:
+            model = AutoModelForCausalLM.from_config(model_config, dtype=getattr(torch, dtype))
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = AutoModelForCausalLM.from_config(model_config, torch_dtype=getattr(torch, dtype))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     del model
