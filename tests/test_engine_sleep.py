@@ -100,6 +100,23 @@ def test_sleep_update_wake_call_order_and_gate(model_dir):
     asyncio.run(scenario())
 
 
+def test_torch_cached_memory_is_released_before_each_wake(model_dir, monkeypatch):
+    """The trainer's freed activations stay reserved by torch's caching allocator unless returned."""
+    import lightning_agentrl.rollout.vllm_engine as vllm_engine
+
+    async def scenario():
+        engine, calls = engine_with_fakes(model_dir, num_replicas=1)
+        monkeypatch.setattr(vllm_engine.torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(vllm_engine.torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+        await engine.sleep()
+        await engine.update_weights(WEIGHTS, version=1)
+        await engine.wake_up()
+        assert calls == [("sleep", 1), ("empty_cache",), ("wake_up", ("weights",)), ("rpc", RELOAD_METHOD),
+                         ("empty_cache",), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
+
+    asyncio.run(scenario())
+
+
 def test_wake_without_update_restores_everything_and_keeps_the_prefix_cache_reset_by_sleep(model_dir):
     async def scenario():
         engine, calls = engine_with_fakes(model_dir, num_replicas=1)

