@@ -1,7 +1,8 @@
-"""Command line: ``python -m lightning_agentrl {fit,validate,inspect,credit} ...``.
+"""Command line: ``python -m lightning_agentrl {fit,validate,plan,inspect,credit} ...``.
 
     python -m lightning_agentrl fit --config configs/smoke.yaml [--resume last] [--section.field=value ...]
     python -m lightning_agentrl validate --config configs/smoke.yaml      # settings only, no work
+    python -m lightning_agentrl plan --config configs/gpu_zero2.yaml --gpus 8 --gpu-memory 80GiB  # memory per GPU
     python -m lightning_agentrl inspect runs/smoke                          # a run folder or a .jsonl file
     python -m lightning_agentrl credit runs/smoke                           # advantages of every estimator
     python -m lightning_agentrl export runs/smoke/checkpoints/last.ckpt out/  # a HF model from any checkpoint
@@ -30,6 +31,17 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", type=Path, help="YAML settings file")
         p.add_argument("--resume", choices=["never", "last"], help="same as --run.resume")
         p.add_argument("-h", "--help", action="store_true", help="show this help and every setting")
+    p = sub.add_parser(
+        "plan",
+        help="memory per GPU of every part of a run (no weights are loaded)",
+        description="Memory per GPU of every part of a run, from the model's config.json and the settings. "
+        "Exit status 1 when it does not fit. Overrides: --section.field=value.",
+    )
+    p.add_argument("--config", type=Path, help="YAML settings file")
+    p.add_argument("--gpus", type=int, help="GPUs the trainer uses (default: trainer.devices, or the visible GPUs)")
+    p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB or 141GB (default: the first GPU's, else 80GiB)")
+    p.add_argument("--model-config", type=Path, help="a config.json to use instead of model.path's")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = sub.add_parser("inspect", help="print trajectories with the trained (mask=1) tokens highlighted")
     p.add_argument("path", type=Path, help="a run folder, its trajectories/ folder, or a .jsonl file")
     p.add_argument("--index", type=int, default=0, help="which trajectory of the file (default 0)")
@@ -100,6 +112,27 @@ def _resume_base(overrides: list[str]) -> Path | None:
     return base
 
 
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from lightning_agentrl.plan import parse_bytes, plan_for, print_plan
+
+    try:
+        settings = load_settings(args.config, overrides)
+        if args.gpus is not None and args.gpus < 1:
+            raise SettingsError(f"--gpus must be >= 1, got {args.gpus}")
+        gpu_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        plan = plan_for(settings, num_gpus=args.gpus, gpu_bytes=gpu_bytes, model_config=args.model_config)
+    except (SettingsError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print_plan(plan)
+    return 0 if plan.fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
@@ -125,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
         return _inspect(args)
+    if args.command == "plan":
+        return _plan(args, rest)
     if args.help:
         print(f"usage: python -m lightning_agentrl {args.command} [--config FILE] [--resume last] [--section.field=value ...]\n")
         print("Settings (YAML section.field, AGENTRL_SECTION__FIELD, or --section.field=value):")

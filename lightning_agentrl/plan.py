@@ -1,0 +1,710 @@
+"""The memory plan: bytes per GPU of every part of a run, computed before anything loads.
+
+Why it exists: a run that cannot fit fails late and obscurely (vLLM refusing a KV cache smaller
+than one sequence, an out-of-memory error after minutes of model loading and sandbox start-up). The
+plan computes, from the model's ``config.json`` alone and the settings, what each part needs on
+one GPU; ``python -m lightning_agentrl plan`` prints it and ``fit`` refuses, on GPUs, a run whose
+plan does not fit, naming the part, the shortfall and the setting that would make it fit.
+
+Symbols used in the formulas (all per model, from ``config.json``):
+
+    V  vocabulary size              H  hidden size             I  MLP intermediate size
+    L  decoder layers               a  attention heads         k  key/value heads
+    d  head dimension               P  parameters              N  GPUs the trainer shards over
+    b  bytes per element of the parameters (bf16: 2, fp32: 4)
+    n  tokens of one micro-batch (``trainer.micro_batch_tokens``)
+    C  tokens of one log-prob chunk (``trainer.logprob_chunk_tokens``)
+
+The figures are estimates of what the code in this repository allocates, not measurements: the
+formulas count the tensors that must exist (weights, gradients, Adam states, saved activations,
+KV blocks) and add documented allowances for what they cannot see (CUDA contexts, allocator
+fragmentation, vLLM's profiling peak). ``scripts/gpu_smoke.sh`` writes the prediction beside the
+measured peak so the allowances can be checked.
+
+Two phases share a GPU when vLLM runs beside the trainer (colocation):
+
+- ``generate``: the trainer's resident state (weights, gradients, optimizer states) plus the
+  engine's whole share (``engine.gpu_memory_utilization`` of the GPU).
+- ``train``: the trainer's resident state plus activations of one micro-batch; the engine's share
+  too unless ``engine.sleep_while_training`` frees it (vLLM sleep level 1: weights to CPU memory,
+  KV cache dropped) for the length of the optimizer step.
+
+Example:
+    >>> shape = ModelShape(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+    ...                    num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
+    ...                    tie_word_embeddings=True, qkv_bias=True)
+    >>> shape.num_parameters()          # Qwen2.5-1.5B: 1.54 B
+    1543714304
+    >>> shape.kv_bytes_per_token(2)     # 2 (K, V) x 28 layers x 2 heads x 128 dims x 2 bytes
+    28672
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from lightning_agentrl.settings import Settings, SettingsError
+
+GiB = 1 << 30
+
+#: A CUDA context, cuBLAS/cuDNN workspaces and allocator fragmentation, per process on a GPU
+#: (the trainer rank is one; each vLLM engine core is another). An allowance, not a measurement.
+PROCESS_RESERVE_BYTES = 1 * GiB
+
+#: vLLM's non-KV, non-weight memory inside its share: the activation peak of its profiling
+#: forward pass, sampler buffers and (without ``enforce_eager``) CUDA graphs. vLLM measures the
+#: real figure at start-up and gives the KV cache what is left; this allowance stands in for it.
+ENGINE_OVERHEAD_BYTES = 2 * GiB
+
+#: DeepSpeed bucket sizes Lightning's ``DeepSpeedStrategy`` configures (elements).
+DEEPSPEED_REDUCE_BUCKET = 200_000_000
+DEEPSPEED_ALLGATHER_BUCKET = 200_000_000
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class MemoryPlanError(SettingsError):
+    """A run whose memory plan does not fit its GPUs; the message names the part and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama/Qwen2-style decoder that memory depends on (from ``config.json``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        """From a Hugging Face ``config.json`` dict (Llama, Qwen2, Mistral and alike).
+
+        ``head_dim`` defaults to H / a; q/k/v biases are read from ``attention_bias`` and are on
+        for ``model_type: qwen2`` (Qwen2 has them without a config key).
+        """
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in config]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder-only transformer config")
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        )
+
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer.
+
+        ``q: H*a*d (+a*d)``, ``k, v: H*k*d (+k*d) each``, ``o: a*d*H``, ``gate, up, down: 3*H*I``,
+        two RMSNorm weights ``2*H``; the bracketed biases only with ``qkv_bias``.
+        """
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        return attention + 3 * h * self.intermediate_size + 2 * h
+
+    def embedding_parameters(self) -> int:
+        """``V*H`` for the input embedding, twice when the output head is not tied to it."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def num_parameters(self) -> int:
+        """``P = L * layer + embeddings + H`` (the final norm)."""
+        return self.num_layers * self.layer_parameters() + self.embedding_parameters() + self.hidden_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV cache of one token: ``2 (K and V) * L * k * d * b``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+#: Published ``config.json`` shapes of the models the shipped recipes name, so that ``plan`` works
+#: without the model hub. Any other model: a local folder, the Hugging Face cache, or ``--model-config``.
+KNOWN_CONFIGS: dict[str, dict] = {
+    "Qwen/Qwen2.5-1.5B": {
+        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    },
+    "Qwen/Qwen2.5-7B": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "Qwen/Qwen2.5-32B": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+}
+# Instruct and Coder variants share their base model's shape.
+for _base in list(KNOWN_CONFIGS):
+    _size = _base.split("-")[-1]
+    for _name in (f"{_base}-Instruct", f"Qwen/Qwen2.5-Coder-{_size}", f"Qwen/Qwen2.5-Coder-{_size}-Instruct"):
+        KNOWN_CONFIGS[_name] = KNOWN_CONFIGS[_base]
+
+
+def load_model_config(settings: Settings, model_config: str | Path | None = None) -> dict:
+    """The ``config.json`` of ``model.path`` without loading weights or, if avoidable, the network.
+
+    In order: ``model_config`` (a file), the tiny model's sizes, a local folder, the shapes in
+    :data:`KNOWN_CONFIGS`, the Hugging Face cache / hub (``AutoConfig``).
+    """
+    if model_config is not None:
+        return json.loads(Path(model_config).read_text())
+    path = settings.model.path
+    if path == "tiny":
+        from lightning_agentrl.models.tiny import TinyModelConfig
+
+        tiny = TinyModelConfig(hidden_size=settings.model.tiny_hidden_size, num_hidden_layers=settings.model.tiny_num_layers)
+        return {
+            "model_type": "llama", "vocab_size": tiny.vocab_size, "hidden_size": tiny.hidden_size,
+            "intermediate_size": tiny.intermediate_size, "num_hidden_layers": tiny.num_hidden_layers,
+            "num_attention_heads": tiny.num_attention_heads, "num_key_value_heads": tiny.num_key_value_heads,
+            "head_dim": tiny.head_dim, "tie_word_embeddings": tiny.tie_word_embeddings,
+        }
+    if (Path(path) / "config.json").is_file():
+        return json.loads((Path(path) / "config.json").read_text())
+    if path in KNOWN_CONFIGS:
+        return dict(KNOWN_CONFIGS[path])
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path).to_dict()
+    except Exception as err:  # any failure means the same thing to the user
+        raise SettingsError(
+            f"model.path: cannot read the config.json of {path!r} ({err}); pass --model-config FILE"
+        ) from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure formulas
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Bytes per GPU of the trained copy: ``params`` + ``grads`` + ``optimizer`` on the GPU,
+    ``optimizer_cpu`` in host memory (ZeRO optimizer offload)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_cpu: int = 0
+
+
+def optimizer_bytes_per_parameter(param_bytes: int, deepspeed: bool) -> int:
+    """Adam's state per parameter, ``K`` in the ZeRO paper.
+
+    DeepSpeed with 16-bit parameters keeps an fp32 master copy plus fp32 m and v: ``K = 12``.
+    ``torch.optim.AdamW`` (plain and DDP runs) keeps m and v in the parameters' dtype: ``K = 2*b``.
+    """
+    return 12 if deepspeed and param_bytes == 2 else 2 * param_bytes
+
+
+def trainer_state_bytes(
+    num_params: int, *, param_bytes: int, stage: int, num_gpus: int, optimizer_per_param: int, offload_optimizer: bool
+) -> TrainerState:
+    """Parameters, gradients and optimizer states on one of ``N`` GPUs (Rajbhandari et al. 2020,
+    "ZeRO", Fig. 1), with ``Psi = P`` and ``b``-byte parameters and gradients:
+
+    ========  ==========  ==========  ===========
+    stage     params      grads       optimizer
+    ========  ==========  ==========  ===========
+    0 (DDP)   b*P         b*P         K*P
+    2         b*P         b*P/N       K*P/N
+    3         b*P/N       b*P/N       K*P/N
+    ========  ==========  ==========  ===========
+
+    With ``offload_optimizer`` the ``K*P/N`` bytes live in CPU memory instead.
+
+    >>> trainer_state_bytes(1000, param_bytes=2, stage=2, num_gpus=4, optimizer_per_param=12, offload_optimizer=False)
+    TrainerState(params=2000, grads=500, optimizer=3000, optimizer_cpu=0)
+    """
+    if stage not in (0, 2, 3):
+        raise ValueError(f"stage must be 0, 2 or 3, got {stage}")
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    shard = num_gpus if stage >= 2 else 1
+    params = param_bytes * num_params // (num_gpus if stage == 3 else 1)
+    grads = param_bytes * num_params // shard
+    optimizer = optimizer_per_param * num_params // shard
+    if offload_optimizer:
+        return TrainerState(params, grads, 0, optimizer)
+    return TrainerState(params, grads, optimizer)
+
+
+def layer_activation_elements_per_token(shape: ModelShape) -> int:
+    """Elements autograd saves per token in one decoder layer with a fused attention kernel:
+    ``4*H + 2*a*d + 2*k*d + 4*I``.
+
+    The inputs of the two RMSNorms and of the q/k/v and gate/up projections (``4*H``); q and the
+    attention output (``2*a*d``); k and v (``2*k*d``); the gate and up outputs, SiLU's output and
+    the down projection's input (``4*I``). Eager attention's ``[a, n, n]`` scores are extra
+    (:func:`attention_matrix_bytes`).
+    """
+    h, i = shape.hidden_size, shape.intermediate_size
+    return 4 * h + 2 * shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim + 4 * i
+
+
+def attention_matrix_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, attn_implementation: str | None) -> int:
+    """``[n, n]`` tensors of one packed micro-batch's attention.
+
+    flash_attention_*: none (segments are separated by position ids). Otherwise the module builds
+    a block-causal mask: three ``[n, n]`` bool tensors and one additive ``[n, n]`` mask of ``b``
+    bytes, ``n*n*(3 + b)``; ``eager`` also saves scores and probabilities, ``2*a*n*n*b`` per
+    layer (counted once: with checkpointing only one layer's exist at a time, without it this
+    understates by a factor L, which makes eager at these lengths hopeless either way).
+    """
+    impl = attn_implementation or "sdpa"
+    if impl.startswith("flash_attention"):
+        return 0
+    mask = tokens * tokens * (3 + dtype_bytes)
+    if impl == "eager":
+        mask += 2 * shape.num_heads * tokens * tokens * dtype_bytes
+    return mask
+
+
+def activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, gradient_checkpointing: bool) -> int:
+    """Saved activations of one forward/backward over ``n`` tokens.
+
+    Without checkpointing every layer keeps its tensors: ``L * n * e * b`` with ``e`` from
+    :func:`layer_activation_elements_per_token`. With checkpointing (Hugging Face checkpoints each
+    decoder layer) only each layer's input stays, and one layer's tensors exist again during its
+    recomputation: ``L * n * H * b + n * e * b``.
+
+    >>> qwen_1_5b = ModelShape(151936, 1536, 8960, 28, 12, 2, 128, True, True)
+    >>> activation_bytes(qwen_1_5b, 32768, 2, gradient_checkpointing=True)
+    5804916736
+    """
+    per_layer = tokens * layer_activation_elements_per_token(shape) * dtype_bytes
+    if not gradient_checkpointing:
+        return shape.num_layers * per_layer
+    return shape.num_layers * tokens * shape.hidden_size * dtype_bytes + per_layer
+
+
+def logprob_chunk_bytes(vocab_size: int, chunk_tokens: int, dtype_bytes: int) -> int:
+    """Peak of the chunked log-prob head (``algorithms/logprobs.py``): one chunk's ``[C, V]``
+    logits in the parameters' dtype, their fp32 copy, the softmax for the entropy and the
+    gradient in fp32: ``C * V * (b + 3*4)``."""
+    return chunk_tokens * vocab_size * (dtype_bytes + 12)
+
+
+def kv_cache_tokens(kv_bytes: int, shape: ModelShape, dtype_bytes: int) -> int:
+    """Tokens a KV cache of ``kv_bytes`` holds: ``kv_bytes // (2*L*k*d*b)``.
+
+    >>> kv_cache_tokens(64 << 20, ModelShape(151936, 1536, 8960, 28, 12, 2, 128, True, True), 2)
+    2340
+    """
+    return max(kv_bytes, 0) // shape.kv_bytes_per_token(dtype_bytes)
+
+
+def engine_kv_budget(gpu_bytes: int, utilization: float, weight_bytes: int, overhead_bytes: int = ENGINE_OVERHEAD_BYTES) -> int:
+    """What vLLM gives its KV cache on a GPU: its share ``u * M`` less its own weights and
+    non-KV memory (vLLM >= 0.10 counts only its own process against ``gpu_memory_utilization``).
+
+    >>> engine_kv_budget(80 * GiB, 0.5, 3 * GiB, 2 * GiB) // GiB
+    35
+    """
+    return int(utilization * gpu_bytes) - weight_bytes - overhead_bytes
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80 GB"``, ``"141e9"``, ``"1024"`` -> bytes (GB = 1e9, GiB = 2**30).
+
+    >>> parse_bytes("80GiB"), parse_bytes("80GB"), parse_bytes("512MiB")
+    (85899345920, 80000000000, 536870912)
+    """
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (e.g. 80GiB, 141GB)")
+    number, unit = float(match.group(1)), (match.group(2) or "B")
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[unit]
+    return int(number * scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan of one run
+
+
+Phase = Literal["both", "train", "generate"]
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    gpu_bytes: int
+    phase: Phase
+    formula: str
+    cpu_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Problem:
+    part: str
+    over_by: int
+    fix: str
+
+
+@dataclass
+class MemoryPlan:
+    """Every part of a run on one GPU, the peak per phase, and what does not fit."""
+
+    model: str
+    num_parameters: int
+    num_gpus: int
+    gpu_bytes: int
+    placement: str
+    parts: list[Part] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    kv_tokens: int | None = None
+    kv_tokens_wanted: int | None = None
+    kv_bytes_per_token: int | None = None
+    suggested_utilization: float | None = None
+    min_utilization: float | None = None
+
+    def phase_total(self, phase: Phase) -> int:
+        return sum(p.gpu_bytes for p in self.parts if p.phase in ("both", phase))
+
+    @property
+    def host_bytes(self) -> int:
+        """Host (CPU) memory per GPU: offloaded optimizer states and sleeping engine weights."""
+        return sum(p.cpu_bytes for p in self.parts)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phase_total("train"), self.phase_total("generate"))
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "num_parameters": self.num_parameters, "num_gpus": self.num_gpus,
+            "gpu_bytes": self.gpu_bytes, "placement": self.placement,
+            "parts": {p.name: {"gpu_bytes": p.gpu_bytes, "cpu_bytes": p.cpu_bytes, "phase": p.phase} for p in self.parts},
+            "train_bytes": self.phase_total("train"), "generate_bytes": self.phase_total("generate"),
+            "peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes, "fits": self.fits,
+            "problems": [vars(p) for p in self.problems], "notes": self.notes,
+        }
+
+
+def on_gpu(settings: Settings) -> bool:
+    """Whether the trainer runs on GPUs: ``trainer.accelerator`` gpu, or auto with CUDA present."""
+    if settings.trainer.accelerator == "gpu":
+        return True
+    if settings.trainer.accelerator == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def param_bytes_of(settings: Settings) -> int:
+    """Bytes per trained parameter: 2 under ``bf16-true``/``16-true`` precision, else ``model.dtype``'s."""
+    if settings.trainer.precision in ("bf16-true", "16-true", "bf16", "16"):
+        return 2
+    return DTYPE_BYTES[settings.model.dtype]
+
+
+def _zero_stage(strategy: str) -> int:
+    return {"deepspeed_stage_2": 2, "deepspeed_stage_3": 3}.get(strategy, 0)
+
+
+def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_bytes: int, model: str = "") -> MemoryPlan:
+    """The plan of ``settings`` for a model of ``shape`` on ``num_gpus`` GPUs of ``gpu_bytes`` each.
+
+    Problems (what makes the run refuse on GPUs), in the order they are checked:
+
+    1. ``generate`` phase above the GPU: the engine's share is too large next to the trainer.
+    2. ``train`` phase above the GPU: shards, activations (and the engine, when awake) too large.
+    3. the engine's KV cache below one sequence of ``max_model_len = env.max_context_tokens + 1``
+       tokens (vLLM refuses to start).
+
+    A KV cache that holds fewer than ``rollout.max_in_flight`` episodes at full context is a note,
+    not a problem: vLLM then queues or preempts (recomputes) requests, which costs time, not
+    correctness.
+    """
+    if gpu_bytes <= 0:
+        raise ValueError(f"gpu_bytes must be > 0, got {gpu_bytes}")
+    t, e, m = settings.trainer, settings.engine, settings.model
+    b = param_bytes_of(settings)
+    stage = _zero_stage(t.strategy)
+    deepspeed = t.strategy.startswith("deepspeed")
+    num_params = shape.num_parameters()
+    k_per_param = optimizer_bytes_per_parameter(b, deepspeed)
+    state = trainer_state_bytes(
+        num_params, param_bytes=b, stage=stage, num_gpus=num_gpus,
+        optimizer_per_param=k_per_param, offload_optimizer=t.offload_optimizer,
+    )
+    sharded = "/N" if stage else ""  # ZeRO-2/3 shard gradients and optimizer states
+    whole_or_sharded = "/N" if stage == 3 else ""  # only ZeRO-3 shards the parameters
+    plan = MemoryPlan(model or m.path, num_params, num_gpus, gpu_bytes, placement="")
+    add = plan.parts.append
+    add(Part("parameters", state.params, "both", f"{b}*P{whole_or_sharded}"))
+    add(Part("gradients", state.grads, "both", f"{b}*P{sharded}"))
+    add(Part("optimizer states", state.optimizer, "both",
+             f"{k_per_param}*P{sharded}" + (" (offloaded to CPU)" if t.offload_optimizer else ""),
+             cpu_bytes=state.optimizer_cpu))
+    if stage == 3:
+        biggest = max(shape.layer_parameters(), shape.vocab_size * shape.hidden_size)
+        add(Part("ZeRO-3 gathered weights", 2 * biggest * b, "train", "2*max(layer, V*H)*b"))
+    if deepspeed:
+        # ZeRO-2 keeps a reduce and an all-gather bucket; ZeRO-3 gathers per layer (counted above).
+        buckets = (DEEPSPEED_REDUCE_BUCKET + (DEEPSPEED_ALLGATHER_BUCKET if stage == 2 else 0)) * b
+        add(Part("ZeRO buckets", buckets, "train", "(reduce + allgather bucket)*b" if stage == 2 else "reduce bucket*b"))
+    if settings.algorithm.kl_coef > 0:
+        add(Part("reference model", b * num_params // (num_gpus if stage == 3 else 1), "both",
+                 f"{b}*P{whole_or_sharded}"))
+    n = t.micro_batch_tokens
+    add(Part("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
+             f"n={n}, " + ("L*n*H*b + n*e*b (checkpointed)" if m.gradient_checkpointing else "L*n*e*b")))
+    attention = attention_matrix_bytes(shape, n, b, m.attn_implementation)
+    if attention:
+        add(Part("attention mask", attention, "train", f"n*n*(3+b) ({m.attn_implementation or 'sdpa'})"))
+    add(Part("log-prob chunk", logprob_chunk_bytes(shape.vocab_size, t.logprob_chunk_tokens, b), "train",
+             f"C*V*(b+12), C={t.logprob_chunk_tokens}"))
+    add(Part("trainer reserve", PROCESS_RESERVE_BYTES, "both", "CUDA context + fragmentation"))
+
+    if e.kind != "vllm":
+        plan.placement = "torch engine, in-process on CPU: no GPU memory"
+    else:
+        _plan_engine(plan, settings, shape)
+    _check(plan, settings)
+    return plan
+
+
+def _plan_engine(plan: MemoryPlan, settings: Settings, shape: ModelShape) -> None:
+    e = settings.engine
+    engine_b = DTYPE_BYTES[settings.model.dtype]
+    replicas = e.num_replicas
+    sleeping = e.sleep_while_training
+    plan.placement = (
+        f"vLLM colocated with the trainer, {replicas} replica(s) per GPU, "
+        + ("asleep during optimizer steps" if sleeping else "resident during optimizer steps")
+    )
+    phase: Phase = "generate" if sleeping else "both"
+    weights = engine_b * plan.num_parameters
+    kv = max(engine_kv_budget(plan.gpu_bytes, e.gpu_memory_utilization, weights), 0)
+    plan.parts.append(Part("engine weights", replicas * weights, phase, f"{replicas}*{engine_b}*P"
+                           + (" (in CPU memory while asleep)" if sleeping else ""),
+                           cpu_bytes=replicas * weights if sleeping else 0))
+    plan.parts.append(Part("engine KV cache", replicas * kv, phase,
+                           f"{replicas}*(u*M - weights - overhead), u={e.gpu_memory_utilization}"))
+    plan.parts.append(Part("engine overhead", replicas * ENGINE_OVERHEAD_BYTES, phase,
+                           "vLLM activations, sampler, graphs (allowance)"))
+    plan.parts.append(Part("engine reserve", replicas * PROCESS_RESERVE_BYTES, "both", "engine-core CUDA context"))
+    plan.kv_bytes_per_token = shape.kv_bytes_per_token(engine_b)
+    plan.kv_tokens = kv_cache_tokens(kv, shape, engine_b)
+    per_replica = -(-settings.rollout.max_in_flight // replicas)
+    plan.kv_tokens_wanted = per_replica * settings.env.max_context_tokens
+    if plan.kv_tokens < plan.kv_tokens_wanted:
+        holds = plan.kv_tokens // settings.env.max_context_tokens
+        plan.notes.append(
+            f"the KV cache holds {plan.kv_tokens:,} tokens per replica: {holds} of its {per_replica} "
+            f"episodes at full context ({settings.env.max_context_tokens:,} tokens); vLLM queues or "
+            "preempts the rest (slower, not wrong)"
+        )
+    # Utilization bounds: u_max is the largest share the phases that hold the engine leave room for,
+    # u_min the smallest whose KV cache holds one sequence of max_model_len tokens.
+    engine_share = replicas * (weights + kv + ENGINE_OVERHEAD_BYTES)
+    phases = ("generate",) if sleeping else ("generate", "train")
+    others = max(plan.phase_total(p) - engine_share for p in phases)
+    plan.suggested_utilization = max(math.floor(100 * (plan.gpu_bytes - others) / (replicas * plan.gpu_bytes)) / 100, 0.0)
+    need = (settings.env.max_context_tokens + 1) * plan.kv_bytes_per_token
+    plan.min_utilization = math.ceil(100 * (weights + ENGINE_OVERHEAD_BYTES + need) / plan.gpu_bytes) / 100
+    if sleeping:
+        plan.notes.append(
+            "engine.sleep_while_training: during each optimizer step the engine's weights wait in CPU "
+            f"memory ({_gib(replicas * weights)} per GPU) and generation pauses"
+        )
+
+
+def _check(plan: MemoryPlan, settings: Settings) -> None:
+    """Fill ``plan.problems``; each names the part to change, the shortfall and the setting."""
+    e = settings.engine
+    gpu = plan.gpu_bytes
+    vllm = e.kind == "vllm"
+    engine_fits = vllm and plan.min_utilization <= plan.suggested_utilization
+    for phase in ("generate", "train"):
+        total = plan.phase_total(phase)
+        if total <= gpu:
+            continue
+        engine_in_phase = vllm and (phase == "generate" or not e.sleep_while_training)
+        if engine_in_phase and engine_fits:
+            fix = (f"set engine.gpu_memory_utilization between {plan.min_utilization:.2f} and "
+                   f"{plan.suggested_utilization:.2f} (now {e.gpu_memory_utilization})")
+            if not e.sleep_while_training:
+                fix += ", or engine.sleep_while_training=true"
+            plan.problems.append(Problem("engine share", total - gpu, fix))
+            continue
+        # Blame the largest part a setting can shrink (not the KV cache: a smaller share did not help).
+        fixed = ("engine KV cache", "engine overhead", "engine reserve", "trainer reserve")
+        candidates = [p for p in plan.parts if p.phase in ("both", phase) and p.name not in fixed]
+        biggest = max(candidates, key=lambda p: p.gpu_bytes)
+        plan.problems.append(Problem(f"{biggest.name} ({phase} phase)", total - gpu, _fix_for(biggest.name, settings)))
+    if vllm:
+        need = settings.env.max_context_tokens + 1
+        if plan.kv_tokens < need:
+            plan.problems.append(Problem(
+                "engine KV cache", (need - plan.kv_tokens) * plan.kv_bytes_per_token,
+                f"vLLM needs room for one sequence of max_model_len={need:,} tokens; set "
+                f"engine.gpu_memory_utilization >= {plan.min_utilization:.2f} (now {e.gpu_memory_utilization}) "
+                "or lower env.max_context_tokens",
+            ))
+
+
+def _fix_for(part: str, settings: Settings) -> str:
+    t, m = settings.trainer, settings.model
+    fixes = {
+        "activations": (
+            "set model.gradient_checkpointing=true" if not m.gradient_checkpointing
+            else f"lower trainer.micro_batch_tokens (now {t.micro_batch_tokens})"
+        ),
+        "attention mask": "set model.attn_implementation=flash_attention_2 (no [n, n] mask) or lower trainer.micro_batch_tokens",
+        "optimizer states": (
+            "use trainer.strategy=deepspeed_stage_2/3 on more GPUs" if not t.strategy.startswith("deepspeed")
+            else "set trainer.offload_optimizer=true or use more GPUs"
+        ),
+        "parameters": "use trainer.strategy=deepspeed_stage_3 (shards the parameters) or more GPUs",
+        "gradients": "use a DeepSpeed ZeRO strategy (shards gradients) or more GPUs",
+        "engine weights": (
+            "vLLM holds a whole copy of the weights per replica beside the trainer's shards (tensor "
+            "parallelism is not wired here): use more GPUs for the trainer, fewer engine.num_replicas, "
+            "or a smaller model"
+        ),
+        "log-prob chunk": f"lower trainer.logprob_chunk_tokens (now {t.logprob_chunk_tokens})",
+        "reference model": "set algorithm.kl_coef=0 (no reference model) or use deepspeed_stage_3",
+    }
+    return fixes.get(part, "use more GPUs or a smaller model")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GiB:,.2f} GiB"
+
+
+def _count(num: int) -> str:
+    """``1543714304`` -> ``1.54 B``; ``344384`` -> ``0.34 M``."""
+    return f"{num / 1e9:.2f} B" if num >= 1e9 else f"{num / 1e6:.2f} M"
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points: the table, and the check ``fit`` runs
+
+
+def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int | None = None,
+             model_config: str | Path | None = None) -> MemoryPlan:
+    """The plan of ``settings``; GPUs and their memory default to ``trainer.devices`` and, with
+    CUDA present, the first device's memory (else 80 GiB)."""
+    import torch
+
+    shape = ModelShape.from_config(load_model_config(settings, model_config))
+    guessed = []
+    if num_gpus is None:
+        devices = settings.trainer.devices
+        if isinstance(devices, int):
+            num_gpus = devices
+        else:
+            num_gpus = max(torch.cuda.device_count(), 1)
+            if not torch.cuda.is_available():
+                guessed.append(f"trainer.devices=auto counted as {num_gpus} GPU (no CUDA here; pass --gpus)")
+    if gpu_bytes is None:
+        if torch.cuda.is_available():
+            gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        else:
+            gpu_bytes = 80 * GiB
+            guessed.append("no CUDA here: planned for GPUs of 80 GiB (pass --gpu-memory)")
+    plan = memory_plan(settings, shape, num_gpus=num_gpus, gpu_bytes=gpu_bytes)
+    plan.notes[:0] = guessed
+    return plan
+
+
+def refusal_message(plan: MemoryPlan) -> str:
+    """One paragraph: what does not fit, by how much, and which setting would make it fit."""
+    lines = [
+        f"{plan.model} ({_count(plan.num_parameters)} parameters) does not fit on {plan.num_gpus} GPU(s) "
+        f"of {_gib(plan.gpu_bytes)}: training needs {_gib(plan.phase_total('train'))} per GPU, "
+        f"generation {_gib(plan.phase_total('generate'))}."
+    ]
+    for problem in plan.problems:
+        lines.append(f"{problem.part} is {_gib(problem.over_by)} over: {problem.fix}.")
+    lines.append("See `python -m lightning_agentrl plan --config ...` for every part.")
+    return " ".join(lines)
+
+
+def check_memory_plan(settings: Settings) -> MemoryPlan | None:
+    """What ``fit`` runs before loading anything: on GPUs, raise :class:`MemoryPlanError` for a plan
+    that does not fit; on CPU do nothing (host memory is not planned) and return None."""
+    if not on_gpu(settings):
+        return None
+    plan = plan_for(settings)
+    if not plan.fits:
+        raise MemoryPlanError(refusal_message(plan))
+    return plan
+
+
+def render_plan(plan: MemoryPlan):
+    """A rich table: one row per part, bytes per GPU, the phase it is resident in, the formula."""
+    from rich.table import Table
+
+    table = Table(title=f"memory plan: {plan.model}, {_count(plan.num_parameters)} parameters, "
+                        f"{plan.num_gpus} x {_gib(plan.gpu_bytes)}")
+    table.add_column("part")
+    table.add_column("GiB per GPU", justify="right")
+    table.add_column("when")
+    table.add_column("formula")
+    for part in plan.parts:
+        cpu = f" (+{_gib(part.cpu_bytes)} CPU)" if part.cpu_bytes else ""
+        table.add_row(part.name, f"{part.gpu_bytes / GiB:,.2f}{cpu}", part.phase, part.formula)
+    table.add_section()
+    for phase in ("train", "generate"):
+        total = plan.phase_total(phase)
+        style = "red" if total > plan.gpu_bytes else "green"
+        table.add_row(f"[bold]{phase} phase total[/bold]", f"[{style}]{total / GiB:,.2f}[/{style}]",
+                      "", f"of {_gib(plan.gpu_bytes)} ({100 * total / plan.gpu_bytes:.0f}%)")
+    return table
+
+
+def print_plan(plan: MemoryPlan, console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console()
+    console.print(render_plan(plan))
+    console.print(f"placement: {plan.placement}")
+    if plan.host_bytes:
+        console.print(f"host memory: {_gib(plan.host_bytes)} per GPU, {_gib(plan.num_gpus * plan.host_bytes)} "
+                      f"for {plan.num_gpus} GPU(s) (offloaded optimizer states, sleeping engine weights)")
+    if plan.kv_tokens is not None:
+        console.print(f"KV cache: {plan.kv_tokens:,} tokens per replica (all episodes at full context: "
+                      f"{plan.kv_tokens_wanted:,}); largest engine.gpu_memory_utilization that fits: "
+                      f"{plan.suggested_utilization:.2f}")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if plan.fits:
+        console.print("[bold green]fits[/bold green]")
+    else:
+        console.print(f"[bold red]does not fit[/bold red]: {refusal_message(plan)}")
