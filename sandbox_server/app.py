@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from sandbox_server import PROTOCOL_VERSION
-from sandbox_server.isolation import Isolation
+from sandbox_server.isolation import Isolation, refused_env_name
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
     WorkspaceError,
@@ -365,7 +365,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             ttl_s = ttl(body.ttl_s)
             blobs: dict[str, bytes] = {}
             for path, text in body.files.items():
-                blobs[str(check_relative(path))] = text.encode()
+                blobs[str(check_relative(_text(path, "a path")))] = _text(text, f"files[{path!r}]").encode()
             for path, b64 in body.binary_files.items():
                 try:
                     blobs[str(check_relative(path))] = base64.b64decode(b64, validate=True)
@@ -427,7 +427,7 @@ def create_app(options: ServerOptions) -> FastAPI:
         env = _env(body.env)
         if not 0 < body.timeout_s <= options.max_timeout_s:
             raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {options.max_timeout_s}], got {body.timeout_s}")
-        stdin = body.stdin.encode() if body.stdin is not None else None
+        stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
 
         async def run() -> ExecResponse:
             task = asyncio.current_task()
@@ -480,7 +480,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             except (binascii.Error, ValueError) as exc:
                 raise ApiError(400, "invalid_request", "content is not valid base64") from exc
         else:
-            data = body.content.encode()
+            data = _text(body.content, "content").encode()
         write_bytes(box.workspace, body.path, data, owner=owner, max_bytes=options.max_file_bytes)
         return Response(status_code=204)
 
@@ -493,6 +493,16 @@ def _scoped(operation: str, sandbox_id: str, key: str | None) -> str | None:
     return None if key is None else f"{operation}:{sandbox_id}:{key}"
 
 
+def _text(value: str, what: str) -> str:
+    """Refuse text that cannot become UTF-8 bytes (a lone UTF-16 surrogate sent as an escape)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, "invalid_encoding", f"{what} is not valid Unicode text: {exc.reason} "
+                       f"at position {exc.start}") from None
+    return value
+
+
 def _argv(command: str | list[str]) -> list[str]:
     if isinstance(command, str):
         if not command.strip():
@@ -502,6 +512,10 @@ def _argv(command: str | list[str]) -> list[str]:
         if not command:
             raise ApiError(400, "invalid_request", "command argv is empty")
         argv = list(command)
+        if "=" in argv[0]:
+            raise ApiError(400, "invalid_request", f"argv[0] {argv[0][:80]!r} contains '='; name a program")
+    for arg in argv:
+        _text(arg, "command")
     if any("\0" in arg for arg in argv):
         raise ApiError(400, "invalid_request", "command contains a NUL byte")
     return argv
@@ -509,8 +523,13 @@ def _argv(command: str | list[str]) -> list[str]:
 
 def _env(env: dict[str, str]) -> dict[str, str]:
     for name, value in env.items():
+        _text(name, "an environment variable name")
+        _text(value, f"environment variable {name}")
         if not _ENV_NAME.match(name):
             raise ApiError(400, "invalid_request", f"invalid environment variable name {name[:80]!r}")
+        if refused_env_name(name):
+            raise ApiError(400, "env_refused", f"environment variable {name} configures the loader or libc "
+                           "and is refused (LD_*, GCONV_PATH, LOCPATH, ...)")
         if "\0" in value:
             raise ApiError(400, "invalid_request", f"environment variable {name} contains a NUL byte")
     return env

@@ -37,7 +37,23 @@ from sandbox_server.options import ServerOptions
 
 SANDBOX_WORKDIR = "/workspace"
 _MARKER_VAR = "SANDBOX_EXEC_MARKER"
+# The only environment the host-side helpers (bwrap, setpriv, unshare) ever see: they may run as
+# real root before any namespace exists, so nothing a request carries reaches them.
+HOST_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+# Variables the dynamic loader or libc act on (glibc's "unsecure" list): refused in requests, so a
+# command never starts with a preloaded library or a foreign locale/iconv path, wherever it starts.
+REFUSED_ENV_PREFIXES = ("LD_",)
+REFUSED_ENV_NAMES = frozenset({
+    "GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE", "NIS_PATH",
+    "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR", _MARKER_VAR,
+})
+
+
+def refused_env_name(name: str) -> bool:
+    """True for a variable a request may not set (loader and libc configuration)."""
+    return name.startswith(REFUSED_ENV_PREFIXES) or name in REFUSED_ENV_NAMES
 _DRAIN_GRACE_S = 0.5
+_ARGS_FD_SLOT = "<args-fd>"  # placeholder (compared by identity) for the memfd number
 _PR_SET_PDEATHSIG = 1
 try:
     _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
@@ -57,6 +73,19 @@ class Limits:
     def from_options(cls, options: ServerOptions) -> Limits:
         return cls(options.cpu_time_s, options.address_space_bytes, options.max_processes,
                    options.file_size_bytes, options.open_files)
+
+
+@dataclass
+class Launch:
+    """A command ready to start: ``argv`` and ``env`` for the host exec; ``bwrap_args``, when set, are
+    written NUL-separated to a memfd whose number replaces the ``_ARGS_FD_SLOT`` item of ``argv``."""
+
+    argv: list[str]
+    env: dict[str, str]
+    bwrap_args: list[str] | None
+
+    def host_argv(self, fds: tuple[int, ...]) -> list[str]:
+        return [str(fds[0]) if arg is _ARGS_FD_SLOT else arg for arg in self.argv]
 
 
 @dataclass
@@ -129,6 +158,7 @@ class Isolation:
         self._bwrap = shutil.which("bwrap")
         self._setpriv = shutil.which("setpriv")
         self._unshare = shutil.which("unshare")
+        self._env_bin = shutil.which("env")
         self._python_bin = str(Path(sys.executable).parent)
         notes: list[str] = []
         self.backend = "process"
@@ -139,7 +169,7 @@ class Isolation:
         if options.isolation in ("auto", "bwrap"):
             reason = self._probe_bwrap(probe_dir, want_uid)
             if reason is None:
-                self.backend = "bwrap"
+                pass
             elif options.isolation == "bwrap":
                 raise RuntimeError(f"isolation='bwrap' requested but bubblewrap is unusable: {reason}")
             else:
@@ -157,9 +187,12 @@ class Isolation:
 
     # ---- probing -------------------------------------------------------------------------------
     def _probe(self, argv: list[str], cwd: Path, uid: int | None) -> bool:
+        launch = self.launch(cwd, argv, self.base_env(cwd), network=False)
         try:
-            done = subprocess.run(argv, cwd=cwd, env=self.base_env(cwd), capture_output=True, timeout=30,
-                                  preexec_fn=_child_setup(self.limits, uid), start_new_session=True)
+            with _args_file(launch.bwrap_args) as fds:
+                done = subprocess.run(launch.host_argv(fds), cwd=cwd, env=launch.env,
+                                      capture_output=True, timeout=30, pass_fds=fds,
+                                      preexec_fn=_child_setup(self.limits, uid), start_new_session=True)
         except (OSError, subprocess.SubprocessError):
             return False
         return done.returncode == 0 and done.stdout.strip() == b"ok"
@@ -168,13 +201,14 @@ class Isolation:
         if self._bwrap is None:
             return "bwrap not found on PATH"
         check = [sys.executable, "-c", "import pytest; print('ok')"]
-        modes = (["setpriv", "userns"] if self._setpriv else ["userns"]) if uid is not None else ["userns"]
+        can_setpriv = self._setpriv is not None and self._env_bin is not None
+        modes = (["setpriv", "userns"] if can_setpriv else ["userns"]) if uid is not None else ["userns"]
+        self.backend = "bwrap"
         for mode in modes:
             self._bwrap_mode, self.uid = mode, uid
-            argv = self._bwrap_argv(probe_dir, check, network=False)
-            if self._probe(argv, probe_dir, None):  # bwrap itself switches uid
+            if self._probe(check, probe_dir, None):  # bwrap itself switches uid
                 return None
-        self._bwrap_mode, self.uid = "", None
+        self.backend, self._bwrap_mode, self.uid = "process", "", None
         return "a test command failed inside bubblewrap (user namespaces disabled?)"
 
     def _probe_process(self, probe_dir: Path, uid: int) -> bool:
@@ -184,7 +218,10 @@ class Isolation:
     def _probe_unshare(self, probe_dir: Path) -> bool:
         if self._unshare is None:
             return False
-        return self._probe([self._unshare, "--net", "--", sys.executable, "-c", "print('ok')"], probe_dir, None)
+        self._process_netns = True
+        ok = self._probe([sys.executable, "-c", "print('ok')"], probe_dir, None)
+        self._process_netns = False
+        return ok
 
     def _make_report(self, notes: list[str]) -> IsolationReport:
         uid = self.uid if self.uid is not None else os.geteuid()
@@ -247,9 +284,12 @@ class Isolation:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def _bwrap_argv(self, workspace: Path, argv: list[str], network: bool) -> list[str]:
-        assert self._bwrap is not None
-        cmd = [self._bwrap, "--die-with-parent", "--new-session",
+    def _bwrap_args(self, workspace: Path, argv: list[str], env: dict[str, str],
+                    network: bool) -> tuple[list[str], list[str]]:
+        """bwrap's options and the command it runs. The options travel through ``--args FD``, never
+        argv, so ``/proc/1/cmdline`` inside the sandbox shows ``bwrap --args N -- COMMAND`` and no
+        host path (bwrap refuses the command itself inside the args file)."""
+        cmd = ["--die-with-parent", "--new-session", "--clearenv",
                "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
         if not network:
             cmd.append("--unshare-net")
@@ -273,21 +313,30 @@ class Isolation:
             cmd += ["--ro-bind", d, d]
         cmd += ["--bind", str(workspace), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
         if self.uid is not None and self._bwrap_mode == "setpriv":
-            assert self._setpriv is not None
-            cmd += ["--", self._setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
-                    "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *argv]
-            return cmd
+            assert self._setpriv is not None and self._env_bin is not None
+            # setpriv runs as root inside the mount namespace: it starts with an empty environment
+            # and the command's environment is applied by `env -i` only after the uid drop.
+            assignments = [f"{name}={value}" for name, value in env.items()]
+            return cmd, [self._setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+                         "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
+                         self._env_bin, "-i", *assignments, *argv]
         cmd += ["--unshare-user", "--cap-drop", "ALL"]
         if self.uid is not None:
             cmd += ["--uid", str(self.uid), "--gid", str(self.uid)]
-        return [*cmd, "--", *argv]
+        for name, value in env.items():  # applied by bwrap after it dropped every capability
+            cmd += ["--setenv", name, value]
+        return cmd, argv
 
-    def command_argv(self, workspace: Path, argv: list[str], network: bool) -> list[str]:
+    def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool) -> Launch:
+        """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file."""
         if self.backend == "bwrap":
-            return self._bwrap_argv(workspace, argv, network)
+            assert self._bwrap is not None
+            options, command = self._bwrap_args(workspace, argv, env, network)
+            return Launch([self._bwrap, "--args", _ARGS_FD_SLOT, "--", *command], dict(HOST_ENV), options)
         if self._process_netns and not network:
-            return [self._unshare or "unshare", "--net", "--", *argv]
-        return argv
+            # unshare runs as the server's uid; the rlimits and the uid drop happen before it execs.
+            return Launch([self._unshare or "unshare", "--net", "--", *argv], env, None)
+        return Launch(argv, env, None)
 
     def owner(self) -> int | None:
         """uid that must own workspace files (None: leave as created)."""
@@ -300,16 +349,19 @@ class Isolation:
     async def run(self, workspace: Path, home: Path, argv: list[str], *, stdin: bytes | None,
                   env: dict[str, str], timeout_s: float, network: bool) -> RunResult:
         marker = uuid.uuid4().hex
-        full_env = {**self.base_env(workspace, home), **env, _MARKER_VAR: marker}
+        full_env = {**self.base_env(workspace, home), **env}
+        if self.backend == "process":
+            full_env[_MARKER_VAR] = marker
+        launch = self.launch(workspace, argv, full_env, network)
         uid = self.uid if self.backend == "process" else None
         start = time.monotonic()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self.command_argv(workspace, argv, network),
-                cwd=workspace, env=full_env, start_new_session=True,
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                preexec_fn=_child_setup(self.limits, uid))
+            with _args_file(launch.bwrap_args) as fds:
+                proc = await asyncio.create_subprocess_exec(
+                    *launch.host_argv(fds), cwd=workspace, env=launch.env, start_new_session=True,
+                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds,
+                    preexec_fn=_child_setup(self.limits, uid))
         except (FileNotFoundError, PermissionError) as exc:
             # argv[0] not found / not executable (process backend): report like a shell would.
             return RunResult(127, b"", f"{exc}\n".encode(), False, False, time.monotonic() - start)
@@ -342,6 +394,21 @@ class Isolation:
             os.killpg(pgid, signal.SIGKILL)
         if self.backend == "process":
             kill_marked_processes(marker)
+
+
+@contextlib.contextmanager
+def _args_file(args: list[str] | None):
+    """Yields () or (fd,) of a memfd holding ``args`` NUL-terminated, for ``bwrap --args FD``."""
+    if args is None:
+        yield ()
+        return
+    fd = os.memfd_create("bwrap-args")
+    try:
+        os.write(fd, b"".join(arg.encode() + b"\0" for arg in args))
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield (fd,)
+    finally:
+        os.close(fd)
 
 
 def kill_marked_processes(marker: str) -> int:

@@ -31,6 +31,10 @@ def check_relative(path: str) -> PurePosixPath:
     """Validate a client path lexically; returns it as a PurePosixPath."""
     if not isinstance(path, str) or not path or "\0" in path:
         raise WorkspaceError("invalid_path", 400, f"invalid path {path!r}: empty or contains NUL")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WorkspaceError("invalid_encoding", 400, f"path {path!r} is not valid Unicode text") from None
     pure = PurePosixPath(path)
     if pure.is_absolute():
         raise WorkspaceError("path_escape", 400, f"absolute paths are refused: {path!r}")
