@@ -31,6 +31,7 @@ def make_task(**overrides) -> Task:
         visible_test_command="python -m pytest -q test_visible.py",
         hidden_test_command="python -m pytest -q hidden_tests",
         scoring_timeout_s=30.0,
+        hidden_test_count=1,
     )
     fields.update(overrides)
     return Task(**fields)
@@ -44,6 +45,7 @@ def write_task(root: Path, task_id: str = "calc_add", **spec_overrides) -> Path:
         "prompt": "`calc.py::add` subtracts. Fix calc.py.",
         "visible_test_command": "python -m pytest -q test_visible.py",
         "hidden_test_command": "python -m pytest -q hidden_tests",
+        "hidden_test_count": 1,
         "scoring_timeout_s": 30,
     }
     spec.update(spec_overrides)
