@@ -38,6 +38,7 @@ from sandbox_server.workspace import (
     copy_tree,
     list_files,
     read_bytes,
+    remove_tree,
     write_bytes,
 )
 
@@ -210,18 +211,34 @@ class GuardMiddleware:
             response = _error(413, "payload_too_large",
                               f"request body of {int(declared)} bytes exceeds the limit {self.max_body}")
             return await response(scope, receive, send)
+        # Read the whole body here (FastAPI buffers it anyway) so an oversized one, chunked or not,
+        # is a 413 before any parsing; the app then gets it back in one message.
+        chunks: list[bytes] = []
         received = 0
-
-        async def limited_receive():
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise ApiError(413, "payload_too_large", f"request body exceeds the limit {self.max_body}")
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > self.max_body:
+                response = _error(413, "payload_too_large", f"request body exceeds the limit {self.max_body}",
+                                  {"Connection": "close"})
+                return await response(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
 
-        return await self.app(scope, limited_receive, send)
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 # ---- the application ----------------------------------------------------------------------------
@@ -270,10 +287,10 @@ def create_app(options: ServerOptions) -> FastAPI:
         box.id = box.root.name
         return box
 
-    def register(box: Sandbox) -> None:
+    async def register(box: Sandbox) -> None:
         box.home.mkdir(exist_ok=True)
         if owner is not None:
-            chown_tree(box.root, owner)
+            await asyncio.to_thread(chown_tree, box.root, owner)
         sandboxes[box.id] = box
         metrics.inc("created_total")
 
@@ -283,7 +300,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             task.cancel()
         if box.tasks:
             await asyncio.wait(box.tasks, timeout=10)
-        await asyncio.to_thread(shutil.rmtree, box.root, True)
+        await asyncio.to_thread(remove_tree, box.root)
         metrics.inc("deleted_total", reason=reason)
 
     async def reaper() -> None:
@@ -304,7 +321,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             for box in list(sandboxes.values()):
                 await destroy(box, "shutdown")
             if owns_root:
-                shutil.rmtree(root, ignore_errors=True)
+                remove_tree(root)
 
     app = FastAPI(title="lightning-agentrl sandbox service", version=PROTOCOL_VERSION, lifespan=lifespan,
                   openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None)
@@ -377,11 +394,10 @@ def create_app(options: ServerOptions) -> FastAPI:
             box = new_box(body.network, ttl_s)
             box.workspace.mkdir(parents=True)
             try:
-                for path, data in blobs.items():
-                    write_bytes(box.workspace, path, data, owner=None, max_bytes=options.max_file_bytes)
-                register(box)
+                await asyncio.to_thread(_write_all, box.workspace, blobs, options.max_file_bytes)
+                await register(box)
             except BaseException:
-                shutil.rmtree(box.root, ignore_errors=True)
+                await asyncio.to_thread(remove_tree, box.root)
                 raise
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
 
@@ -407,12 +423,13 @@ def create_app(options: ServerOptions) -> FastAPI:
             ttl_s = ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
             reserve()
             box = new_box(source.network, ttl_s)
-            box.root.mkdir()
+            box.workspace.mkdir(parents=True)
             try:
-                await asyncio.to_thread(copy_tree, source.workspace, box.workspace, owner=None)
-                register(box)
+                await asyncio.to_thread(copy_tree, source.workspace, box.workspace, owner=None,
+                                        max_files=options.max_files)
+                await register(box)
             except BaseException:
-                shutil.rmtree(box.root, ignore_errors=True)
+                await asyncio.to_thread(remove_tree, box.root)
                 raise
             metrics.inc("forked_total")
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
@@ -465,7 +482,7 @@ def create_app(options: ServerOptions) -> FastAPI:
     @app.get("/v1/sandboxes/{sandbox_id}/file")
     async def read_file(sandbox_id: str, path: str = Query(...)) -> FileBody:
         box = get(sandbox_id)
-        data = read_bytes(box.workspace, path, options.max_file_bytes)
+        data = await asyncio.to_thread(read_bytes, box.workspace, path, options.max_file_bytes)
         try:
             return FileBody(path=path, content=data.decode("utf-8"), encoding="utf-8")
         except UnicodeDecodeError:
@@ -481,12 +498,18 @@ def create_app(options: ServerOptions) -> FastAPI:
                 raise ApiError(400, "invalid_request", "content is not valid base64") from exc
         else:
             data = _text(body.content, "content").encode()
-        write_bytes(box.workspace, body.path, data, owner=owner, max_bytes=options.max_file_bytes)
+        await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=owner,
+                                max_bytes=options.max_file_bytes)
         return Response(status_code=204)
 
     # The guard wraps everything, the OpenAPI schema included.
     app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes)
     return app
+
+
+def _write_all(workspace: Path, blobs: dict[str, bytes], max_bytes: int) -> None:
+    for path, data in blobs.items():
+        write_bytes(workspace, path, data, owner=None, max_bytes=max_bytes)
 
 
 def _scoped(operation: str, sandbox_id: str, key: str | None) -> str | None:

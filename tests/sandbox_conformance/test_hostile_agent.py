@@ -6,6 +6,7 @@ Each test names the guarantee it holds a server to; docs/sandbox.md says how the
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -128,3 +129,93 @@ def test_lone_surrogates_anywhere_in_a_request_get_a_typed_400(endpoint, sandbox
 
     run(body)
     _assert_still_serving(run)
+
+
+# ---- 2. non-regular files never block the server ----------------------------------------------
+def test_a_fifo_in_the_workspace_never_blocks_the_server(run, endpoint):
+    import asyncio
+
+    async def body(client):
+        sid = await client.create({})
+        try:
+            made = await client.exec(sid, "mkfifo lonely waited && ls -l")
+            assert made.exit_code == 0, made.stderr
+            for path in ("lonely", "waited"):
+                with pytest.raises(SandboxRequestError) as refused:
+                    await asyncio.wait_for(client.write_file(sid, path, "x"), timeout=10)
+                assert (refused.value.status, refused.value.code) == (400, "not_a_regular_file")
+                with pytest.raises(SandboxRequestError) as refused_read:
+                    await asyncio.wait_for(client.read_file(sid, path), timeout=10)
+                assert (refused_read.value.status, refused_read.value.code) == (400, "not_a_regular_file")
+            # A FIFO with a reader on the other end: opening it for writing would succeed; still refused.
+            reader = asyncio.create_task(client.exec(sid, "cat waited", timeout_s=15))
+            await asyncio.sleep(1.0)
+            with pytest.raises(SandboxRequestError) as with_reader:
+                await asyncio.wait_for(client.write_file(sid, "waited", "x"), timeout=10)
+            assert with_reader.value.code == "not_a_regular_file"
+            assert (await asyncio.wait_for(client.health(), timeout=5))["status"] == "ok"
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            assert await client.list_files(sid) == []  # FIFOs are not files
+            child = await asyncio.wait_for(client.fork(sid), timeout=20)  # the copy skips them, never opens them
+            await client.delete(child)
+        finally:
+            await client.delete(sid)
+
+    run(body)
+    _assert_still_serving(run)
+
+
+# ---- 5. typed 4xx for directories, deep trees and oversized bodies ------------------------------
+def test_directories_as_files_get_400_is_a_directory(run):
+    async def body(client):
+        sid = await client.create({"pkg/mod.py": "x = 1\n"})
+        try:
+            for call in (client.read_file(sid, "pkg"), client.read_bytes(sid, "pkg"), client.write_file(sid, "pkg", "x")):
+                with pytest.raises(SandboxRequestError) as caught:
+                    await call
+                assert (caught.value.status, caught.value.code) == (400, "is_a_directory")
+        finally:
+            await client.delete(sid)
+
+    run(body)
+
+
+def test_a_very_deep_directory_tree_gets_typed_errors_and_is_deleted(run, endpoint):
+    deep = "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\nopen('leaf.txt', 'w').write('x')\n"
+
+    async def body(client):
+        sid = await client.create({"deep.py": deep})
+        deleted = False
+        try:
+            made = await client.exec(sid, ["python", "deep.py"], timeout_s=60)
+            assert made.exit_code == 0, made.stderr
+            for call in (client.list_files(sid), client.fork(sid)):
+                try:
+                    await call  # a server may support it; if not, a typed 4xx, never a 5xx or a reset
+                except SandboxRequestError as exc:
+                    assert 400 <= exc.status < 500 and exc.code, exc
+            await client.delete(sid)
+            deleted = True
+            assert sid not in _raw(endpoint, "GET", "/v1/sandboxes").json()["sandboxes"]
+        finally:
+            if not deleted:
+                await client.delete(sid)
+
+    run(body, max_retries=0)
+    _assert_still_serving(run)
+
+
+def test_an_oversized_chunked_body_gets_413(endpoint, health):
+    url, token = endpoint
+    limit = health["limits"]["max_request_bytes"]
+
+    def chunks():
+        piece = b"x" * (1 << 16)
+        for _ in range(limit // len(piece) + 2):
+            yield piece
+
+    response = httpx.post(f"{url}/v1/sandboxes", content=chunks(), timeout=60,
+                          headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    _assert_error(response, 413, "payload_too_large")
