@@ -13,8 +13,8 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import os
 import re
-import shutil
 import tempfile
 import time
 import uuid
@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 
 from sandbox_server import PROTOCOL_VERSION
 from sandbox_server.isolation import Isolation, refused_env_name
+from sandbox_server.limits import Cgroups, claim_root, default_root, mount_tmpfs, unmount
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
     WorkspaceError,
@@ -112,6 +113,7 @@ class Sandbox:
     root: Path
     network: bool
     ttl_s: float
+    slot: int = 0  # index among live sandboxes: picks its uid (sandbox_uid + slot)
     last_used: float = field(default_factory=time.monotonic)
     tasks: set[asyncio.Task] = field(default_factory=set)
 
@@ -245,22 +247,30 @@ class GuardMiddleware:
 def create_app(options: ServerOptions) -> FastAPI:
     if not options.token:
         raise ValueError("a token is required (--token or SANDBOX_SERVER_TOKEN)")
-    owns_root = not options.root_dir
-    root = Path(options.root_dir or tempfile.mkdtemp(prefix="sandboxes-")).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    root.chmod(0o711)  # the sandbox uid may traverse, not list
+    # A stable root, locked while this server lives and emptied at start: a killed server's leftovers
+    # are removed by the next one instead of piling up.
+    root, root_lock = claim_root(Path(options.root_dir) if options.root_dir else default_root(),
+                                 stable_default=not options.root_dir)
+    root.chmod(0o711)  # the sandbox uids may traverse, not list
     probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
     probe_dir.chmod(0o755)
-    isolation = Isolation(options, probe_dir)
-    shutil.rmtree(probe_dir, ignore_errors=True)
+    cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes)
+    disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
+    try:
+        isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)
+    except BaseException:
+        os.close(root_lock)
+        raise
+    finally:
+        remove_tree(probe_dir)
     log.info("isolation backend: %s (uid %s)", isolation.backend, isolation.report.uid)
     for note in isolation.report.notes:
         log.warning(note)
 
     sandboxes: dict[str, Sandbox] = {}
+    free_slots = list(range(options.max_sandboxes - 1, -1, -1))  # pop() hands out slot 0 first
     idempotency = IdempotencyCache(options.idempotency_ttl_s)
     metrics = Metrics()
-    owner = isolation.owner()
 
     def get(sandbox_id: str) -> Sandbox:
         box = sandboxes.get(sandbox_id) if _ID.match(sandbox_id) else None
@@ -276,31 +286,50 @@ def create_app(options: ServerOptions) -> FastAPI:
             raise ApiError(400, "invalid_request", f"ttl_s must be in (0, {options.max_ttl_s}], got {requested}")
         return requested
 
-    def reserve() -> None:
-        if len(sandboxes) >= options.max_sandboxes:
+    async def open_box(network: bool, ttl_s: float) -> Sandbox:
+        """Take a slot (429 when none is left), then the sandbox's folder, disk quota and cgroup."""
+        if not free_slots:
             metrics.inc("create_rejected_total")
             raise ApiError(429, "capacity", f"server is full ({options.max_sandboxes} sandboxes)",
                            {"Retry-After": str(options.capacity_retry_after_s)})
-
-    def new_box(network: bool, ttl_s: float) -> Sandbox:
-        box = Sandbox(uuid.uuid4().hex, root / uuid.uuid4().hex, network, ttl_s)
-        box.id = box.root.name
+        sandbox_id = uuid.uuid4().hex
+        box = Sandbox(sandbox_id, root / sandbox_id, network, ttl_s, slot=free_slots.pop())
+        try:
+            await asyncio.to_thread(_make_box_dirs, box, options, disk_quota, cgroups)
+        except BaseException:
+            await discard(box)
+            raise
         return box
 
+    async def discard(box: Sandbox) -> None:
+        """Undo open_box: processes, cgroup, mount, folder, slot."""
+        def clean() -> None:
+            if cgroups is not None:
+                cgroups.remove(box.id)
+            if disk_quota:
+                unmount(box.root)
+            remove_tree(box.root)
+
+        try:
+            await asyncio.to_thread(clean)
+        finally:
+            free_slots.append(box.slot)
+
     async def register(box: Sandbox) -> None:
-        box.home.mkdir(exist_ok=True)
+        owner = isolation.owner(box.slot)
         if owner is not None:
             await asyncio.to_thread(chown_tree, box.root, owner)
         sandboxes[box.id] = box
         metrics.inc("created_total")
 
     async def destroy(box: Sandbox, reason: str) -> None:
-        sandboxes.pop(box.id, None)
+        if sandboxes.pop(box.id, None) is None:
+            return  # a concurrent delete got there first
         for task in list(box.tasks):
             task.cancel()
         if box.tasks:
             await asyncio.wait(box.tasks, timeout=10)
-        await asyncio.to_thread(remove_tree, box.root)
+        await discard(box)
         metrics.inc("deleted_total", reason=reason)
 
     async def reaper() -> None:
@@ -320,8 +349,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             task.cancel()
             for box in list(sandboxes.values()):
                 await destroy(box, "shutdown")
-            if owns_root:
-                remove_tree(root)
+            os.close(root_lock)
 
     app = FastAPI(title="lightning-agentrl sandbox service", version=PROTOCOL_VERSION, lifespan=lifespan,
                   openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None)
@@ -364,6 +392,9 @@ def create_app(options: ServerOptions) -> FastAPI:
                 "max_processes": options.max_processes,
                 "file_size_bytes": options.file_size_bytes,
                 "open_files": options.open_files,
+                "memory_bytes": options.memory_bytes,
+                "disk_bytes": options.disk_bytes,
+                "tmp_bytes": options.tmp_bytes,
             },
         }
 
@@ -390,14 +421,12 @@ def create_app(options: ServerOptions) -> FastAPI:
                     raise ApiError(400, "invalid_request", f"binary_files[{path!r}] is not base64") from exc
             if len(blobs) > options.max_files:
                 raise ApiError(413, "payload_too_large", f"snapshot has more than {options.max_files} files")
-            reserve()
-            box = new_box(body.network, ttl_s)
-            box.workspace.mkdir(parents=True)
+            box = await open_box(body.network, ttl_s)
             try:
                 await asyncio.to_thread(_write_all, box.workspace, blobs, options.max_file_bytes)
                 await register(box)
             except BaseException:
-                await asyncio.to_thread(remove_tree, box.root)
+                await discard(box)
                 raise
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
 
@@ -421,15 +450,13 @@ def create_app(options: ServerOptions) -> FastAPI:
 
         async def make() -> SandboxInfo:
             ttl_s = ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
-            reserve()
-            box = new_box(source.network, ttl_s)
-            box.workspace.mkdir(parents=True)
+            box = await open_box(source.network, ttl_s)
             try:
                 await asyncio.to_thread(copy_tree, source.workspace, box.workspace, owner=None,
                                         max_files=options.max_files)
                 await register(box)
             except BaseException:
-                await asyncio.to_thread(remove_tree, box.root)
+                await discard(box)
                 raise
             metrics.inc("forked_total")
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
@@ -451,7 +478,8 @@ def create_app(options: ServerOptions) -> FastAPI:
             assert task is not None
             box.tasks.add(task)
             try:
-                result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env,
+                result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env, slot=box.slot,
+                                             cgroup=box.id,
                                              timeout_s=body.timeout_s, network=box.network)
             finally:
                 box.tasks.discard(task)
@@ -498,13 +526,35 @@ def create_app(options: ServerOptions) -> FastAPI:
                 raise ApiError(400, "invalid_request", "content is not valid base64") from exc
         else:
             data = _text(body.content, "content").encode()
-        await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=owner,
+        await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=isolation.owner(box.slot),
                                 max_bytes=options.max_file_bytes)
         return Response(status_code=204)
 
     # The guard wraps everything, the OpenAPI schema included.
     app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes)
     return app
+
+
+def _can_mount_tmpfs(probe_dir: Path) -> bool:
+    target = probe_dir / "quota"
+    target.mkdir()
+    try:
+        mount_tmpfs(target, 1 << 20, 64)
+    except OSError as exc:
+        log.warning("no per-sandbox disk quota: cannot mount a tmpfs (%s)", exc.strerror or exc)
+        return False
+    unmount(target)
+    return True
+
+
+def _make_box_dirs(box: Sandbox, options: ServerOptions, disk_quota: bool, cgroups: Cgroups | None) -> None:
+    box.root.mkdir()
+    if disk_quota:
+        mount_tmpfs(box.root, options.disk_bytes, max(10_000, 5 * options.max_files))
+    box.workspace.mkdir()
+    box.home.mkdir()
+    if cgroups is not None:
+        cgroups.create(box.id)
 
 
 def _write_all(workspace: Path, blobs: dict[str, bytes], max_bytes: int) -> None:

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandbox_server.limits import Cgroups, join_cgroups
 from sandbox_server.options import ServerOptions
 
 SANDBOX_WORKDIR = "/workspace"
@@ -107,6 +108,8 @@ class IsolationReport:
     namespaces: list[str]
     network_isolated_by_default: bool
     process_limit_enforced: bool
+    enforced: dict[str, str | None] = field(default_factory=dict)
+    """Per-sandbox limit -> how it is enforced, or None when it is not (see docs/sandbox.md)."""
     isolated: list[str] = field(default_factory=list)
     not_isolated: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -126,10 +129,12 @@ def _python_dirs() -> list[str]:
     return kept
 
 
-def _child_setup(limits: Limits, uid: int | None):
-    """Runs in the forked child before exec: rlimits first (as root they cannot be raised back), then uid."""
+def _child_setup(limits: Limits, uid: int | None, cgroup_procs: list[str] | None = None):
+    """Runs in the forked child before exec: cgroups, rlimits (as root they cannot be raised back), then uid."""
 
     def setup() -> None:
+        if cgroup_procs:
+            join_cgroups(cgroup_procs)
         # If the server dies (even by SIGKILL) the command's main process dies with it.
         if _libc is not None:
             _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -151,8 +156,11 @@ def _child_setup(limits: Limits, uid: int | None):
 class Isolation:
     """Builds and runs sandboxed commands. Construct once per server; it probes the host."""
 
-    def __init__(self, options: ServerOptions, probe_dir: Path) -> None:
+    def __init__(self, options: ServerOptions, probe_dir: Path, cgroups: Cgroups | None = None,
+                 cgroup_note: str = "", disk_quota: bool = False) -> None:
         self.options = options
+        self.cgroups = cgroups
+        self.disk_quota = disk_quota
         self.limits = Limits.from_options(options)
         self._is_root = os.geteuid() == 0
         self._bwrap = shutil.which("bwrap")
@@ -183,11 +191,36 @@ class Isolation:
             elif self._is_root is False:
                 notes.append("server is not root: commands run as the server's uid")
             self._process_netns = self._is_root and self._probe_unshare(probe_dir)
+        if cgroup_note and cgroups is None:
+            notes.append(f"no per-sandbox process and memory limits: {cgroup_note}")
+        if self.host_uid() == 0 and not options.allow_root_commands:
+            raise RuntimeError(
+                "commands would run as root (" + "; ".join(notes or ["sandbox_uid=-1"]) + "): install bubblewrap "
+                "(scripts/install_bwrap.sh), make the interpreter readable for other uids, or pass "
+                "--allow-root-commands to accept it")
         self.report = self._make_report(notes)
+
+    # ---- uids ----------------------------------------------------------------------------------
+    @property
+    def per_sandbox_uids(self) -> bool:
+        """Each sandbox slot gets its own real uid (root server, uid dropped by setpriv or setuid)."""
+        return self.uid is not None and (self.backend == "process" or self._bwrap_mode == "setpriv")
+
+    def command_uid(self, slot: int) -> int | None:
+        """uid the sandbox in ``slot`` runs its commands as (inside its namespaces); None: the server's."""
+        if self.uid is None:
+            return None
+        return self.uid + slot if self.per_sandbox_uids else self.uid
+
+    def host_uid(self) -> int:
+        """uid that commands have on the host (outside any user namespace)."""
+        if self.uid is None or (self.backend == "bwrap" and self._bwrap_mode == "userns"):
+            return os.geteuid()
+        return self.uid
 
     # ---- probing -------------------------------------------------------------------------------
     def _probe(self, argv: list[str], cwd: Path, uid: int | None) -> bool:
-        launch = self.launch(cwd, argv, self.base_env(cwd), network=False)
+        launch = self.launch(cwd, argv, self.base_env(cwd), network=False, uid=self.uid)
         try:
             with _args_file(launch.bwrap_args) as fds:
                 done = subprocess.run(launch.host_argv(fds), cwd=cwd, env=launch.env,
@@ -224,11 +257,26 @@ class Isolation:
         return ok
 
     def _make_report(self, notes: list[str]) -> IsolationReport:
+        options = self.options
         uid = self.uid if self.uid is not None else os.geteuid()
-        limits = ["rlimits per process: CPU time, address space, file size, open files, core dumps off"]
-        nproc = uid != 0
-        if nproc:
-            limits.append(f"RLIMIT_NPROC={self.limits.max_processes} for uid {uid} (shared by all sandboxes)")
+        cgroup = f"cgroup v{self.cgroups.version}" if self.cgroups is not None else None
+        per_uid = self.per_sandbox_uids
+        enforced: dict[str, str | None] = {
+            "processes_per_sandbox": (f"{cgroup} pids.max={options.max_processes}" if cgroup else
+                                      f"RLIMIT_NPROC={options.max_processes} of the sandbox's own uid" if per_uid
+                                      else None),
+            "memory_per_sandbox": f"{cgroup} memory limit {options.memory_bytes} bytes" if cgroup else None,
+            "disk_per_sandbox": f"tmpfs of {options.disk_bytes} bytes on the sandbox folder" if self.disk_quota else None,
+            "tmp_per_command": (f"private tmpfs /tmp of {options.tmp_bytes} bytes" if self.backend == "bwrap"
+                                else "inside the sandbox folder (TMPDIR)" if self.disk_quota else None),
+            "uid_per_sandbox": f"uids {uid}..{uid + options.max_sandboxes - 1}" if per_uid else None,
+            "address_space_per_process": f"RLIMIT_AS={options.address_space_bytes}",
+            "cpu_time_per_process": f"RLIMIT_CPU={options.cpu_time_s}",
+            "file_size": f"RLIMIT_FSIZE={options.file_size_bytes}",
+        }
+        limits = ["rlimits per process: CPU time, address space, file size, open files, core dumps off",
+                  *(f"{name}: {how}" for name, how in enforced.items() if how and "RLIMIT" not in how)]
+        missing = [name for name, how in enforced.items() if how is None]
         if self.backend == "bwrap":
             namespaces = ["mount", "pid", "ipc", "uts", "network (unless network=true)"]
             if self._bwrap_mode == "userns":
@@ -238,13 +286,15 @@ class Isolation:
                 "filesystem: only /usr, the Python prefix and a few /etc files (read-only), private /tmp",
                 "processes: own pid namespace; the whole tree dies with the command or on timeout",
                 "network: none by default (own network namespace with loopback only)",
+                "host side: bwrap and setpriv start with a fixed environment; options via a memfd, not argv",
                 *limits,
             ]
             not_isolated = [
                 "kernel: shared with the host (namespaces, not a VM); kernel exploits escape",
-                "CPU and memory: no cgroup quotas; only per-process rlimits and the wall-clock timeout",
-                "disk usage of the workspace is not capped (RLIMIT_FSIZE caps single files only)",
+                "CPU: no CPU quota; only RLIMIT_CPU per process and the wall-clock timeout",
+                *(["/proc/self/mountinfo shows the host path of the workspace bind mount"] if not self.disk_quota else []),
                 "network=true shares the host network namespace",
+                *(f"not enforced: {name}" for name in missing),
             ]
         else:
             namespaces = ["network (unless network=true)"] if self._process_netns else []
@@ -257,16 +307,18 @@ class Isolation:
                 isolated.append("network: none by default (unshare --net)")
             not_isolated = [
                 "filesystem: the command sees the host filesystem with the permissions of its uid",
-                "other sandboxes' workspaces when commands share a uid",
-                "kernel, CPU and memory: no namespaces or cgroups",
+                "kernel and CPU: no namespaces",
                 "network" + ("" if not self._process_netns else " when network=true"),
+                *(f"not enforced: {name}" for name in missing),
             ]
-            if self.uid is None and os.geteuid() == 0:
-                not_isolated.insert(0, "privileges: commands run as root")
+            if not per_uid:
+                not_isolated.insert(1, "other sandboxes' workspaces: all sandboxes share one uid")
+            if self.host_uid() == 0:
+                not_isolated.insert(0, "privileges: commands run as root (allow_root_commands)")
         return IsolationReport(backend=self.backend, uid=uid, namespaces=namespaces,
                                network_isolated_by_default=self.backend == "bwrap" or self._process_netns,
-                               process_limit_enforced=nproc, isolated=isolated, not_isolated=not_isolated,
-                               notes=notes)
+                               process_limit_enforced=enforced["processes_per_sandbox"] is not None,
+                               enforced=enforced, isolated=isolated, not_isolated=not_isolated, notes=notes)
 
     # ---- command lines -------------------------------------------------------------------------
     def workdir(self, workspace: Path) -> str:
@@ -285,7 +337,7 @@ class Isolation:
         }
 
     def _bwrap_args(self, workspace: Path, argv: list[str], env: dict[str, str],
-                    network: bool) -> tuple[list[str], list[str]]:
+                    network: bool, uid: int | None) -> tuple[list[str], list[str]]:
         """bwrap's options and the command it runs. The options travel through ``--args FD``, never
         argv, so ``/proc/1/cmdline`` inside the sandbox shows ``bwrap --args N -- COMMAND`` and no
         host path (bwrap refuses the command itself inside the args file)."""
@@ -300,7 +352,8 @@ class Isolation:
                 cmd += ["--symlink", os.readlink(host), str(host)]
             elif host.is_dir():
                 cmd += ["--ro-bind", str(host), str(host)]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--dir", "/etc"]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(self.options.tmp_bytes),
+                "--tmpfs", "/tmp", "--perms", "0755", "--dir", "/etc"]
         for etc in ("passwd", "group", "hosts", "nsswitch.conf", "ld.so.cache", "localtime", "resolv.conf"):
             cmd += ["--ro-bind-try", f"/etc/{etc}", f"/etc/{etc}"]
         python_dirs = _python_dirs()
@@ -312,48 +365,52 @@ class Isolation:
         for d in python_dirs:
             cmd += ["--ro-bind", d, d]
         cmd += ["--bind", str(workspace), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
-        if self.uid is not None and self._bwrap_mode == "setpriv":
+        if uid is not None and self._bwrap_mode == "setpriv":
             assert self._setpriv is not None and self._env_bin is not None
             # setpriv runs as root inside the mount namespace: it starts with an empty environment
             # and the command's environment is applied by `env -i` only after the uid drop.
             assignments = [f"{name}={value}" for name, value in env.items()]
-            return cmd, [self._setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+            return cmd, [self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                          "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
                          self._env_bin, "-i", *assignments, *argv]
         cmd += ["--unshare-user", "--cap-drop", "ALL"]
-        if self.uid is not None:
-            cmd += ["--uid", str(self.uid), "--gid", str(self.uid)]
+        if uid is not None:
+            cmd += ["--uid", str(uid), "--gid", str(uid)]
         for name, value in env.items():  # applied by bwrap after it dropped every capability
             cmd += ["--setenv", name, value]
         return cmd, argv
 
-    def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool) -> Launch:
+    def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool,
+               uid: int | None) -> Launch:
         """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file."""
         if self.backend == "bwrap":
             assert self._bwrap is not None
-            options, command = self._bwrap_args(workspace, argv, env, network)
+            options, command = self._bwrap_args(workspace, argv, env, network, uid)
             return Launch([self._bwrap, "--args", _ARGS_FD_SLOT, "--", *command], dict(HOST_ENV), options)
         if self._process_netns and not network:
             # unshare runs as the server's uid; the rlimits and the uid drop happen before it execs.
             return Launch([self._unshare or "unshare", "--net", "--", *argv], env, None)
         return Launch(argv, env, None)
 
-    def owner(self) -> int | None:
-        """uid that must own workspace files (None: leave as created)."""
-        if self.uid is None or self._bwrap_mode == "userns":
+    def owner(self, slot: int) -> int | None:
+        """uid that must own the workspace files of the sandbox in ``slot`` (None: leave as created)."""
+        if not self.per_sandbox_uids:
             # With a user namespace, the sandbox uid maps back to the server's uid outside.
             return None
-        return self.uid
+        return self.command_uid(slot)
 
     # ---- running -------------------------------------------------------------------------------
     async def run(self, workspace: Path, home: Path, argv: list[str], *, stdin: bytes | None,
-                  env: dict[str, str], timeout_s: float, network: bool) -> RunResult:
+                  env: dict[str, str], timeout_s: float, network: bool, slot: int = 0,
+                  cgroup: str | None = None) -> RunResult:
         marker = uuid.uuid4().hex
         full_env = {**self.base_env(workspace, home), **env}
         if self.backend == "process":
             full_env[_MARKER_VAR] = marker
-        launch = self.launch(workspace, argv, full_env, network)
-        uid = self.uid if self.backend == "process" else None
+        command_uid = self.command_uid(slot)
+        launch = self.launch(workspace, argv, full_env, network, command_uid)
+        uid = command_uid if self.backend == "process" else None  # bwrap drops the uid itself
+        procs = self.cgroups.procs_files(cgroup) if self.cgroups is not None and cgroup else []
         start = time.monotonic()
         try:
             with _args_file(launch.bwrap_args) as fds:
@@ -361,7 +418,7 @@ class Isolation:
                     *launch.host_argv(fds), cwd=workspace, env=launch.env, start_new_session=True,
                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds,
-                    preexec_fn=_child_setup(self.limits, uid))
+                    preexec_fn=_child_setup(self.limits, uid, procs))
         except (FileNotFoundError, PermissionError) as exc:
             # argv[0] not found / not executable (process backend): report like a shell would.
             return RunResult(127, b"", f"{exc}\n".encode(), False, False, time.monotonic() - start)

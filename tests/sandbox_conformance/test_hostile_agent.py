@@ -219,3 +219,88 @@ def test_an_oversized_chunked_body_gets_413(endpoint, health):
     response = httpx.post(f"{url}/v1/sandboxes", content=chunks(), timeout=60,
                           headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
     _assert_error(response, 413, "payload_too_large")
+
+
+# ---- 3. one sandbox cannot starve the others ----------------------------------------------------
+def _enforced(health: dict, limit: str) -> str:
+    how = health["isolation"].get("enforced", {}).get(limit)
+    if not how:
+        pytest.skip(f"server reports {limit} as not enforced")
+    return how
+
+
+def test_a_process_flood_in_one_sandbox_never_starves_another(run, health):
+    _enforced(health, "processes_per_sandbox")
+    flood = health["limits"]["max_processes"] + 100
+    hold = f"i=0; while [ $i -lt {flood} ]; do sleep 30 & i=$((i+1)); done 2>/dev/null; echo held; sleep 30"
+    check = ["python", "-c", "import subprocess\nfor _ in range(20):\n    subprocess.run(['true'], check=True)\n"
+             "print('forked fine')"]
+
+    async def body(client):
+        import asyncio
+
+        hog, victim = await client.create({}), await client.create({})
+        try:
+            flooding = asyncio.create_task(client.exec(hog, hold, timeout_s=8))
+            await asyncio.sleep(3.0)  # the flood is at its limit by now
+            result = await client.exec(victim, check, timeout_s=30)
+            assert (result.exit_code, result.stdout) == (0, "forked fine\n"), result.stderr
+            with contextlib.suppress(Exception):
+                await flooding
+        finally:
+            await client.delete(hog)
+            await client.delete(victim)
+
+    run(body)
+    _assert_still_serving(run)
+
+
+def test_memory_over_the_sandbox_limit_is_stopped_across_processes(run, health):
+    _enforced(health, "memory_per_sandbox")
+    limit = health["limits"]["memory_bytes"]
+    per_process = min(limit // 2, health["limits"]["address_space_bytes"] // 2)
+    count = limit // per_process + 2  # together well past the limit, each under its own rlimit
+    grab = (f"import time\nx = bytearray({per_process})\nfor i in range(0, len(x), 4096):\n    x[i] = 1\n"
+            "print('held')\ntime.sleep(5)\n")
+
+    async def body(client):
+        sid = await client.create({"grab.py": grab})
+        try:
+            result = await client.exec(sid, " & ".join(["python grab.py"] * count) + " ; wait", timeout_s=30)
+            assert result.stdout.count("held") < count, result.stdout
+        finally:
+            await client.delete(sid)
+
+    run(body)
+    _assert_still_serving(run)
+
+
+# ---- 6. disk and /tmp are capped ----------------------------------------------------------------
+def test_disk_and_tmp_writes_stop_at_their_quota(run, health):
+    _enforced(health, "disk_per_sandbox")
+    disk, tmp = health["limits"]["disk_bytes"], health["limits"]["tmp_bytes"]
+    mib = 1 << 20
+
+    async def body(client):
+        sid = await client.create({})
+        try:
+            full = await client.exec(sid, f"head -c {disk + 8 * mib} /dev/zero > big; echo rc=$?; wc -c < big",
+                                     timeout_s=60)
+            written = int(full.stdout.split()[-1])
+            assert "rc=0" not in full.stdout and written <= disk, full
+            with pytest.raises(SandboxRequestError) as refused:
+                await client.write_file(sid, "more.txt", "x" * mib)
+            assert (refused.value.status, refused.value.code) == (413, "disk_quota_exceeded")
+            child = await client.fork(sid)  # a full sandbox still forks (same quota)
+            await client.delete(child)
+            await client.exec(sid, "rm big")
+            if health["isolation"]["enforced"].get("tmp_per_command", "").startswith("private tmpfs"):
+                capped = await client.exec(sid, f"head -c {tmp + 8 * mib} /dev/zero > /tmp/big; echo rc=$?; "
+                                                "wc -c < /tmp/big", timeout_s=60)
+                assert "rc=0" not in capped.stdout and int(capped.stdout.split()[-1]) <= tmp, capped
+            await client.write_file(sid, "after.txt", "space again")
+        finally:
+            await client.delete(sid)
+
+    run(body)
+    _assert_still_serving(run)
