@@ -23,8 +23,9 @@ ignoring all caches with ``-X pycache_prefix`` would recompile pytest on every r
   ``--confcutdir`` at the hidden-test folder (no ``conftest.py`` of the agent's is loaded), plugin
   autoload off and ``PYTEST_*`` variables cleared (no entry-point or ``-p`` plugins), no cache
   provider. The workspace joins ``sys.path`` only once the session starts. A recorder plugin writes
-  one line per test outcome to the results file and checks, at the end, that no function or class
-  of pytest, pluggy or ``builtins`` was replaced meanwhile (reported as ``tampered``).
+  one line per test outcome to the results file and checks that no function or class of pytest,
+  pluggy or ``builtins`` was replaced meanwhile, and that each test still runs the code it was
+  collected with (both reported as ``tampered``).
 - ``--script`` mode runs one hidden script (``python -I SCRIPT``) in the workspace instead; its exit
   code is its one result, decided by the supervisor.
 
@@ -79,6 +80,8 @@ class _Recorder:
         self.fd = fd
         self.workspace = workspace
         self.before: dict[tuple[str, str], int] = {}
+        self.code: dict[str, object] = {}  # nodeid -> the test function's code object at collection
+        self.replaced: list[str] = []
 
     def _emit(self, record: dict) -> None:
         os.write(self.fd, (json.dumps(record) + "\n").encode())
@@ -89,6 +92,15 @@ class _Recorder:
     def pytest_sessionstart(self, session) -> None:
         # Only now, with pytest configured and the snapshot taken, may the agent's modules be found.
         sys.path.insert(0, self.workspace)
+
+    def pytest_collection_finish(self, session) -> None:
+        for item in session.items:
+            self.code[item.nodeid] = getattr(getattr(item, "obj", None), "__code__", None)
+
+    def pytest_runtest_call(self, item) -> None:
+        # A test whose code object was swapped after collection (``f.__code__ = ...``) is not the test.
+        if getattr(getattr(item, "obj", None), "__code__", None) is not self.code.get(item.nodeid):
+            self.replaced.append(item.nodeid)
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
@@ -102,6 +114,7 @@ class _Recorder:
         after = _public_callables()
         changed = sorted(f"{mod}.{name}" for key, value in self.before.items()
                          if after.get(key, value) != value for mod, name in [key])
+        changed += [f"code of {nodeid}" for nodeid in self.replaced]
         self._emit({"event": "finish", "exitstatus": int(exitstatus), "tampered": changed[:50]})
 
 

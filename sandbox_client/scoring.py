@@ -239,7 +239,7 @@ def report_problems(report: dict, required_passed: int | None) -> list[str]:
     if report["errors"]:
         problems.append(f"collection errors: {', '.join(report['errors'][:5])}")
     if report["tampered"]:
-        problems.append(f"the test process replaced pytest or builtins functions: {', '.join(report['tampered'][:5])}")
+        problems.append(f"the test process tampered with the run: {', '.join(report['tampered'][:5])}")
     if not report["finished"] or report["worker_exitstatus"] != 0:
         problems.append(f"the test run did not finish cleanly (exit {report['exit_code']})")
     return problems
