@@ -53,6 +53,28 @@ DEFAULT_SCORING_TIMEOUT_S = 30.0
 # Build litter that may sit next to task files after someone ran the tests by hand.
 IGNORED_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store"})
 IGNORED_SUFFIXES = (".pyc", ".pyo")
+# A module under test whose every name is an object that equals anything: the reward hack of
+# returning "always equal" values. Sound hidden tests fail on it.
+ANYTHING_STUB = """class _Anything:
+    __hash__ = object.__hash__
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def __lt__(self, other): return True
+    __le__ = __gt__ = __ge__ = __lt__
+    def __bool__(self): return True
+    def __call__(self, *args, **kwargs): return self
+    def __iter__(self): return iter(())
+    def __len__(self): return 0
+    def __contains__(self, item): return True
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+
+def __getattr__(name):
+    return _Anything()
+"""
 # pytest's documented exit codes: 1 = some tests failed; 2-5 = interrupted, internal error,
 # usage error, nothing collected. A bug must make the hidden tests *fail*, not break collection.
 PYTEST_TESTS_FAILED = 1
@@ -261,6 +283,14 @@ def validate_task(task: Task, *, python: str = sys.executable, timeout_s: float 
             f"hidden tests on the buggy workspace exit with {buggy.returncode}, not a test failure "
             f"(collection or usage error?): {buggy.tail}"
         )
+
+    # A policy that returns objects equal to everything (``__eq__`` -> True) must not pass either.
+    stubbed = {**task.files, **{p: ANYTHING_STUB for p in task.solution_files if p.endswith(".py")}}
+    if stubbed != task.files:
+        probe = _run_hidden(stubbed, task.hidden_files, command, python, hidden_limit_s)
+        if not _hidden_problems(probe, task.hidden_test_count):
+            problems.append("hidden tests pass when the fixed module returns objects equal to anything "
+                            "(check types or use `is`/`not`, not only ==)")
 
     fixed = _run_hidden(task.solved_files(), task.hidden_files, command, python, hidden_limit_s)
     if fixed.returncode != 0 or fixed.timed_out:
