@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import resource
 import shutil
@@ -129,6 +130,12 @@ def _python_dirs() -> list[str]:
     return kept
 
 
+def _rlimits(limits: Limits) -> list[tuple[int, int]]:
+    return [(resource.RLIMIT_CPU, limits.cpu_time_s), (resource.RLIMIT_AS, limits.address_space_bytes),
+            (resource.RLIMIT_NPROC, limits.max_processes), (resource.RLIMIT_FSIZE, limits.file_size_bytes),
+            (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)]
+
+
 def _child_setup(limits: Limits, uid: int | None, cgroup_procs: list[str] | None = None):
     """Runs in the forked child before exec: cgroups, rlimits (as root they cannot be raised back), then uid."""
 
@@ -138,12 +145,7 @@ def _child_setup(limits: Limits, uid: int | None, cgroup_procs: list[str] | None
         # If the server dies (even by SIGKILL) the command's main process dies with it.
         if _libc is not None:
             _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        for res, value in ((resource.RLIMIT_CPU, limits.cpu_time_s),
-                           (resource.RLIMIT_AS, limits.address_space_bytes),
-                           (resource.RLIMIT_NPROC, limits.max_processes),
-                           (resource.RLIMIT_FSIZE, limits.file_size_bytes),
-                           (resource.RLIMIT_NOFILE, limits.open_files),
-                           (resource.RLIMIT_CORE, 0)):
+        for res, value in _rlimits(limits):
             resource.setrlimit(res, (value, value))
         if uid is not None:
             os.setgroups([])
@@ -412,39 +414,94 @@ class Isolation:
         uid = command_uid if self.backend == "process" else None  # bwrap drops the uid itself
         procs = self.cgroups.procs_files(cgroup) if self.cgroups is not None and cgroup else []
         start = time.monotonic()
+
+        stdin_mode = subprocess.PIPE if stdin else subprocess.DEVNULL
+
+        def spawn() -> subprocess.Popen:
+            # In a worker thread: fork, the child's setup and exec block the caller until exec;
+            # on the event loop that would serialise every command of every sandbox.
+            return subprocess.Popen(launch.argv, cwd=workspace, env=launch.env, start_new_session=True,
+                                    stdin=stdin_mode, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=_child_setup(self.limits, uid, procs))
+
         try:
-            with _args_file(launch.bwrap_args) as fds:
-                proc = await asyncio.create_subprocess_exec(
-                    *launch.host_argv(fds), cwd=workspace, env=launch.env, start_new_session=True,
-                    stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds,
-                    preexec_fn=_child_setup(self.limits, uid, procs))
+            if launch.bwrap_args is not None:
+                proc = await self._start_bwrap(launch, workspace, stdin_mode, procs)
+            else:
+                proc = await asyncio.to_thread(spawn)
         except (FileNotFoundError, PermissionError) as exc:
             # argv[0] not found / not executable (process backend): report like a shell would.
             return RunResult(127, b"", f"{exc}\n".encode(), False, False, time.monotonic() - start)
         limit = self.options.output_limit_bytes
         out, err = _Capture(limit), _Capture(limit)
-        readers = [asyncio.create_task(out.drain(proc.stdout)), asyncio.create_task(err.drain(proc.stderr))]
-        feeder = asyncio.create_task(_feed(proc, stdin)) if stdin else None
+        assert proc.stdout is not None and proc.stderr is not None
+        loop = asyncio.get_running_loop()
+        readers = [out.drain(loop, proc.stdout), err.drain(loop, proc.stderr)]
+        feeder = _feed(loop, proc, stdin) if stdin else None
+        exited = _exit_future(loop, proc)
         timed_out = False
         try:
-            await asyncio.wait_for(proc.wait(), timeout=timeout_s)
-        except TimeoutError:
-            timed_out = True
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), timeout=timeout_s)
+            except TimeoutError:
+                timed_out = True
+            finally:
+                # Kill the tree even on normal exit: background children must not outlive their command.
+                self._kill_tree(proc.pid, marker)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await exited
+            duration = time.monotonic() - start
+            await asyncio.wait(readers, timeout=_DRAIN_GRACE_S)
         finally:
-            # Kill the tree even on normal exit: background children must not outlive their command.
-            self._kill_tree(proc.pid, marker)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-        duration = time.monotonic() - start
-        _, pending = await asyncio.wait(readers, timeout=_DRAIN_GRACE_S)
-        for task in [*pending, *([feeder] if feeder else [])]:
-            task.cancel()
+            for pipe in (proc.stdout, proc.stderr, proc.stdin):
+                if pipe is not None and not pipe.closed:
+                    loop.remove_reader(pipe.fileno())
+                    loop.remove_writer(pipe.fileno())
+                    pipe.close()
+            for future in [*readers, *([feeder] if feeder else [])]:
+                future.cancel()
         exit_code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         return RunResult(exit_code=-signal.SIGKILL if timed_out else exit_code, stdout=out.data(),
                          stderr=err.data(), timed_out=timed_out, truncated=out.truncated or err.truncated,
                          duration_s=duration)
+
+    async def _start_bwrap(self, launch: Launch, workspace: Path, stdin_mode: int,
+                           procs: list[str]) -> subprocess.Popen:
+        """Start bwrap without a pre-exec hook (so Python can vfork: ~0.2 ms instead of ~4 ms to fork
+        the server), then, while bwrap's sandboxed child waits on ``--block-fd``, give that child
+        (its pid comes on ``--info-fd``) the rlimits and the cgroup, and let it go. Everything the
+        command starts inherits both. bwrap's own ``--die-with-parent`` replaces the death signal."""
+        assert launch.bwrap_args is not None
+        info_read, info_write = os.pipe()
+        block_read, block_write = os.pipe()
+        args = [*launch.bwrap_args, "--info-fd", str(info_write), "--block-fd", str(block_read)]
+        try:
+            with _args_file(args) as fds:
+                proc = subprocess.Popen(launch.host_argv(fds), cwd=workspace, env=launch.env,
+                                        start_new_session=True, stdin=stdin_mode, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, pass_fds=(*fds, info_write, block_read))
+        except BaseException:
+            for fd in (info_read, info_write, block_read, block_write):
+                os.close(fd)
+            raise
+        os.close(info_write)
+        os.close(block_read)
+        try:
+            child = (await _read_json_object(info_read)).get("child-pid")
+            if child is not None:  # None: bwrap failed before its child; it exits with its error
+                for res, value in _rlimits(self.limits):
+                    resource.prlimit(child, res, (value, value))
+                join_cgroups(procs, pid=child)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.write(block_write, b"1")
+            os.close(block_write)
+        return proc
 
     def _kill_tree(self, pgid: int, marker: str) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -489,6 +546,58 @@ def kill_marked_processes(marker: str) -> int:
     return killed
 
 
+async def _read_json_object(fd: int) -> dict:
+    """Read one JSON object from ``fd`` on the event loop (complete object or EOF), then close ``fd``.
+    Does not wait for EOF: bwrap's sandboxed child may still hold the write end."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    chunks: list[bytes] = []
+    done: asyncio.Future = loop.create_future()
+
+    def on_readable() -> None:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            chunks.append(chunk)
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(b"".join(chunks))
+                if isinstance(parsed, dict) and not done.done():
+                    done.set_result(parsed)
+        elif not done.done():
+            done.set_result({})
+
+    loop.add_reader(fd, on_readable)
+    try:
+        return await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def _exit_future(loop: asyncio.AbstractEventLoop, proc: subprocess.Popen) -> asyncio.Future:
+    """Resolves (after reaping) when ``proc`` exits: a pidfd on the loop, no thread per command."""
+    done: asyncio.Future = loop.create_future()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel): a thread waits instead
+        waiting = asyncio.ensure_future(asyncio.to_thread(proc.wait))
+        waiting.add_done_callback(lambda _: done.done() or done.set_result(proc.returncode))
+        return done
+
+    def on_exit() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        if not done.done():
+            done.set_result(proc.wait())
+
+    loop.add_reader(pidfd, on_exit)
+    return done
+
+
 class _Capture:
     """Keeps the first ``limit`` bytes of a stream and keeps draining the rest so the child never blocks."""
 
@@ -498,24 +607,67 @@ class _Capture:
         self.size = 0
         self.truncated = False
 
-    async def drain(self, stream: asyncio.StreamReader | None) -> None:
-        if stream is None:
-            return
-        while chunk := await stream.read(1 << 16):
-            room = self.limit - self.size
-            if room > 0:
-                self.chunks.append(chunk[:room])
-                self.size += min(room, len(chunk))
-            if len(chunk) > room:
-                self.truncated = True
+    def drain(self, loop: asyncio.AbstractEventLoop, pipe) -> asyncio.Future:
+        """Read ``pipe`` on the loop until EOF; the future resolves then."""
+        fd = pipe.fileno()
+        os.set_blocking(fd, False)
+        done: asyncio.Future = loop.create_future()
+
+        def on_readable() -> None:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                loop.remove_reader(fd)
+                if not done.done():
+                    done.set_result(None)
+                return
+            self._keep(chunk)
+
+        loop.add_reader(fd, on_readable)
+        return done
+
+    def _keep(self, chunk: bytes) -> None:
+        room = self.limit - self.size
+        if room > 0:
+            self.chunks.append(chunk[:room])
+            self.size += min(room, len(chunk))
+        if len(chunk) > room:
+            self.truncated = True
 
     def data(self) -> bytes:
         return b"".join(self.chunks)
 
 
-async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+def _feed(loop: asyncio.AbstractEventLoop, proc: subprocess.Popen, data: bytes) -> asyncio.Future:
+    """Write ``data`` to the child's stdin without blocking the loop, then close it."""
     assert proc.stdin is not None
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        proc.stdin.write(data)
-        await proc.stdin.drain()
-        proc.stdin.close()
+    fd = proc.stdin.fileno()
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    done: asyncio.Future = loop.create_future()
+
+    def finish() -> None:
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_writer(fd)
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        if not done.done():
+            done.set_result(None)
+
+    def on_writable() -> None:
+        nonlocal view
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            return
+        except OSError:  # the child closed its stdin or exited
+            view = view[:0]
+        if not view:
+            finish()
+
+    loop.add_writer(fd, on_writable)
+    return done

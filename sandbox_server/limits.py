@@ -139,13 +139,13 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def join_cgroups(procs_files: list[str]) -> None:
-    """In the forked child before exec: move this process into the sandbox's cgroups."""
-    pid = str(os.getpid()).encode()
+def join_cgroups(procs_files: list[str], pid: int | None = None) -> None:
+    """Move ``pid`` (default: this process, e.g. a forked child before exec) into the sandbox's cgroups."""
+    pid_text = str(os.getpid() if pid is None else pid).encode()
     for path in procs_files:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            os.write(fd, pid)
+            os.write(fd, pid_text)
         finally:
             os.close(fd)
 

@@ -126,3 +126,20 @@ def test_a_root_held_by_a_live_server_is_not_taken_or_cleaned(tmp_path):
             start_local_server(root_dir=str(root))
         assert time.monotonic() - started < 30
         assert (root / sid / "workspace" / "a.txt").read_text() == "mine"
+
+
+def test_every_command_starts_with_the_servers_rlimits():
+    with start_local_server(max_processes=77, address_space_bytes=3 << 30, open_files=99) as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                sid = await client.create({})
+                limits = (await client.exec(sid, "cat /proc/self/limits")).stdout
+                await client.delete(sid)
+                return limits
+
+        rows = {line[:26].strip(): line[26:].split()[:2] for line in asyncio.run(main()).splitlines()[1:]}
+        assert rows["Max processes"] == ["77", "77"]
+        assert rows["Max address space"] == [str(3 << 30)] * 2
+        assert rows["Max open files"] == ["99", "99"]
+        assert rows["Max core file size"] == ["0", "0"]
