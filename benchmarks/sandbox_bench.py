@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--sandboxes", type=int, default=16)
     parser.add_argument("--execs-per-sandbox", type=int, default=20)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]  # not idle when this is near or above the core count
     runner = DirectRunner(args.sandboxes)
     try:
         runner.run(0)  # warm caches
@@ -145,6 +146,8 @@ def main() -> None:
         "command": COMMAND,
         "backend": backend,
         "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "load_average_1m_before": load_before,
         "direct_p50_s": statistics.median(direct),
         "direct_p95_s": _percentile(direct, 0.95),
         "service_p50_s": statistics.median(latencies),
