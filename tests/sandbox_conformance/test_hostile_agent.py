@@ -304,3 +304,55 @@ def test_disk_and_tmp_writes_stop_at_their_quota(run, health):
 
     run(body)
     _assert_still_serving(run)
+
+
+# ---- 8. no command runs as root ------------------------------------------------------------------
+def test_commands_do_not_run_as_root_unless_the_server_says_so(run, health):
+    says_root = any("run as root" in line for line in health["isolation"]["not_isolated"])
+
+    async def body(client):
+        sid = await client.create({})
+        try:
+            return (await client.exec(sid, "id -u")).stdout.strip()
+        finally:
+            await client.delete(sid)
+
+    uid = run(body)
+    assert uid != "0" or says_root
+
+
+# ---- 4. reward for nothing ------------------------------------------------------------------------
+def test_scoring_on_this_server_gives_no_reward_for_the_reported_attacks(run):
+    """The three reported holes, scored through this server (fork, exec with stdin, file writes)."""
+    from sandbox_client import score_submission
+
+    buggy = "def parse_date(s):\n    y, m, d = s.split('-')\n    return int(y), int(d), int(m)\n"
+    fixed = buggy.replace("int(d), int(m)", "int(m), int(d)")
+    task = {"utils.py": buggy}
+    hidden = {"hidden_tests/test_hidden.py": "from utils import parse_date\n\ndef test_order():\n"
+              "    assert parse_date('2024-01-02') == (2024, 1, 2)\n"}
+    passes = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+              "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    attempts = {
+        "exit_on_import": {"utils.py": "import os\nos._exit(0)\n"},
+        "ini_plugin": {"pytest.ini": "[pytest]\naddopts = -p evil\n", "evil.py": passes},
+        "package_exits": {"hidden_tests/__init__.py": "import os\nos._exit(0)\n"},
+        "real_fix": {"utils.py": fixed},
+    }
+
+    async def body(client):
+        rewards = {}
+        for name, edits in attempts.items():
+            agent = await client.create(task)
+            try:
+                for path, content in edits.items():
+                    await client.write_file(agent, path, content)
+                score = await score_submission(client, task_files=task, hidden_files=hidden, agent_sandbox_id=agent,
+                                               test_command="python -m pytest -q hidden_tests", timeout_s=60,
+                                               required_passed=1)
+                rewards[name] = score.reward
+            finally:
+                await client.delete(agent)
+        return rewards
+
+    assert run(body) == {"exit_on_import": 0.0, "ini_plugin": 0.0, "package_exits": 0.0, "real_fix": 1.0}
