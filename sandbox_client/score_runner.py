@@ -24,7 +24,7 @@ ignoring all caches with ``-X pycache_prefix`` would recompile pytest on every r
   autoload off and ``PYTEST_*`` variables cleared (no entry-point or ``-p`` plugins), no cache
   provider. The workspace joins ``sys.path`` only once the session starts. A recorder plugin writes
   one line per test outcome to the results file and checks that no function or class of pytest,
-  pluggy or ``builtins`` was replaced meanwhile, and that each test still runs the code it was
+  pluggy, ``builtins``, ``os`` or ``json`` was replaced meanwhile, and that each test still runs the code it was
   collected with (both reported as ``tampered``).
 - ``--script`` mode runs one hidden script (``python -I SCRIPT``) in the workspace instead; its exit
   code is its one result, decided by the supervisor.
@@ -49,6 +49,8 @@ import tempfile
 import time
 
 REPORT_PREFIX = "SCORE-REPORT"
+# Bound before any of the agent's code can run: patching json.dumps or os.write later changes nothing here.
+_dumps, _write = json.dumps, os.write
 _OUTPUT_TAIL_BYTES = 16_000
 _PR_SET_DUMPABLE = 4
 
@@ -59,7 +61,7 @@ def _public_callables() -> dict[tuple[str, str], int]:
     import builtins
 
     snapshot: dict[tuple[str, str], int] = {}
-    modules = {"builtins": builtins}
+    modules = {"builtins": builtins, "os": os, "json": json}
     modules.update((name, mod) for name, mod in list(sys.modules.items())
                    if mod is not None and name.split(".")[0] in ("_pytest", "pytest", "pluggy"))
     for mod_name, module in modules.items():
@@ -84,7 +86,7 @@ class _Recorder:
         self.replaced: list[str] = []
 
     def _emit(self, record: dict) -> None:
-        os.write(self.fd, (json.dumps(record) + "\n").encode())
+        _write(self.fd, (_dumps(record) + "\n").encode())
 
     def pytest_configure(self, config) -> None:
         self.before = _public_callables()

@@ -550,9 +550,10 @@ def _can_mount_tmpfs(probe_dir: Path) -> bool:
 
 
 def _make_box_dirs(box: Sandbox, options: ServerOptions, disk_quota: bool, cgroups: Cgroups | None) -> None:
-    box.root.mkdir()
+    box.root.mkdir(mode=0o700)
     if disk_quota:
         mount_tmpfs(box.root, options.disk_bytes, max(10_000, 5 * options.max_files))
+    box.root.chmod(0o700)  # only its own uid (chowned in register) enters: not another sandbox's
     box.workspace.mkdir()
     box.home.mkdir()
     if cgroups is not None:

@@ -155,7 +155,7 @@ def mount_tmpfs(target: Path, size_bytes: int, max_inodes: int) -> None:
     """Mount a tmpfs of ``size_bytes`` on ``target`` (root only): writes past it fail with ENOSPC."""
     if _libc is None:
         raise OSError(errno.ENOSYS, "no libc mount()")
-    options = f"size={size_bytes},nr_inodes={max_inodes},mode=0711".encode()
+    options = f"size={size_bytes},nr_inodes={max_inodes},mode=0700".encode()
     if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

@@ -66,6 +66,10 @@ ATTACKS: dict[str, dict[str, str]] = {
         "                if callable(value) and getattr(value, '__name__', '').startswith('test_'):\n"
         "                    value.__code__ = (lambda: None).__code__\n\n"
         "def parse_date(s):\n    _swap()\n    y, m, d = s.split('-')\n    return int(y), int(d), int(m)\n"},
+    "module_patches_json_to_rewrite_results": {
+        "utils.py": BUGGY + "import json\n_dumps = json.dumps\n\ndef _forged(obj, *a, **k):\n"
+        "    if isinstance(obj, dict) and obj.get('outcome') == 'failed':\n        obj = {**obj, 'outcome': 'passed'}\n"
+        "    return _dumps(obj, *a, **k)\n\njson.dumps = _forged\n"},
     "module_exits_zero_at_process_exit": {"utils.py": BUGGY + "import atexit, os\natexit.register(os._exit, 0)\n"},
     "shadowing_pytest_itself": {"pytest.py": EXIT_ZERO, "_pytest.py": EXIT_ZERO},
     "stale_bytecode_for_the_module": {"__pycache__/utils.cpython-311.pyc": "not bytecode"},
