@@ -472,6 +472,7 @@ def create_app(options: ServerOptions) -> FastAPI:
         box = get(sandbox_id)
         argv = _argv(body.command)
         env = _env(body.env)
+        _check_exec_size(argv, env)
         if not 0 < body.timeout_s <= options.max_timeout_s:
             raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {options.max_timeout_s}], got {body.timeout_s}")
         stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
@@ -595,6 +596,24 @@ def _argv(command: str | list[str]) -> list[str]:
     if any("\0" in arg for arg in argv):
         raise ApiError(400, "invalid_request", "command contains a NUL byte")
     return argv
+
+
+# Linux refuses one argument or variable over 128 KiB (MAX_ARG_STRLEN) and all of them together
+# over a quarter of the stack limit (2 MiB by default): refuse before exec with a typed 413.
+_MAX_ARG_BYTES = 128 * 1024 - 1
+_MAX_ARGS_TOTAL_BYTES = 1 << 20
+
+
+def _check_exec_size(argv: list[str], env: dict[str, str]) -> None:
+    items = [arg.encode() for arg in argv] + [f"{name}={value}".encode() for name, value in env.items()]
+    longest = max((len(item) for item in items), default=0)
+    if longest > _MAX_ARG_BYTES:
+        raise ApiError(413, "payload_too_large", f"a command argument or environment variable has {longest} bytes; "
+                       f"the limit is {_MAX_ARG_BYTES} (pass big input on stdin or in a file)")
+    total = sum(len(item) + 1 for item in items)
+    if total > _MAX_ARGS_TOTAL_BYTES:
+        raise ApiError(413, "payload_too_large", f"command and environment have {total} bytes; the limit is "
+                       f"{_MAX_ARGS_TOTAL_BYTES} (pass big input on stdin or in a file)")
 
 
 def _env(env: dict[str, str]) -> dict[str, str]:

@@ -432,6 +432,9 @@ class Isolation:
         except (FileNotFoundError, PermissionError) as exc:
             # argv[0] not found / not executable (process backend): report like a shell would.
             return RunResult(127, b"", f"{exc}\n".encode(), False, False, time.monotonic() - start)
+        except OSError as exc:  # E2BIG and the like: the command could not start, as a shell says it
+            return RunResult(126, b"", f"cannot execute: {exc.strerror or exc}\n".encode(), False, False,
+                             time.monotonic() - start)
         limit = self.options.output_limit_bytes
         out, err = _Capture(limit), _Capture(limit)
         assert proc.stdout is not None and proc.stderr is not None

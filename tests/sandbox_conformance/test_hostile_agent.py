@@ -356,3 +356,11 @@ def test_scoring_on_this_server_gives_no_reward_for_the_reported_attacks(run):
         return rewards
 
     assert run(body) == {"exit_on_import": 0.0, "ini_plugin": 0.0, "package_exits": 0.0, "real_fix": 1.0}
+
+
+def test_arguments_and_env_too_big_to_exec_get_a_typed_4xx(endpoint, sandbox):
+    exec_path = f"/v1/sandboxes/{sandbox}/exec"
+    for body in ({"command": ["echo", "x" * 200_000]}, {"command": "true", "env": {"BIG": "x" * 200_000}},
+                 {"command": ["echo", *(["y" * 100_000] * 25)]}):
+        response = _raw(endpoint, "POST", exec_path, body)
+        assert 400 <= response.status_code < 500 and response.json()["error"]["code"], response.text[:300]
