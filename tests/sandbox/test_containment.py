@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_client import SandboxClient
+from sandbox_client import SandboxClient, SandboxRequestError
 from sandbox_server.isolation import HOST_ENV
 from sandbox_server.launch import start_local_server
 from sandbox_server.limits import mounts_under
@@ -143,3 +143,27 @@ def test_every_command_starts_with_the_servers_rlimits():
         assert rows["Max address space"] == [str(3 << 30)] * 2
         assert rows["Max open files"] == ["99", "99"]
         assert rows["Max core file size"] == ["0", "0"]
+
+
+def test_a_sandbox_with_a_1500_level_tree_is_refused_for_listing_and_fork_and_deleted_from_disk(tmp_path):
+    root = tmp_path / "boxes"
+    deep = "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\nopen('leaf', 'w').write('x')\n"
+    with start_local_server(root_dir=str(root)) as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token, max_retries=0) as client:
+                sid = await client.create({"deep.py": deep})
+                assert (await client.exec(sid, ["python", "deep.py"], timeout_s=60)).exit_code == 0
+                codes = []
+                for call in (client.list_files(sid), client.fork(sid)):
+                    try:
+                        await call
+                    except SandboxRequestError as exc:
+                        codes.append((exc.status, exc.code))
+                await client.delete(sid)
+                return codes, (await client.health())["sandboxes"]["active"]
+
+        codes, active = asyncio.run(main())
+        assert codes == [(400, "tree_too_deep"), (400, "tree_too_deep")]
+        assert active == 0
+        assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == []
