@@ -368,6 +368,13 @@ def create_app(options: ServerOptions) -> FastAPI:
         metrics.inc("errors_total", code=exc.code)
         return _error(exc.status, exc.code, exc.message)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        # Still a typed JSON error (the client retries 5xx, then raises SandboxInfraError); logged with its trace.
+        log.exception("unexpected error", exc_info=exc)
+        metrics.inc("errors_total", code="internal")
+        return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
         metrics.inc("errors_total", code="invalid_request")
