@@ -2,15 +2,23 @@
 
 Both backends:
 - start the command in a new session (its own process group) so a timeout kills the whole tree;
-- set rlimits (CPU time, address space, processes, file size, open files) in the child before exec;
-- run it as an unprivileged uid (``sandbox_uid``) when the server runs as root and that uid can
-  still reach the Python interpreter;
+- give the command, and everything it starts, the rlimits (CPU time, address space, processes,
+  file size, open files, no core) and its sandbox's cgroup (processes, memory) before it runs;
+- run it as uid ``sandbox_uid + slot`` when the server runs as root (one uid per live sandbox),
+  and refuse to start at all when commands could only run as root (``allow_root_commands``);
 - give it a minimal environment whose PATH starts with the server's own Python, so
-  ``python -m pytest`` resolves to the interpreter (and venv) the server runs on.
+  ``python -m pytest`` resolves to the interpreter (and venv) the server runs on; the request's
+  ``env`` is added on top, loader and libc variables refused (``refused_env_name``).
 
 bwrap adds: new mount/pid/ipc/uts (and, unless asked, network) namespaces; only /usr, the Python
-prefix (read-only), a private /tmp and the workspace (read-write, at /workspace) are visible. When
-the command's main process exits, the pid namespace dies and takes background daemons with it.
+prefix (read-only), a private sized /tmp and the workspace (read-write, at /workspace) are visible.
+When the command's main process exits, the pid namespace dies and takes background daemons with it.
+bwrap (and setpriv, as root) run on the host side as the server's uid before any namespace
+exists, so they start with ``HOST_ENV`` only: the request's environment is applied after the uid
+drop (``env -i`` after setpriv; ``--setenv`` once bwrap dropped its capabilities). bwrap's
+options go in a memfd (``--args FD``), so no host path shows in ``/proc/1/cmdline`` inside.
+bwrap is started without a pre-exec hook (vfork) and its sandboxed child gets the rlimits and the
+cgroup while it waits on ``--block-fd``.
 
 The process backend has none of that: the command sees the host filesystem with the permissions of
 its uid, and shares the host network unless ``unshare --net`` works. Daemons that leave the process
