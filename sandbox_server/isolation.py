@@ -144,6 +144,13 @@ def _rlimits(limits: Limits) -> list[tuple[int, int]]:
             (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)]
 
 
+def _limit_process(pid: int, limits: Limits, cgroup_procs: list[str]) -> None:
+    """Give a running (still blocked) process the rlimits and the cgroup, as _child_setup does in a child."""
+    for res, value in _rlimits(limits):
+        resource.prlimit(pid, res, (value, value))
+    join_cgroups(cgroup_procs, pid=pid)
+
+
 def _child_setup(limits: Limits, uid: int | None, cgroup_procs: list[str] | None = None):
     """Runs in the forked child before exec: cgroups, rlimits (as root they cannot be raised back), then uid."""
 
@@ -501,9 +508,8 @@ class Isolation:
         try:
             child = (await _read_json_object(info_read)).get("child-pid")
             if child is not None:  # None: bwrap failed before its child; it exits with its error
-                for res, value in _rlimits(self.limits):
-                    resource.prlimit(child, res, (value, value))
-                join_cgroups(procs, pid=child)
+                # A worker thread: moving a task between cgroups can wait for an RCU grace period (~ms).
+                await asyncio.to_thread(_limit_process, child, self.limits, procs)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
