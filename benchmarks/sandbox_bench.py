@@ -4,8 +4,9 @@ started directly with the same bubblewrap flags and limits, sequentially and at 
     python benchmarks/sandbox_bench.py [--rounds 100] [--sandboxes 16] [--execs-per-sandbox 20]
 
 The direct run uses the server's own ``Isolation`` to build the command (bwrap options in a memfd,
-setpriv, rlimits, cgroup): the difference is what the service adds (HTTP, JSON, asyncio, output
-capture), not interpreter start-up (``echo hi`` takes ~1 ms; ``python -c`` would hide the overhead).
+setpriv, rlimits, cgroup) and starts it the same fast way (vfork, limits given while bwrap's child
+waits on --block-fd), synchronously: the difference is what the service adds (HTTP, JSON, asyncio,
+output capture), not interpreter start-up (``echo hi`` takes ~1 ms; ``python -c`` would hide the overhead).
 Writes benchmarks/results/sandbox.json and prints one summary line; run it on an idle machine.
 Targets (issue 13): p50 ratio <= 1.3, concurrent throughput ratio >= 0.8.
 """
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sandbox_client import SandboxClient
-from sandbox_server.isolation import Isolation, _args_file, _child_setup
+from sandbox_server.isolation import Isolation, _args_file, _limit_process
 from sandbox_server.launch import start_local_server
 from sandbox_server.limits import Cgroups
 from sandbox_server.options import ServerOptions
@@ -61,18 +62,36 @@ class DirectRunner:
             self.workspaces.append(workspace)
 
     def run(self, slot: int) -> float:
+        """One `echo hi` started the fastest way with the server's flags and limits: bwrap by vfork, its
+        child given the rlimits and the cgroup while it waits on --block-fd (as the server does), all
+        synchronous, with no HTTP, JSON or event loop."""
         workspace = self.workspaces[slot]
         uid = self.isolation.command_uid(slot)
         launch = self.isolation.launch(workspace, COMMAND, self.isolation.base_env(workspace), False, uid)
         procs = self.cgroups.procs_files(f"slot{slot}") if self.cgroups is not None else []
-        process_uid = uid if self.isolation.backend == "process" else None
         start = time.perf_counter()
-        with _args_file(launch.bwrap_args) as fds:
-            done = subprocess.run(launch.host_argv(fds), cwd=workspace, env=launch.env, capture_output=True,
-                                  pass_fds=fds, start_new_session=True,
-                                  preexec_fn=_child_setup(self.isolation.limits, process_uid, procs))
+        info_read, info_write = os.pipe()
+        block_read, block_write = os.pipe()
+        args = [*launch.bwrap_args, "--info-fd", str(info_write), "--block-fd", str(block_read)]
+        with _args_file(args) as fds:
+            proc = subprocess.Popen(launch.host_argv(fds), cwd=workspace, env=launch.env, start_new_session=True,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=(*fds, info_write, block_read))
+        os.close(info_write)
+        os.close(block_read)
+        info = b""
+        while not info.rstrip().endswith(b"}"):
+            chunk = os.read(info_read, 4096)
+            if not chunk:
+                break
+            info += chunk
+        os.close(info_read)
+        _limit_process(json.loads(info)["child-pid"], self.isolation.limits, procs)
+        os.write(block_write, b"1")
+        os.close(block_write)
+        out, _ = proc.communicate()
         elapsed = time.perf_counter() - start
-        assert done.stdout == b"hi\n", done
+        assert out == b"hi\n", out
         return elapsed
 
     def close(self) -> None:
