@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def refused_env_name(name: str) -> bool:
     """True for a variable a request may not set (loader and libc configuration)."""
     return name.startswith(REFUSED_ENV_PREFIXES) or name in REFUSED_ENV_NAMES
 _DRAIN_GRACE_S = 0.5
+# Starting commands gets its own threads: a long file operation (a fork's copy) on the default
+# executor must not delay every command start behind it.
+_SPAWN_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sandbox-spawn")
 _ARGS_FD_SLOT = "<args-fd>"  # placeholder (compared by identity) for the memfd number
 _PR_SET_PDEATHSIG = 1
 try:
@@ -443,7 +447,7 @@ class Isolation:
             if launch.bwrap_args is not None:
                 proc = await self._start_bwrap(launch, workspace, stdin_mode, procs)
             else:
-                proc = await asyncio.to_thread(spawn)
+                proc = await asyncio.get_running_loop().run_in_executor(_SPAWN_POOL, spawn)
         except (FileNotFoundError, PermissionError) as exc:
             # argv[0] not found / not executable (process backend): report like a shell would.
             return RunResult(127, b"", f"{exc}\n".encode(), False, False, time.monotonic() - start)
@@ -509,7 +513,8 @@ class Isolation:
             child = (await _read_json_object(info_read)).get("child-pid")
             if child is not None:  # None: bwrap failed before its child; it exits with its error
                 # A worker thread: moving a task between cgroups can wait for an RCU grace period (~ms).
-                await asyncio.to_thread(_limit_process, child, self.limits, procs)
+                await asyncio.get_running_loop().run_in_executor(_SPAWN_POOL, _limit_process, child, self.limits,
+                                                                 procs)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
