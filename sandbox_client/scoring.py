@@ -56,7 +56,10 @@ class ScoreResult:
 
 @dataclass(frozen=True)
 class HiddenCommand:
-    """A task's hidden test command, parsed: pytest over hidden paths, or one hidden script."""
+    """A task's hidden test command, parsed: pytest over hidden paths, or one hidden script.
+
+    Every pytest argument not starting with ``-`` must name a hidden file or folder; give option
+    values joined (``-kname``, ``--maxfail=1``), not as separate words."""
 
     kind: str  # "pytest" | "script"
     args: list[str]  # pytest flags and hidden paths, or [script, *script_args]
