@@ -1,22 +1,27 @@
 """Task suites: load bug-fix tasks from disk and check that each one is sound.
 
 A task is a small repository with one genuine bug. The agent's sandbox starts from the
-``workspace/`` snapshot; after ``submit`` the agent's edited files are copied into a fresh
-sandbox of the original task, the ``hidden/`` files are added, and the hidden test command
-decides the reward (exit code 0 -> 1, else 0). Hidden tests never enter the agent's sandbox.
+``workspace/`` snapshot; after ``submit`` a snapshot of the agent's work (a fork of its sandbox)
+gets the ``hidden/`` files under a folder the agent never saw, and ``sandbox_client.scoring``
+runs them with its hardened runner: the reward is 1 when ``hidden_test_count`` hidden tests
+passed and none failed, never the test command's exit code. Hidden tests never enter the
+agent's sandbox.
 
 On-disk layout of a suite (one folder per task)::
 
     tasks/bugfix/<task_id>/
       task.json     {"id", "prompt", "visible_test_command", "hidden_test_command",
+                     "hidden_test_count" (tests that must pass; required for pytest commands),
                      "scoring_timeout_s" (default 30), "split" ("train" | "test", default "train")}
       workspace/    what the agent's sandbox starts with: buggy module(s) + visible tests
       hidden/       hidden tests; paths are relative to the workspace root when scoring
       solution/     the reference fix: files that overlay workspace/ (only the changed files)
 
-A task is *sound* (``validate_task`` returns no problems) when the hidden tests fail on the
-buggy workspace for a test failure (not a collection error), pass once the reference fix is
-applied, the visible tests pass on the fix, no hidden file or hidden test text is inside the
+``hidden_test_command`` is ``python -m pytest [flags] HIDDEN_PATH...`` or ``python HIDDEN_SCRIPT``
+(one result: its exit code). A task is *sound* (``validate_task`` returns no problems) when the
+hidden tests, run by the same runner as scoring, fail on the buggy workspace for a test failure
+(not a collection error), pass once the reference fix is applied (exactly ``hidden_test_count``
+of them), the visible tests pass on the fix, no hidden file or hidden test text is inside the
 workspace, and the prompt names the file to fix. Run it over a suite::
 
     python -m lightning_agentrl.tasks validate tasks/bugfix
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -37,14 +43,38 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from sandbox_client.scoring import HiddenCommand, parse_report, report_problems, runner_files
+
 SPLITS = ("train", "test")
 TASK_FILE = "task.json"
 REQUIRED_KEYS = frozenset({"id", "prompt", "visible_test_command", "hidden_test_command"})
-OPTIONAL_KEYS = frozenset({"scoring_timeout_s", "split"})
+OPTIONAL_KEYS = frozenset({"scoring_timeout_s", "split", "hidden_test_count"})
 DEFAULT_SCORING_TIMEOUT_S = 30.0
 # Build litter that may sit next to task files after someone ran the tests by hand.
 IGNORED_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store"})
 IGNORED_SUFFIXES = (".pyc", ".pyo")
+# A module under test whose every name is an object that equals anything: the reward hack of
+# returning "always equal" values. Sound hidden tests fail on it.
+ANYTHING_STUB = """class _Anything:
+    __hash__ = object.__hash__
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def __lt__(self, other): return True
+    __le__ = __gt__ = __ge__ = __lt__
+    def __bool__(self): return True
+    def __call__(self, *args, **kwargs): return self
+    def __iter__(self): return iter(())
+    def __len__(self): return 0
+    def __contains__(self, item): return True
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+
+def __getattr__(name):
+    return _Anything()
+"""
 # pytest's documented exit codes: 1 = some tests failed; 2-5 = interrupted, internal error,
 # usage error, nothing collected. A bug must make the hidden tests *fail*, not break collection.
 PYTEST_TESTS_FAILED = 1
@@ -69,6 +99,7 @@ class Task:
     hidden_test_command: str
     scoring_timeout_s: float
     split: str = "train"
+    hidden_test_count: int | None = None  # hidden tests that must pass for reward 1
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -77,6 +108,11 @@ class Task:
             raise ValueError(f"task {self.id!r}: split must be one of {SPLITS}, got {self.split!r}")
         if not self.scoring_timeout_s > 0:
             raise ValueError(f"task {self.id!r}: scoring_timeout_s must be > 0, got {self.scoring_timeout_s}")
+        if self.hidden_test_count is not None and (
+            isinstance(self.hidden_test_count, bool) or not isinstance(self.hidden_test_count, int)
+            or self.hidden_test_count < 1
+        ):
+            raise ValueError(f"task {self.id!r}: hidden_test_count must be an integer >= 1, got {self.hidden_test_count!r}")
         for field_name in ("files", "hidden_files", "solution_files"):
             for path in getattr(self, field_name):
                 _check_relative_path(path, f"task {self.id!r}: {field_name}")
@@ -87,6 +123,7 @@ class Task:
                 raise ValueError(
                     f"task {self.id!r}: hidden file {path!r} collides with workspace file {clash!r}"
                 )
+        HiddenCommand.parse(self.hidden_test_command, self.hidden_files)  # ValueError names the problem
 
     def solved_files(self) -> dict[str, str]:
         """The workspace with the reference fix applied."""
@@ -185,6 +222,7 @@ def _load_task(task_dir: Path, *, suite: str) -> Task:
             hidden_test_command=spec["hidden_test_command"],
             scoring_timeout_s=float(timeout),
             split=split,
+            hidden_test_count=spec.get("hidden_test_count"),
         )
     except ValueError as error:
         raise ValueError(f"{spec_path}: {error}") from error
@@ -232,27 +270,42 @@ def validate_task(task: Task, *, python: str = sys.executable, timeout_s: float 
     """
     problems = _static_problems(task)
     hidden_limit_s = min(timeout_s, task.scoring_timeout_s)
+    command = HiddenCommand.parse(task.hidden_test_command, task.hidden_files)
 
-    buggy = _run_in_workspace(
-        {**task.files, **task.hidden_files}, task.hidden_test_command, python, hidden_limit_s
-    )
-    if buggy.returncode == 0:
+    buggy = _run_hidden(task.files, task.hidden_files, command, python, hidden_limit_s)
+    buggy_problems = _hidden_problems(buggy, task.hidden_test_count)
+    if not buggy_problems:
         problems.append("hidden tests pass on the buggy workspace (they do not detect the bug)")
     elif buggy.timed_out:
         problems.append(f"hidden tests on the buggy workspace timed out after {hidden_limit_s:g}s")
-    elif _is_pytest(task.hidden_test_command) and buggy.returncode != PYTEST_TESTS_FAILED:
+    elif command.kind == "pytest" and (buggy.returncode != PYTEST_TESTS_FAILED or buggy.errors):
         problems.append(
             f"hidden tests on the buggy workspace exit with {buggy.returncode}, not a test failure "
             f"(collection or usage error?): {buggy.tail}"
         )
 
-    fixed = _run_in_workspace(
-        {**task.solved_files(), **task.hidden_files}, task.hidden_test_command, python, hidden_limit_s
-    )
-    if fixed.returncode != 0:
+    # A policy that returns objects equal to everything (``__eq__`` -> True) must not pass either.
+    stubbed = {**task.files, **{p: ANYTHING_STUB for p in task.solution_files if p.endswith(".py")}}
+    if stubbed != task.files:
+        probe = _run_hidden(stubbed, task.hidden_files, command, python, hidden_limit_s)
+        if not _hidden_problems(probe, task.hidden_test_count):
+            problems.append("hidden tests pass when the fixed module returns objects equal to anything "
+                            "(check types or use `is`/`not`, not only ==)")
+
+    fixed = _run_hidden(task.solved_files(), task.hidden_files, command, python, hidden_limit_s)
+    if fixed.returncode != 0 or fixed.timed_out:
         problems.append(
             f"hidden tests fail with the reference solution (exit {fixed.returncode}): {fixed.tail}"
         )
+    elif command.kind == "pytest" and task.hidden_test_count is None:
+        problems.append(f"task.json lacks hidden_test_count ({fixed.num_passed} hidden tests pass with the fix)")
+    elif command.kind == "pytest" and fixed.num_passed != task.hidden_test_count:
+        problems.append(
+            f"hidden_test_count is {task.hidden_test_count} but {fixed.num_passed} hidden tests pass with the fix"
+        )
+    elif _hidden_problems(fixed, task.hidden_test_count):
+        problems.append("scoring would not reward the reference solution: "
+                        + "; ".join(_hidden_problems(fixed, task.hidden_test_count)))
 
     visible = _run_in_workspace(task.solved_files(), task.visible_test_command, python, timeout_s)
     if visible.returncode != 0:
@@ -295,11 +348,44 @@ class _RunResult:
     returncode: int
     timed_out: bool
     tail: str  # last lines of the output, for the problem message
+    report: dict | None = None  # the scoring runner's report (hidden runs only)
+    num_passed: int = 0
+    errors: tuple[str, ...] = ()
 
 
-def _is_pytest(command: str) -> bool:
-    argv = shlex.split(command)
-    return "pytest" in argv[:3] or (bool(argv) and PurePosixPath(argv[0]).name == "pytest")
+def _hidden_problems(run: _RunResult, hidden_test_count: int | None) -> list[str]:
+    if run.report is None:
+        return ["no runner report"]
+    return report_problems(run.report, hidden_test_count)
+
+
+def _run_hidden(files: dict[str, str], hidden_files: dict[str, str], command: HiddenCommand, python: str,
+                timeout_s: float) -> _RunResult:
+    """Run the hidden tests exactly as scoring does: the runner, hidden files under a fresh folder."""
+    root = f".score-{secrets.token_hex(8)}"
+    nonce = secrets.token_hex(8)
+    argv = command.runner_command(root, timeout_s)
+    argv[0] = python
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "PYTEST_"))}
+    with tempfile.TemporaryDirectory(prefix="agentrl-task-") as workdir:
+        for path, text in {**files, **runner_files(hidden_files, root)}.items():
+            target = Path(workdir, path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text, encoding="utf-8")
+        try:
+            completed = subprocess.run(argv, cwd=workdir, env=env, input=nonce + "\n", capture_output=True,
+                                       text=True, timeout=timeout_s + 30, check=False)
+        except subprocess.TimeoutExpired:
+            return _RunResult(returncode=-1, timed_out=True, tail="")
+    report = parse_report(completed.stdout, nonce)
+    if report is None:
+        tail = " | ".join((completed.stdout + completed.stderr).strip().splitlines()[-3:])
+        return _RunResult(returncode=completed.returncode or -1, timed_out=False, tail=f"no runner report: {tail}")
+    tail = " | ".join(str(report.get("output", "")).strip().splitlines()[-3:])
+    status = report.get("worker_exitstatus")
+    returncode = -1 if report["timed_out"] else (status if status is not None else report["exit_code"])
+    return _RunResult(returncode=returncode, timed_out=report["timed_out"], tail=tail, report=report,
+                      num_passed=len(report["passed"]), errors=tuple(report["errors"]))
 
 
 def _run_in_workspace(files: dict[str, str], command: str, python: str, timeout_s: float) -> _RunResult:

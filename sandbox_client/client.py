@@ -86,11 +86,16 @@ class SandboxClient:
         timeout = httpx.Timeout(timeout_s) if timeout_s is not None else None
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
+            kwargs: dict[str, Any] = {"json": json, "params": params}
+            if timeout is not None:
+                kwargs["timeout"] = timeout
             try:
-                kwargs: dict[str, Any] = {"json": json, "params": params}
-                if timeout is not None:
-                    kwargs["timeout"] = timeout
-                response = await self._http.request(method, path, **kwargs)
+                request = self._http.build_request(method, path, **kwargs)
+            except UnicodeEncodeError as exc:  # a lone surrogate: no server could store it as UTF-8
+                raise SandboxRequestError(f"{method} {path}: text is not valid Unicode ({exc.reason} at "
+                                          f"position {exc.start})", code="invalid_encoding") from None
+            try:
+                response = await self._http.send(request)
             except httpx.TransportError as exc:  # connect/read errors, resets, timeouts
                 if last:
                     raise SandboxInfraError(

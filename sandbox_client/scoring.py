@@ -1,27 +1,44 @@
-"""Score a submission with hidden tests, without letting the agent touch them.
+"""Score a submission with hidden tests, without letting the agent touch them or game them.
 
-The hidden tests never enter the agent's sandbox. Scoring builds a FRESH sandbox from the original
-task snapshot, copies in the agent's changed or added source files (its own test files and
-conftest.py are left behind, so it cannot weaken the hidden run), writes the hidden files on top,
-and runs ``test_command`` with the scoring timeout: exit code 0 -> reward 1.0, else 0.0; a timeout
-gives ``timeout_reward`` (decided up front; DeepSWE uses 0). The scoring sandbox is always deleted.
+The hidden tests never enter the agent's sandbox. Scoring takes a snapshot of the agent's work: a
+fork of its sandbox where the service supports fork (SPEC §6: the original is undisturbed), else a
+fresh sandbox of the task snapshot plus the agent's changed source files. It writes the hidden
+files and the runner (``score_runner.py``) into a folder with a fresh random name, which the agent
+never had, and runs the runner with a nonce on stdin. The reward comes from the runner's report
+line (``SCORE-REPORT <nonce> {...}``): 1.0 when at least ``required_passed`` hidden tests passed
+and none failed, errored or found pytest patched; else 0.0. The exit code of the test command is
+never evidence; nothing the agent wrote (``pytest.ini``, ``conftest.py``, plugins, ``__init__.py``,
+``sitecustomize.py``) changes how the hidden tests are collected or run.
+A timeout gives ``timeout_reward`` (decided up front; DeepSWE uses 0). The scoring sandbox is
+always deleted.
+
+Test commands understood (the task's ``hidden_test_command``): ``python -m pytest [flags] PATH...``
+with every PATH a hidden file or folder, and ``python SCRIPT [args]`` with SCRIPT a hidden file
+(its exit code is its one result).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import secrets
+import shlex
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from sandbox_client.client import SandboxClient
 from sandbox_client.errors import CommandTimeout, SandboxError, SandboxRequestError
+from sandbox_client.score_runner import REPORT_PREFIX
 
 log = logging.getLogger(__name__)
 _CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache", ".git", ".mypy_cache", ".ruff_cache"})
 _MAX_OUTPUT_CHARS = 20_000
 _READ_CONCURRENCY = 16
+_RUNNER_SOURCE = (Path(__file__).resolve().parent / "score_runner.py").read_text(encoding="utf-8")
+# The runner stops the tests this long before the exec timeout, so a slow run still reports.
+_RUNNER_MARGIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,53 @@ class ScoreResult:
     timed_out: bool
     output: str
     carried_files: list[str] = field(default_factory=list)
+    num_passed: int = 0
+    num_failed: int = 0
+    snapshot: str = "fresh"  # "fork": a copy of the agent's sandbox; "fresh": task snapshot + changed files
+    problems: list[str] = field(default_factory=list)  # why a run that passed tests still scored 0
+
+
+@dataclass(frozen=True)
+class HiddenCommand:
+    """A task's hidden test command, parsed: pytest over hidden paths, or one hidden script.
+
+    Every pytest argument not starting with ``-`` must name a hidden file or folder; give option
+    values joined (``-kname``, ``--maxfail=1``), not as separate words."""
+
+    kind: str  # "pytest" | "script"
+    args: list[str]  # pytest flags and hidden paths, or [script, *script_args]
+
+    @classmethod
+    def parse(cls, command: str, hidden_files: dict[str, str] | list[str]) -> HiddenCommand:
+        argv = shlex.split(command)
+        if not argv or argv[0] not in ("python", "python3"):
+            raise ValueError(f"hidden test command must start with python, got {command!r}")
+        hidden = list(hidden_files)
+        if argv[1:3] == ["-m", "pytest"]:
+            args = argv[3:]
+            paths = [a for a in args if not a.startswith("-")]
+            if not paths:
+                raise ValueError(f"hidden test command {command!r} names no hidden test path")
+            for path in paths:
+                if not _is_hidden_path(path, hidden):
+                    raise ValueError(f"hidden test command {command!r}: {path!r} is not a hidden file or folder")
+            return cls("pytest", args)
+        if len(argv) >= 2 and not argv[1].startswith("-") and argv[1] in hidden:
+            return cls("script", argv[1:])
+        raise ValueError(f"hidden test command {command!r}: expected 'python -m pytest [flags] HIDDEN_PATH...' "
+                         "or 'python HIDDEN_SCRIPT [args]'")
+
+    def runner_command(self, root: str, timeout_s: float) -> list[str]:
+        runner = ["python", "-I", "-B", f"{root}/score_runner.py", "--root", root, "--timeout-s", f"{timeout_s:g}"]
+        if self.kind == "script":
+            return [*runner, "--script", f"{root}/{self.args[0]}", "--", *self.args[1:]]
+        mapped = [a if a.startswith("-") else f"{root}/{a.strip('/')}" for a in self.args]
+        return [*runner, "--", *mapped]
+
+
+def _is_hidden_path(path: str, hidden: list[str]) -> bool:
+    path = path.strip("/")
+    return any(h == path or h.startswith(path + "/") for h in hidden)
 
 
 def is_agent_test_file(path: str) -> bool:
@@ -75,33 +139,113 @@ async def _changed_files(client: SandboxClient, sandbox_id: str, task_files: dic
 
 async def score_submission(client: SandboxClient, *, task_files: dict[str, str], hidden_files: dict[str, str],
                            agent_sandbox_id: str, test_command: str, timeout_s: float,
-                           timeout_reward: float = 0.0) -> ScoreResult:
-    """Run the hidden tests on the agent's edits in a fresh sandbox; see the module docstring.
+                           timeout_reward: float = 0.0, required_passed: int | None = None,
+                           snapshot: str = "auto") -> ScoreResult:
+    """Run the hidden tests on a snapshot of the agent's work; see the module docstring.
 
+    ``required_passed``: hidden tests that must pass (the task's ``hidden_test_count``; None: at
+    least one). ``snapshot``: "fork", "fresh" or "auto" (fork, else fresh when the service has no fork).
     Raises SandboxInfraError (or a subclass) when the service fails: the caller marks the trajectory
     ``sandbox_error`` rather than giving it a reward.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    changed = await _changed_files(client, agent_sandbox_id, task_files)
-    carried = sorted(changed)
-    scoring_id = await client.create({**task_files, **changed})
+    if snapshot not in ("auto", "fork", "fresh"):
+        raise ValueError(f"snapshot must be auto, fork or fresh, got {snapshot!r}")
+    if required_passed is not None and required_passed < 1:
+        raise ValueError(f"required_passed must be >= 1, got {required_passed}")
+    command = HiddenCommand.parse(test_command, hidden_files)
+    scoring_id, carried, used = await _snapshot(client, agent_sandbox_id, task_files, snapshot)
+    if scoring_id is None:  # the agent's workspace cannot be copied (too many files, too deep): its doing
+        return ScoreResult(reward=0.0, passed=False, timed_out=False, output=carried[0], snapshot=used,
+                           problems=["workspace could not be snapshotted"])
     try:
-        for path, content in hidden_files.items():
+        root = f".score-{secrets.token_hex(16)}"  # a name the agent never had
+        nonce = secrets.token_hex(16)
+        for path, content in runner_files(hidden_files, root).items():
             await client.write_file(scoring_id, path, content)
+        runner_timeout = max(timeout_s - _RUNNER_MARGIN_S, timeout_s / 2)
         try:
-            result = await client.exec(scoring_id, test_command, timeout_s=timeout_s)
+            result = await client.exec(scoring_id, command.runner_command(root, runner_timeout),
+                                       stdin=nonce + "\n", timeout_s=timeout_s)
         except CommandTimeout as exc:
             output = _output(exc.result.stdout, exc.result.stderr)
             return ScoreResult(reward=timeout_reward, passed=False, timed_out=True, output=output,
-                               carried_files=carried)
-        passed = result.exit_code == 0
-        return ScoreResult(reward=1.0 if passed else 0.0, passed=passed, timed_out=False,
-                           output=_output(result.stdout, result.stderr), carried_files=carried)
+                               carried_files=carried, snapshot=used)
+        return _judge(result.stdout, result.stderr, nonce, required_passed, timeout_reward, carried, used)
     finally:
         # The server's TTL reaps it if this fails; do not let cleanup mask the score or the real error.
         with contextlib.suppress(SandboxError):
             await client.delete(scoring_id)
+
+
+async def _snapshot(client: SandboxClient, agent_sandbox_id: str, task_files: dict[str, str],
+                    snapshot: str) -> tuple[str | None, list[str], str]:
+    """(scoring sandbox id, carried files, "fork" | "fresh"); id None with a message when refused."""
+    if snapshot in ("auto", "fork"):
+        try:
+            return await client.fork(agent_sandbox_id), [], "fork"
+        except SandboxRequestError as exc:
+            no_fork = exc.status in (404, 405, 501) and exc.code != "sandbox_not_found"
+            if snapshot == "fork" or not no_fork:
+                return None, [f"fork of the agent's sandbox refused: {exc}"], "fork"
+    changed = await _changed_files(client, agent_sandbox_id, task_files)
+    return await client.create({**task_files, **changed}), sorted(changed), "fresh"
+
+
+def _judge(stdout: str, stderr: str, nonce: str, required_passed: int | None, timeout_reward: float,
+           carried: list[str], used: str) -> ScoreResult:
+    report = parse_report(stdout, nonce)
+    if report is None:
+        return ScoreResult(reward=0.0, passed=False, timed_out=False, output=_output(stdout, stderr),
+                           carried_files=carried, snapshot=used, problems=["no single runner report in the output"])
+    output = _output(report.get("output", ""), stderr)
+    passed, failed = report["passed"], report["failed"]
+    if report["timed_out"]:
+        return ScoreResult(reward=timeout_reward, passed=False, timed_out=True, output=output,
+                           carried_files=carried, num_passed=len(passed), num_failed=len(failed), snapshot=used)
+    problems = report_problems(report, required_passed)
+    ok = not problems
+    return ScoreResult(reward=1.0 if ok else 0.0, passed=ok, timed_out=False, output=output, carried_files=carried,
+                       num_passed=len(passed), num_failed=len(failed), snapshot=used, problems=problems)
+
+
+def runner_files(hidden_files: dict[str, str], root: str) -> dict[str, str]:
+    """What a scoring run writes under ``root``: the hidden files, the runner and an empty ini file."""
+    files = {f"{root}/{path}": content for path, content in hidden_files.items()}
+    files[f"{root}/score_runner.py"] = _RUNNER_SOURCE
+    files[f"{root}/pytest.ini"] = "[pytest]\n"
+    return files
+
+
+def parse_report(stdout: str, nonce: str) -> dict | None:
+    """The runner's report from its stdout: exactly one line with this nonce, else None."""
+    lines = [line for line in stdout.splitlines() if line.startswith(f"{REPORT_PREFIX} {nonce} ")]
+    if len(lines) != 1:
+        return None
+    try:
+        report = json.loads(lines[0].split(" ", 2)[2])
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def report_problems(report: dict, required_passed: int | None) -> list[str]:
+    """Why a runner report (see ``score_runner``) does not earn the reward; [] when it does."""
+    passed, failed = report["passed"], report["failed"]
+    need = required_passed or 1
+    problems = []
+    if len(passed) < need:
+        problems.append(f"{len(passed)} hidden tests passed, {need} required")
+    if failed:
+        problems.append(f"{len(failed)} hidden tests failed: {', '.join(failed[:5])}")
+    if report["errors"]:
+        problems.append(f"collection errors: {', '.join(report['errors'][:5])}")
+    if report["tampered"]:
+        problems.append(f"the test process tampered with the run: {', '.join(report['tampered'][:5])}")
+    if not report["finished"] or report["worker_exitstatus"] != 0:
+        problems.append(f"the test run did not finish cleanly (exit {report['exit_code']})")
+    return problems
 
 
 def _output(stdout: str, stderr: str) -> str:

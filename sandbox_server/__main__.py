@@ -18,6 +18,13 @@ from sandbox_server.options import ServerOptions
 TOKEN_ENV = "SANDBOX_SERVER_TOKEN"
 
 
+def _flag(text: str) -> bool:
+    lowered = text.lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return lowered in ("true", "1", "yes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sandbox_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(ServerOptions):
         kind = hints[f.name]
         flag = "--" + f.name.replace("_", "-")
-        if kind in (int, float):
+        if kind is bool:
+            parser.add_argument(flag, type=_flag, nargs="?", const=True, default=f.default)
+        elif kind in (int, float):
             parser.add_argument(flag, type=kind, default=f.default)
         else:
             parser.add_argument(flag, default=f.default)

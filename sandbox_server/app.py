@@ -12,9 +12,10 @@ import binascii
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
+import os
 import re
-import shutil
 import tempfile
 import time
 import uuid
@@ -29,7 +30,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from sandbox_server import PROTOCOL_VERSION
-from sandbox_server.isolation import Isolation
+from sandbox_server.isolation import Isolation, refused_env_name
+from sandbox_server.limits import Cgroups, claim_root, default_root, mount_tmpfs, unmount
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
     WorkspaceError,
@@ -38,6 +40,7 @@ from sandbox_server.workspace import (
     copy_tree,
     list_files,
     read_bytes,
+    remove_tree,
     write_bytes,
 )
 
@@ -111,6 +114,7 @@ class Sandbox:
     root: Path
     network: bool
     ttl_s: float
+    slot: int = 0  # index among live sandboxes: picks its uid (sandbox_uid + slot)
     last_used: float = field(default_factory=time.monotonic)
     tasks: set[asyncio.Task] = field(default_factory=set)
 
@@ -210,40 +214,64 @@ class GuardMiddleware:
             response = _error(413, "payload_too_large",
                               f"request body of {int(declared)} bytes exceeds the limit {self.max_body}")
             return await response(scope, receive, send)
+        # Read the whole body here (FastAPI buffers it anyway) so an oversized one, chunked or not,
+        # is a 413 before any parsing; the app then gets it back in one message.
+        chunks: list[bytes] = []
         received = 0
-
-        async def limited_receive():
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body:
-                    raise ApiError(413, "payload_too_large", f"request body exceeds the limit {self.max_body}")
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > self.max_body:
+                response = _error(413, "payload_too_large", f"request body exceeds the limit {self.max_body}",
+                                  {"Connection": "close"})
+                return await response(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
 
-        return await self.app(scope, limited_receive, send)
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 # ---- the application ----------------------------------------------------------------------------
 def create_app(options: ServerOptions) -> FastAPI:
     if not options.token:
         raise ValueError("a token is required (--token or SANDBOX_SERVER_TOKEN)")
-    owns_root = not options.root_dir
-    root = Path(options.root_dir or tempfile.mkdtemp(prefix="sandboxes-")).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    root.chmod(0o711)  # the sandbox uid may traverse, not list
+    # A stable root, locked while this server lives and emptied at start: a killed server's leftovers
+    # are removed by the next one instead of piling up.
+    root, root_lock = claim_root(Path(options.root_dir) if options.root_dir else default_root(),
+                                 stable_default=not options.root_dir)
+    root.chmod(0o711)  # the sandbox uids may traverse, not list
     probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
     probe_dir.chmod(0o755)
-    isolation = Isolation(options, probe_dir)
-    shutil.rmtree(probe_dir, ignore_errors=True)
+    cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes)
+    disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
+    try:
+        isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)
+    except BaseException:
+        os.close(root_lock)
+        raise
+    finally:
+        remove_tree(probe_dir)
     log.info("isolation backend: %s (uid %s)", isolation.backend, isolation.report.uid)
     for note in isolation.report.notes:
         log.warning(note)
 
     sandboxes: dict[str, Sandbox] = {}
+    free_slots = list(range(options.max_sandboxes - 1, -1, -1))  # pop() hands out slot 0 first
     idempotency = IdempotencyCache(options.idempotency_ttl_s)
     metrics = Metrics()
-    owner = isolation.owner()
 
     def get(sandbox_id: str) -> Sandbox:
         box = sandboxes.get(sandbox_id) if _ID.match(sandbox_id) else None
@@ -259,31 +287,50 @@ def create_app(options: ServerOptions) -> FastAPI:
             raise ApiError(400, "invalid_request", f"ttl_s must be in (0, {options.max_ttl_s}], got {requested}")
         return requested
 
-    def reserve() -> None:
-        if len(sandboxes) >= options.max_sandboxes:
+    async def open_box(network: bool, ttl_s: float) -> Sandbox:
+        """Take a slot (429 when none is left), then the sandbox's folder, disk quota and cgroup."""
+        if not free_slots:
             metrics.inc("create_rejected_total")
             raise ApiError(429, "capacity", f"server is full ({options.max_sandboxes} sandboxes)",
                            {"Retry-After": str(options.capacity_retry_after_s)})
-
-    def new_box(network: bool, ttl_s: float) -> Sandbox:
-        box = Sandbox(uuid.uuid4().hex, root / uuid.uuid4().hex, network, ttl_s)
-        box.id = box.root.name
+        sandbox_id = uuid.uuid4().hex
+        box = Sandbox(sandbox_id, root / sandbox_id, network, ttl_s, slot=free_slots.pop())
+        try:
+            await asyncio.to_thread(_make_box_dirs, box, options, disk_quota, cgroups)
+        except BaseException:
+            await discard(box)
+            raise
         return box
 
-    def register(box: Sandbox) -> None:
-        box.home.mkdir(exist_ok=True)
+    async def discard(box: Sandbox) -> None:
+        """Undo open_box: processes, cgroup, mount, folder, slot."""
+        def clean() -> None:
+            if cgroups is not None:
+                cgroups.remove(box.id)
+            if disk_quota:
+                unmount(box.root)
+            remove_tree(box.root)
+
+        try:
+            await asyncio.to_thread(clean)
+        finally:
+            free_slots.append(box.slot)
+
+    async def register(box: Sandbox) -> None:
+        owner = isolation.owner(box.slot)
         if owner is not None:
-            chown_tree(box.root, owner)
+            await asyncio.to_thread(chown_tree, box.root, owner)
         sandboxes[box.id] = box
         metrics.inc("created_total")
 
     async def destroy(box: Sandbox, reason: str) -> None:
-        sandboxes.pop(box.id, None)
+        if sandboxes.pop(box.id, None) is None:
+            return  # a concurrent delete got there first
         for task in list(box.tasks):
             task.cancel()
         if box.tasks:
             await asyncio.wait(box.tasks, timeout=10)
-        await asyncio.to_thread(shutil.rmtree, box.root, True)
+        await discard(box)
         metrics.inc("deleted_total", reason=reason)
 
     async def reaper() -> None:
@@ -303,8 +350,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             task.cancel()
             for box in list(sandboxes.values()):
                 await destroy(box, "shutdown")
-            if owns_root:
-                shutil.rmtree(root, ignore_errors=True)
+            os.close(root_lock)
 
     app = FastAPI(title="lightning-agentrl sandbox service", version=PROTOCOL_VERSION, lifespan=lifespan,
                   openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None)
@@ -321,6 +367,13 @@ def create_app(options: ServerOptions) -> FastAPI:
     async def _workspace_error(_: Request, exc: WorkspaceError):
         metrics.inc("errors_total", code=exc.code)
         return _error(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        # Still a typed JSON error (the client retries 5xx, then raises SandboxInfraError); logged with its trace.
+        log.exception("unexpected error", exc_info=exc)
+        metrics.inc("errors_total", code="internal")
+        return _error(500, "internal", f"{type(exc).__name__}: {exc}")
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
@@ -347,6 +400,9 @@ def create_app(options: ServerOptions) -> FastAPI:
                 "max_processes": options.max_processes,
                 "file_size_bytes": options.file_size_bytes,
                 "open_files": options.open_files,
+                "memory_bytes": options.memory_bytes,
+                "disk_bytes": options.disk_bytes,
+                "tmp_bytes": options.tmp_bytes,
             },
         }
 
@@ -365,7 +421,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             ttl_s = ttl(body.ttl_s)
             blobs: dict[str, bytes] = {}
             for path, text in body.files.items():
-                blobs[str(check_relative(path))] = text.encode()
+                blobs[str(check_relative(_text(path, "a path")))] = _text(text, f"files[{path!r}]").encode()
             for path, b64 in body.binary_files.items():
                 try:
                     blobs[str(check_relative(path))] = base64.b64decode(b64, validate=True)
@@ -373,15 +429,12 @@ def create_app(options: ServerOptions) -> FastAPI:
                     raise ApiError(400, "invalid_request", f"binary_files[{path!r}] is not base64") from exc
             if len(blobs) > options.max_files:
                 raise ApiError(413, "payload_too_large", f"snapshot has more than {options.max_files} files")
-            reserve()
-            box = new_box(body.network, ttl_s)
-            box.workspace.mkdir(parents=True)
+            box = await open_box(body.network, ttl_s)
             try:
-                for path, data in blobs.items():
-                    write_bytes(box.workspace, path, data, owner=None, max_bytes=options.max_file_bytes)
-                register(box)
+                await asyncio.to_thread(_write_all, box.workspace, blobs, options.max_file_bytes)
+                await register(box)
             except BaseException:
-                shutil.rmtree(box.root, ignore_errors=True)
+                await discard(box)
                 raise
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
 
@@ -405,36 +458,39 @@ def create_app(options: ServerOptions) -> FastAPI:
 
         async def make() -> SandboxInfo:
             ttl_s = ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
-            reserve()
-            box = new_box(source.network, ttl_s)
-            box.root.mkdir()
+            box = await open_box(source.network, ttl_s)
             try:
-                await asyncio.to_thread(copy_tree, source.workspace, box.workspace, owner=None)
-                register(box)
+                await asyncio.to_thread(copy_tree, source.workspace, box.workspace, owner=None,
+                                        max_files=options.max_files)
+                await register(box)
             except BaseException:
-                shutil.rmtree(box.root, ignore_errors=True)
+                await discard(box)
                 raise
             metrics.inc("forked_total")
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
 
         return await idempotency.run(_scoped("fork", sandbox_id, body.idempotency_key or idempotency_key), make)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/exec")
+    # Returns the JSON bytes itself (the schema still says ExecResponse): FastAPI's validate-then-encode
+    # of the answer costs more than the rest of the route on `echo hi`.
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResponse)
     async def exec_command(sandbox_id: str, body: ExecRequest,
-                           idempotency_key: str | None = Header(default=None)) -> ExecResponse:
+                           idempotency_key: str | None = Header(default=None)) -> Response:
         box = get(sandbox_id)
         argv = _argv(body.command)
         env = _env(body.env)
+        _check_exec_size(argv, env)
         if not 0 < body.timeout_s <= options.max_timeout_s:
             raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {options.max_timeout_s}], got {body.timeout_s}")
-        stdin = body.stdin.encode() if body.stdin is not None else None
+        stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
 
-        async def run() -> ExecResponse:
+        async def run() -> Response:
             task = asyncio.current_task()
             assert task is not None
             box.tasks.add(task)
             try:
-                result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env,
+                result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env, slot=box.slot,
+                                             cgroup=box.id,
                                              timeout_s=body.timeout_s, network=box.network)
             finally:
                 box.tasks.discard(task)
@@ -444,11 +500,10 @@ def create_app(options: ServerOptions) -> FastAPI:
             metrics.inc("exec_seconds_total", result.duration_s)
             if result.truncated:
                 metrics.inc("exec_truncated_total")
-            return ExecResponse(exit_code=result.exit_code,
-                                stdout=result.stdout.decode("utf-8", errors="replace"),
-                                stderr=result.stderr.decode("utf-8", errors="replace"),
-                                timed_out=result.timed_out, truncated=result.truncated,
-                                duration_s=round(result.duration_s, 6))
+            answer = {"exit_code": result.exit_code, "stdout": result.stdout.decode("utf-8", errors="replace"),
+                      "stderr": result.stderr.decode("utf-8", errors="replace"), "timed_out": result.timed_out,
+                      "truncated": result.truncated, "duration_s": round(result.duration_s, 6)}
+            return Response(json.dumps(answer, ensure_ascii=False).encode(), media_type="application/json")
 
         try:
             return await idempotency.run(_scoped("exec", sandbox_id, body.idempotency_key or idempotency_key), run)
@@ -465,7 +520,7 @@ def create_app(options: ServerOptions) -> FastAPI:
     @app.get("/v1/sandboxes/{sandbox_id}/file")
     async def read_file(sandbox_id: str, path: str = Query(...)) -> FileBody:
         box = get(sandbox_id)
-        data = read_bytes(box.workspace, path, options.max_file_bytes)
+        data = await asyncio.to_thread(read_bytes, box.workspace, path, options.max_file_bytes)
         try:
             return FileBody(path=path, content=data.decode("utf-8"), encoding="utf-8")
         except UnicodeDecodeError:
@@ -480,8 +535,9 @@ def create_app(options: ServerOptions) -> FastAPI:
             except (binascii.Error, ValueError) as exc:
                 raise ApiError(400, "invalid_request", "content is not valid base64") from exc
         else:
-            data = body.content.encode()
-        write_bytes(box.workspace, body.path, data, owner=owner, max_bytes=options.max_file_bytes)
+            data = _text(body.content, "content").encode()
+        await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=isolation.owner(box.slot),
+                                max_bytes=options.max_file_bytes)
         return Response(status_code=204)
 
     # The guard wraps everything, the OpenAPI schema included.
@@ -489,8 +545,46 @@ def create_app(options: ServerOptions) -> FastAPI:
     return app
 
 
+def _can_mount_tmpfs(probe_dir: Path) -> bool:
+    target = probe_dir / "quota"
+    target.mkdir()
+    try:
+        mount_tmpfs(target, 1 << 20, 64)
+    except OSError as exc:
+        log.warning("no per-sandbox disk quota: cannot mount a tmpfs (%s)", exc.strerror or exc)
+        return False
+    unmount(target)
+    return True
+
+
+def _make_box_dirs(box: Sandbox, options: ServerOptions, disk_quota: bool, cgroups: Cgroups | None) -> None:
+    box.root.mkdir(mode=0o700)
+    if disk_quota:
+        mount_tmpfs(box.root, options.disk_bytes, max(10_000, 5 * options.max_files))
+    box.root.chmod(0o700)  # only its own uid (chowned in register) enters: not another sandbox's
+    box.workspace.mkdir()
+    box.home.mkdir()
+    if cgroups is not None:
+        cgroups.create(box.id)
+
+
+def _write_all(workspace: Path, blobs: dict[str, bytes], max_bytes: int) -> None:
+    for path, data in blobs.items():
+        write_bytes(workspace, path, data, owner=None, max_bytes=max_bytes)
+
+
 def _scoped(operation: str, sandbox_id: str, key: str | None) -> str | None:
     return None if key is None else f"{operation}:{sandbox_id}:{key}"
+
+
+def _text(value: str, what: str) -> str:
+    """Refuse text that cannot become UTF-8 bytes (a lone UTF-16 surrogate sent as an escape)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, "invalid_encoding", f"{what} is not valid Unicode text: {exc.reason} "
+                       f"at position {exc.start}") from None
+    return value
 
 
 def _argv(command: str | list[str]) -> list[str]:
@@ -502,15 +596,42 @@ def _argv(command: str | list[str]) -> list[str]:
         if not command:
             raise ApiError(400, "invalid_request", "command argv is empty")
         argv = list(command)
+        if "=" in argv[0]:
+            raise ApiError(400, "invalid_request", f"argv[0] {argv[0][:80]!r} contains '='; name a program")
+    for arg in argv:
+        _text(arg, "command")
     if any("\0" in arg for arg in argv):
         raise ApiError(400, "invalid_request", "command contains a NUL byte")
     return argv
 
 
+# Linux refuses one argument or variable over 128 KiB (MAX_ARG_STRLEN) and all of them together
+# over a quarter of the stack limit (2 MiB by default): refuse before exec with a typed 413.
+_MAX_ARG_BYTES = 128 * 1024 - 1
+_MAX_ARGS_TOTAL_BYTES = 1 << 20
+
+
+def _check_exec_size(argv: list[str], env: dict[str, str]) -> None:
+    items = [arg.encode() for arg in argv] + [f"{name}={value}".encode() for name, value in env.items()]
+    longest = max((len(item) for item in items), default=0)
+    if longest > _MAX_ARG_BYTES:
+        raise ApiError(413, "payload_too_large", f"a command argument or environment variable has {longest} bytes; "
+                       f"the limit is {_MAX_ARG_BYTES} (pass big input on stdin or in a file)")
+    total = sum(len(item) + 1 for item in items)
+    if total > _MAX_ARGS_TOTAL_BYTES:
+        raise ApiError(413, "payload_too_large", f"command and environment have {total} bytes; the limit is "
+                       f"{_MAX_ARGS_TOTAL_BYTES} (pass big input on stdin or in a file)")
+
+
 def _env(env: dict[str, str]) -> dict[str, str]:
     for name, value in env.items():
+        _text(name, "an environment variable name")
+        _text(value, f"environment variable {name}")
         if not _ENV_NAME.match(name):
             raise ApiError(400, "invalid_request", f"invalid environment variable name {name[:80]!r}")
+        if refused_env_name(name):
+            raise ApiError(400, "env_refused", f"environment variable {name} configures the loader or libc "
+                           "and is refused (LD_*, GCONV_PATH, LOCPATH, ...)")
         if "\0" in value:
             raise ApiError(400, "invalid_request", f"environment variable {name} contains a NUL byte")
     return env

@@ -16,14 +16,22 @@ class ServerOptions:
     over ``--token`` because command lines are visible to other users of the host (``ps``)."""
 
     root_dir: str = ""
-    """Directory holding the sandbox workspaces; a fresh temporary directory when empty."""
+    """Directory holding the sandbox workspaces; empty: a stable folder per uid under $TMPDIR
+    (``lightning-agentrl-sandboxes-UID``, then ``-1``, ``-2``... while other live servers hold it).
+    The server locks it and, at start, removes the sandboxes a killed server left there."""
 
     isolation: Literal["auto", "bwrap", "process"] = "auto"
     """``bwrap``: bubblewrap namespaces (fails at start if unusable); ``process``: plain subprocess +
     rlimits; ``auto``: bwrap when the host allows it, else process (reported on /v1/health)."""
 
-    sandbox_uid: int = 65534
-    """Unprivileged uid commands run as when the server runs as root; -1 keeps the server's uid."""
+    sandbox_uid: int = 100000
+    """When the server runs as root, sandbox slot i runs its commands as uid ``sandbox_uid + i``
+    (one uid per live sandbox: per-uid limits and file permissions then separate sandboxes);
+    -1 keeps the server's uid (refused as root without ``allow_root_commands``)."""
+
+    allow_root_commands: bool = False
+    """Let commands run as root when no unprivileged uid works (no bwrap and the interpreter is
+    unreachable for other uids, or ``sandbox_uid=-1``). Off: the server refuses to start instead."""
 
     max_sandboxes: int = 256
     """Live sandboxes allowed at once; create and fork answer 429 + Retry-After beyond it."""
@@ -59,7 +67,19 @@ class ServerOptions:
     """RLIMIT_AS per process (virtual memory)."""
 
     max_processes: int = 512
-    """RLIMIT_NPROC (processes of the sandbox uid; enforced only for a non-root uid)."""
+    """Processes per sandbox: cgroup ``pids.max`` where cgroups are writable, and RLIMIT_NPROC of the
+    sandbox's own uid (server as root)."""
+
+    memory_bytes: int = 2 << 30
+    """Memory per sandbox (cgroup ``memory.limit_in_bytes`` / ``memory.max``, swap included), over all
+    of its processes and the tmpfs pages they write."""
+
+    disk_bytes: int = 512 << 20
+    """Disk per sandbox: its folder (workspace and home) is a tmpfs of this size when the server is
+    root (RAM-backed: size max_sandboxes x disk_bytes to the host); writes past it fail with ENOSPC."""
+
+    tmp_bytes: int = 256 << 20
+    """Size of each command's private /tmp (bwrap backend)."""
 
     file_size_bytes: int = 256 << 20
     """RLIMIT_FSIZE: largest file a command can write."""
@@ -78,7 +98,7 @@ class ServerOptions:
             raise ValueError(f"isolation must be auto, bwrap or process, got {self.isolation!r}")
         for name in ("max_sandboxes", "output_limit_bytes", "max_request_bytes", "max_file_bytes",
                      "max_files", "cpu_time_s", "address_space_bytes", "max_processes",
-                     "file_size_bytes", "open_files"):
+                     "file_size_bytes", "open_files", "memory_bytes", "disk_bytes", "tmp_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("default_ttl_s", "max_ttl_s", "reap_interval_s", "max_timeout_s", "idempotency_ttl_s"):

@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import stat
+import subprocess
 from pathlib import Path, PurePosixPath
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -31,6 +32,10 @@ def check_relative(path: str) -> PurePosixPath:
     """Validate a client path lexically; returns it as a PurePosixPath."""
     if not isinstance(path, str) or not path or "\0" in path:
         raise WorkspaceError("invalid_path", 400, f"invalid path {path!r}: empty or contains NUL")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WorkspaceError("invalid_encoding", 400, f"path {path!r} is not valid Unicode text") from None
     pure = PurePosixPath(path)
     if pure.is_absolute():
         raise WorkspaceError("path_escape", 400, f"absolute paths are refused: {path!r}")
@@ -83,7 +88,15 @@ def _refuse(path: str, exc: OSError) -> WorkspaceError:
     return WorkspaceError("invalid_path", 400, f"cannot access {path!r}: {exc.strerror}")
 
 
+def _refuse_special(path: str, info: os.stat_result) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise WorkspaceError("is_a_directory", 400, f"{path!r} is a directory")
+    if not stat.S_ISREG(info.st_mode):
+        raise WorkspaceError("not_a_regular_file", 400, f"{path!r} is not a regular file (FIFO, socket or device)")
+
+
 def read_bytes(root: Path, path: str, max_bytes: int) -> bytes:
+    """Read a regular file. O_NONBLOCK and the fstat check before any read: a FIFO never blocks."""
     parts = _confined_parts(root, path)
     try:
         dir_fd = _open_dir(root, parts[:-1], create=False, owner=None)
@@ -93,22 +106,26 @@ def read_bytes(root: Path, path: str, max_bytes: int) -> bytes:
             os.close(dir_fd)
     except OSError as exc:
         raise _refuse(path, exc) from exc
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if stat.S_ISDIR(info.st_mode):
-            raise WorkspaceError("is_a_directory", 400, f"{path!r} is a directory")
-        if not stat.S_ISREG(info.st_mode):
-            raise WorkspaceError("invalid_path", 400, f"{path!r} is not a regular file")
+    try:
+        info = os.fstat(fd)
+        _refuse_special(path, info)
         if info.st_size > max_bytes:
             raise WorkspaceError("payload_too_large", 413,
                                  f"{path!r} has {info.st_size} bytes, more than the limit {max_bytes}")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
+        chunks, size = [], 0
+        while size <= max_bytes and (chunk := os.read(fd, min(1 << 20, max_bytes + 1 - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > max_bytes:
         raise WorkspaceError("payload_too_large", 413, f"{path!r} is larger than the limit {max_bytes}")
-    return data
+    return b"".join(chunks)
 
 
 def write_bytes(root: Path, path: str, data: bytes, *, owner: int | None, max_bytes: int) -> None:
+    """Write a regular file. O_NONBLOCK on open: a FIFO without a reader fails at once (ENXIO) and one
+    with a reader is refused after fstat, before a byte is written."""
     if len(data) > max_bytes:
         raise WorkspaceError("payload_too_large", 413,
                              f"content for {path!r} has {len(data)} bytes, more than the limit {max_bytes}")
@@ -116,54 +133,163 @@ def write_bytes(root: Path, path: str, data: bytes, *, owner: int | None, max_by
     try:
         dir_fd = _open_dir(root, parts[:-1], create=True, owner=owner)
         try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                          0o644, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)
     except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise WorkspaceError("not_a_regular_file", 400, f"{path!r} is not a regular file (FIFO or socket)") from exc
         raise _refuse(path, exc) from exc
-    with os.fdopen(fd, "wb") as f:
+    try:
+        _refuse_special(path, os.fstat(fd))
+        os.ftruncate(fd, 0)
         if owner is not None:
-            os.fchown(f.fileno(), owner, owner)
-        f.write(data)
+            os.fchown(fd, owner, owner)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise WorkspaceError("disk_quota_exceeded", 413, f"no space left in the workspace for {path!r}") from exc
+        raise
+    finally:
+        os.close(fd)
 
 
-def list_files(root: Path, max_files: int) -> list[str]:
+def _open_chain(root_fd: int, parts: tuple[str, ...]) -> int:
+    """Open ``root/parts...`` relative fd by fd (O_NOFOLLOW each step): no path length limit."""
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _walk(root: Path, max_depth: int):
+    """Yield (relative POSIX path, lstat, parent dir fd, name) for everything under ``root``, depth
+    first, sorted, without recursion and without long paths (each directory is opened fd by fd from
+    the root), never following symlinks; the entries of one directory come one after another. More
+    than ``max_depth`` levels: 400 ``tree_too_deep``. The parent fd is valid for that step only."""
+    root_fd = os.open(root, _DIR_FLAGS)
+    stack: list[tuple[str, ...]] = [()]
+    try:
+        while stack:
+            parts = stack.pop()
+            try:
+                fd = _open_chain(root_fd, parts)
+            except OSError:
+                continue  # removed or swapped for a link meanwhile
+            try:
+                with os.scandir(fd) as entries:
+                    names = sorted(entry.name for entry in entries)
+                prefix = "".join(part + "/" for part in parts)
+                children = []
+                for name in names:
+                    try:
+                        info = os.lstat(name, dir_fd=fd)
+                    except OSError:
+                        continue  # vanished meanwhile
+                    yield prefix + name, info, fd, name
+                    if stat.S_ISDIR(info.st_mode):
+                        if len(parts) + 1 >= max_depth:
+                            raise WorkspaceError("tree_too_deep", 400,
+                                                 f"the workspace nests directories deeper than {max_depth} levels")
+                        children.append((*parts, name))
+                stack.extend(reversed(children))
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
+def list_files(root: Path, max_files: int, max_depth: int = 256) -> list[str]:
     """Regular files under ``root`` (relative POSIX paths, sorted); symlinks are not followed or listed."""
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        base = Path(dirpath)
-        for name in filenames:
-            full = base / name
-            with contextlib.suppress(OSError):
-                if stat.S_ISREG(full.lstat().st_mode):
-                    found.append(full.relative_to(root).as_posix())
+    for rel, info, _, _ in _walk(root, max_depth):
+        if stat.S_ISREG(info.st_mode):
+            found.append(rel)
             if len(found) > max_files:
                 raise WorkspaceError("payload_too_large", 413, f"workspace holds more than {max_files} files")
     return sorted(found)
 
 
-def chown_tree(root: Path, owner: int) -> None:
+def chown_tree(root: Path, owner: int, max_depth: int = 256) -> None:
     os.chown(root, owner, owner, follow_symlinks=False)
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in [*dirnames, *filenames]:
-            os.chown(os.path.join(dirpath, name), owner, owner, follow_symlinks=False)
+    for _, _, parent_fd, name in _walk(root, max_depth):
+        os.chown(name, owner, owner, dir_fd=parent_fd, follow_symlinks=False)
 
 
-def copy_tree(src: Path, dst: Path, *, owner: int | None) -> None:
-    """Copy a workspace (symlinks copied as symlinks, never followed)."""
-    shutil.copytree(src, dst, symlinks=True, ignore=_special_files)
+def copy_tree(src: Path, dst: Path, *, owner: int | None, max_depth: int = 256, max_files: int = 1 << 20) -> None:
+    """Copy a workspace into the existing directory ``dst``: directories, regular files (mode kept) and
+    symlinks (as links, never followed). FIFOs, sockets and devices are skipped: opening a FIFO to
+    copy it would block. Too deep: 400 ``tree_too_deep``; too many files: 413."""
+    dst_root = os.open(dst, _DIR_FLAGS)
+    target_rel, target_dir = "", os.dup(dst_root)  # the copy's directory for the current source directory
+    num_files = 0
+    try:
+        for rel, info, parent_fd, name in _walk(src, max_depth):
+            parent_rel = rel.rpartition("/")[0]
+            if parent_rel != target_rel:
+                os.close(target_dir)
+                target_rel, target_dir = parent_rel, -1
+                target_dir = _open_chain(dst_root, tuple(parent_rel.split("/")) if parent_rel else ())
+            mode = info.st_mode
+            if stat.S_ISDIR(mode):
+                os.mkdir(name, stat.S_IMODE(mode) | 0o700, dir_fd=target_dir)
+            elif stat.S_ISLNK(mode):
+                os.symlink(os.readlink(name, dir_fd=parent_fd), name, dir_fd=target_dir)
+            elif stat.S_ISREG(mode):
+                num_files += 1
+                if num_files > max_files:
+                    raise WorkspaceError("payload_too_large", 413, f"workspace holds more than {max_files} files")
+                _copy_file(parent_fd, target_dir, name, stat.S_IMODE(mode))
+            else:
+                continue
+            if owner is not None:
+                os.chown(name, owner, owner, dir_fd=target_dir, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise WorkspaceError("disk_quota_exceeded", 413, "no space left to copy the workspace") from exc
+        raise
+    finally:
+        if target_dir >= 0:
+            os.close(target_dir)
+        os.close(dst_root)
     if owner is not None:
-        chown_tree(dst, owner)
+        os.chown(dst, owner, owner, follow_symlinks=False)
 
 
-def _special_files(directory: str, names: list[str]) -> list[str]:
-    """FIFOs, sockets and devices are skipped: opening a FIFO to copy it would block the server."""
-    skipped = []
-    for name in names:
-        with contextlib.suppress(OSError):
-            mode = os.lstat(os.path.join(directory, name)).st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
-                skipped.append(name)
-    return skipped
+def _copy_file(src_dir: int, dst_dir: int, name: str, mode: int) -> None:
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src_dir)
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):  # swapped for a FIFO since the listing
+            return
+        dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dst_dir)
+        try:
+            while chunk := os.read(src, 1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(dst, view):]
+            os.fchmod(dst, mode)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a sandbox directory of any depth (``shutil.rmtree`` recurses and gives up past ~1000
+    levels); ``rm -rf`` (fts, no recursion limit, never follows links) finishes what it left."""
+    if not os.path.lexists(path):
+        return
+    with contextlib.suppress(OSError, RecursionError):
+        shutil.rmtree(path)
+    if os.path.lexists(path):
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install bubblewrap (Debian/Ubuntu package) so the sandbox service can use namespaces.
 # Never fails the build: without bwrap the service falls back to subprocess + rlimits and says so
-# on /v1/health.
+# on /v1/health; as root it then refuses to start if commands could only run as root (pass
+# --allow-root-commands to accept that).
 set -u
 
 if command -v bwrap >/dev/null 2>&1; then
@@ -17,7 +18,7 @@ if [ "$(id -u)" -ne 0 ]; then
   if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
     SUDO="sudo -n"
   else
-    echo "not root and no passwordless sudo: skipping bubblewrap (the sandbox service will use its fallback)"
+    echo "not root and no passwordless sudo: skipping bubblewrap (the sandbox service will use its process fallback)"
     exit 0
   fi
 fi

@@ -15,7 +15,7 @@ SHIPPED = load_tasks(SUITE)
 BUGGY = "def add(a, b):\n    return a - b\n"
 FIXED = "def add(a, b):\n    return a + b\n"
 VISIBLE = "from calc import add\n\n\ndef test_zero():\n    assert add(0, 0) == 0\n"
-HIDDEN = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+HIDDEN = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert type(add(2, 3)) is int\n"
 HIDDEN_PATH = "hidden_tests/test_hidden.py"
 
 
@@ -31,6 +31,7 @@ def make_task(**overrides) -> Task:
         visible_test_command="python -m pytest -q test_visible.py",
         hidden_test_command="python -m pytest -q hidden_tests",
         scoring_timeout_s=30.0,
+        hidden_test_count=1,
     )
     fields.update(overrides)
     return Task(**fields)
@@ -44,6 +45,7 @@ def write_task(root: Path, task_id: str = "calc_add", **spec_overrides) -> Path:
         "prompt": "`calc.py::add` subtracts. Fix calc.py.",
         "visible_test_command": "python -m pytest -q test_visible.py",
         "hidden_test_command": "python -m pytest -q hidden_tests",
+        "hidden_test_count": 1,
         "scoring_timeout_s": 30,
     }
     spec.update(spec_overrides)
@@ -231,7 +233,22 @@ def test_sound_task_has_no_problems():
 def test_hidden_tests_that_miss_the_bug():
     weak = "from calc import add\n\n\ndef test_zero():\n    assert add(1, 0) == 1\n"
     problems = validate_task(make_task(hidden_files={HIDDEN_PATH: weak}))
-    assert problems == ["hidden tests pass on the buggy workspace (they do not detect the bug)"]
+    assert "hidden tests pass on the buggy workspace (they do not detect the bug)" in problems
+
+
+def test_hidden_tests_an_always_equal_object_passes_are_unsound():
+    """The reward hack of returning an object whose __eq__ is always True must not pass the hidden tests."""
+    equality_only = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    problems = validate_task(make_task(hidden_files={HIDDEN_PATH: equality_only}))
+    assert problems == ["hidden tests pass when the fixed module returns objects equal to anything "
+                        "(check types or use `is`/`not`, not only ==)"]
+
+
+def test_hidden_test_count_must_match_the_fix():
+    assert validate_task(make_task(hidden_test_count=2)) == [
+        "hidden_test_count is 2 but 1 hidden tests pass with the fix"]
+    assert validate_task(make_task(hidden_test_count=None)) == [
+        "task.json lacks hidden_test_count (1 hidden tests pass with the fix)"]
 
 
 def test_solution_that_does_not_fix():
@@ -250,7 +267,7 @@ def test_solution_that_breaks_visible_tests():
 def test_collection_error_is_not_a_bug_detection():
     # The hidden test imports a name only a different fix would add: it "fails" for the buggy
     # code by exit code 2 (collection error), which says nothing about the bug.
-    hidden = "from calc import add, subtract\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    hidden = "from calc import add, subtract\n\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert type(add(2, 3)) is int\n"
     solution = {"calc.py": FIXED + "\n\ndef subtract(a, b):\n    return a - b\n"}
     problems = validate_task(make_task(hidden_files={HIDDEN_PATH: hidden}, solution_files=solution))
     assert len(problems) == 1 and "exit with 2, not a test failure" in problems[0]

@@ -1,9 +1,9 @@
 """Fix-the-bug tasks in a remote sandbox: read_file, write_file, run, submit.
 
 Each episode gets its own sandbox made from the task's workspace snapshot. ``submit`` scores the
-agent's work with the hidden tests in a fresh sandbox of the original task plus the agent's
-changed source files (``sandbox_client.scoring``): the hidden tests never enter the agent's
-sandbox.
+agent's work with the hidden tests in a snapshot of its sandbox (a fork where the service has one,
+``sandbox_client.scoring``): the hidden tests never enter the agent's sandbox, and the reward needs
+the task's ``hidden_test_count`` passed tests in the scoring runner's own report.
 
 State keys (for GiGPO) hash what the agent can observe: the files it has written so far and the
 last observation. Two episodes that read the same file from the same start are in the same state.
@@ -85,6 +85,7 @@ class CodingEnv:
                     agent_sandbox_id=self.sandbox_id,
                     test_command=self.task.hidden_test_command,
                     timeout_s=self.scoring_timeout_s,
+                    required_passed=self.task.hidden_test_count,
                 )
                 info.update(submitted=True, scoring_timed_out=self.score.timed_out)
                 return StepResult("submitted", reward=self.score.reward, done=True, info=info)

@@ -14,7 +14,7 @@ TASK = {
     "utils.py": "def parse_date(s):\n    y, m, d = s.split('-')\n    return int(y), int(d), int(m)\n",
     "test_visible.py": "from utils import parse_date\n\ndef test_year():\n    assert parse_date('2024-01-02')[0] == 2024\n",
 }
-HIDDEN = {"test_hidden.py": "from utils import parse_date\n\ndef test_order():\n    assert parse_date('2024-01-02') == (2024, 1, 2)\n"}
+HIDDEN = {"hidden_tests/test_hidden.py": "from utils import parse_date\n\ndef test_order():\n    assert parse_date('2024-01-02') == (2024, 1, 2)\n"}
 FIXED = "from helpers import to_int\n\ndef parse_date(s):\n    y, m, d = s.split('-')\n    return to_int(y), to_int(m), to_int(d)\n"
 # An agent trying to game the hidden run: a conftest that turns every failure into a pass.
 CHEAT = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
@@ -35,7 +35,7 @@ def _score(server, edits: dict[str, str], **kwargs):
                 await client.write_file(agent, path, content)
             before = set((await client.health())["sandboxes"].items())
             result = await score_submission(client, task_files=TASK, hidden_files=HIDDEN, agent_sandbox_id=agent,
-                                            test_command=kwargs.pop("test_command", "python -m pytest -q"),
+                                            test_command=kwargs.pop("test_command", "python -m pytest -q hidden_tests"),
                                             timeout_s=kwargs.pop("timeout_s", 60), **kwargs)
             after = set((await client.health())["sandboxes"].items())
             agent_files = await client.list_files(agent)
@@ -45,12 +45,15 @@ def _score(server, edits: dict[str, str], **kwargs):
     return asyncio.run(main())
 
 
-def test_correct_fix_scores_one_and_carries_only_source_files(server):
+@pytest.mark.parametrize("snapshot", ["fork", "fresh"])
+def test_correct_fix_scores_one_and_carries_only_source_files(server, snapshot):
     result, no_leak, agent_files = _score(server, {"utils.py": FIXED, "helpers.py": "def to_int(x):\n    return int(x)\n",
-                                                   "test_visible.py": "def test_nothing():\n    pass\n"})
+                                                   "test_visible.py": "def test_nothing():\n    pass\n"},
+                                          snapshot=snapshot, required_passed=1)
     assert (result.reward, result.passed, result.timed_out) == (1.0, True, False), result.output
-    assert result.carried_files == ["helpers.py", "utils.py"]
-    assert "test_hidden.py" not in agent_files  # hidden tests never entered the agent's sandbox
+    assert (result.snapshot, result.num_passed, result.num_failed) == (snapshot, 1, 0)
+    assert result.carried_files == (["helpers.py", "utils.py"] if snapshot == "fresh" else [])
+    assert not any("test_hidden" in path for path in agent_files)  # hidden tests never entered the agent's sandbox
     assert no_leak  # the scoring sandbox was deleted
 
 

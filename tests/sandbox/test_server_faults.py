@@ -153,9 +153,13 @@ def test_launcher_keeps_the_token_out_of_argv_and_logs_and_cleans_up(tmp_path):
         assert httpx.get(f"{server.url}/v1/health").status_code == 401
         headers = {"Authorization": f"Bearer {server.token}"}
         httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).raise_for_status()
-        assert len(list((tmp_path / "boxes").iterdir())) == 1
+        assert len(_sandbox_dirs(tmp_path / "boxes")) == 1
     assert server.process.poll() is not None
-    assert list((tmp_path / "boxes").iterdir()) == []  # graceful stop removed the workspaces
+    assert _sandbox_dirs(tmp_path / "boxes") == []  # graceful stop removed the workspaces
     assert server.token not in log_file.read_text()
     with pytest.raises(ValueError, match="unknown sandbox server options"):
         start_local_server(max_sandbox=3)
+
+
+def _sandbox_dirs(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if not p.name.startswith(".")]  # .lock marks the root as taken

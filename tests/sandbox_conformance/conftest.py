@@ -37,7 +37,8 @@ def endpoint(request: pytest.FixtureRequest):
 
     isolation = request.config.getoption("--sandbox-isolation", default=None) or "auto"
     with start_local_server(isolation=isolation, output_limit_bytes=64 << 10, max_request_bytes=4 << 20,
-                            max_file_bytes=1 << 20, address_space_bytes=1 << 30, max_processes=256) as server:
+                            max_file_bytes=1 << 20, address_space_bytes=1 << 30, max_processes=256,
+                            memory_bytes=768 << 20, disk_bytes=64 << 20, tmp_bytes=32 << 20) as server:
         yield server.url, server.token
 
 

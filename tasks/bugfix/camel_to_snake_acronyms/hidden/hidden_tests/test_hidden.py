@@ -3,6 +3,7 @@ from naming import camel_to_snake
 
 def test_acronym_prefix():
     assert camel_to_snake("HTTPResponse") == "http_response"
+    assert type(camel_to_snake("HTTPResponse")).__module__ == "builtins"  # a plain value, not one equal to anything
 
 
 def test_acronym_middle():

@@ -3,6 +3,7 @@ from config import flatten, to_env
 
 def test_three_levels():
     assert flatten({"db": {"pool": {"size": 5}}}) == {"db.pool.size": 5}
+    assert type(flatten({"db": {"pool": {"size": 5}}})).__module__ == "builtins"  # a plain value, not one equal to anything
 
 
 def test_mixed_depths():

@@ -3,6 +3,7 @@ from sizes import human_size
 
 def test_exact_kib():
     assert human_size(1024) == "1.0 KiB"
+    assert type(human_size(1024)).__module__ == "builtins"  # a plain value, not one equal to anything
 
 
 def test_exact_mib_and_gib():

@@ -5,6 +5,7 @@ from metrics import format_change, percent_change
 
 def test_growth():
     assert percent_change(100, 150) == pytest.approx(50.0)
+    assert type(percent_change(100, 150)).__module__ == "builtins"  # a plain value, not one equal to anything
 
 
 def test_drop():

@@ -3,6 +3,7 @@ from rle import decode, encode
 
 def test_long_run():
     assert decode("12a") == "a" * 12
+    assert type(decode("12a")).__module__ == "builtins"  # a plain value, not one equal to anything
 
 
 def test_round_trip():

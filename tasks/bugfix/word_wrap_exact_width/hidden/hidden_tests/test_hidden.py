@@ -3,6 +3,7 @@ from wrap import wrap
 
 def test_exact_width():
     assert wrap("aaa bbb", 7) == ["aaa bbb"]
+    assert type(wrap("aaa bbb", 7)).__module__ == "builtins"  # a plain value, not one equal to anything
 
 
 def test_paragraph():

@@ -1,0 +1,169 @@
+"""Containment guarantees of the reference server that a protocol client cannot observe: what the host
+side of a command sees, the workspace root's lifetime, and the refusal to run commands as root."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_client import SandboxClient, SandboxRequestError
+from sandbox_server.isolation import HOST_ENV
+from sandbox_server.launch import start_local_server
+from sandbox_server.limits import mounts_under
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs a server running as root")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def test_the_host_side_of_a_command_never_sees_the_request_env():
+    with start_local_server() as server:
+        if server.health()["isolation"]["backend"] != "bwrap":
+            pytest.skip("the process backend starts the command itself with the request env")
+
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                sid = await client.create({})
+                running = asyncio.create_task(client.exec(sid, "sleep 3", env={"MARK_FROM_REQUEST": "1"}))
+                helpers: list[int] = []
+                for _ in range(40):
+                    await asyncio.sleep(0.1)
+                    helpers = _children(server.process.pid)
+                    if helpers:
+                        break
+                environments = [_environ(pid) for pid in helpers]
+                await running
+                await client.delete(sid)
+                return environments
+
+        environments = asyncio.run(main())
+        assert environments, "no helper process seen"
+        for environment in environments:
+            assert environment == HOST_ENV
+
+
+@ROOT_ONLY
+def test_commands_never_run_as_root_without_the_explicit_flag():
+    with pytest.raises(RuntimeError, match="allow-root-commands"):
+        start_local_server(isolation="process", sandbox_uid=-1)
+    with start_local_server(isolation="process", sandbox_uid=-1, allow_root_commands=True) as server:
+        health = server.health()
+        assert any("commands run as root" in line for line in health["isolation"]["not_isolated"])
+
+
+@ROOT_ONLY
+def test_each_live_sandbox_runs_as_its_own_uid():
+    with start_local_server() as server:
+        if not server.health()["isolation"]["enforced"]["uid_per_sandbox"]:
+            pytest.skip("server reports no per-sandbox uid")
+
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                ids = [await client.create({}) for _ in range(3)]
+                uids = [(await client.exec(sid, "id -u")).stdout.strip() for sid in ids]
+                for sid in ids:
+                    await client.delete(sid)
+                return uids
+
+        uids = asyncio.run(main())
+        assert len(set(uids)) == 3 and "0" not in uids
+
+
+@ROOT_ONLY
+def test_a_killed_servers_leftovers_are_removed_by_the_next_start(tmp_path):
+    root = tmp_path / "boxes"
+    with start_local_server(root_dir=str(root)) as killed:
+
+        async def fill():
+            async with SandboxClient(killed.url, killed.token) as client:
+                sid = await client.create({"a.txt": "left behind"})
+                await client.exec(sid, "head -c 100000 /dev/zero > blob")
+                return sid
+
+        sid = asyncio.run(fill())
+        quota = killed.health()["isolation"]["enforced"]["disk_per_sandbox"]
+        killed.process.kill()
+        killed.process.wait()
+    assert (root / sid / "workspace" / "a.txt").exists()
+    if quota:
+        assert root / sid in mounts_under(root)
+    with start_local_server(root_dir=str(root)):
+        assert [p.name for p in root.iterdir()] == [".lock"]
+        assert mounts_under(root) == []
+
+
+def test_a_root_held_by_a_live_server_is_not_taken_or_cleaned(tmp_path):
+    root = tmp_path / "boxes"
+    with start_local_server(root_dir=str(root)) as first:
+
+        async def make():
+            async with SandboxClient(first.url, first.token) as client:
+                return await client.create({"a.txt": "mine"})
+
+        sid = asyncio.run(make())
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="in use by another running sandbox server"):
+            start_local_server(root_dir=str(root))
+        assert time.monotonic() - started < 30
+        assert (root / sid / "workspace" / "a.txt").read_text() == "mine"
+
+
+def test_every_command_starts_with_the_servers_rlimits():
+    with start_local_server(max_processes=77, address_space_bytes=3 << 30, open_files=99) as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                sid = await client.create({})
+                limits = (await client.exec(sid, "cat /proc/self/limits")).stdout
+                await client.delete(sid)
+                return limits
+
+        rows = {line[:26].strip(): line[26:].split()[:2] for line in asyncio.run(main()).splitlines()[1:]}
+        assert rows["Max processes"] == ["77", "77"]
+        assert rows["Max address space"] == [str(3 << 30)] * 2
+        assert rows["Max open files"] == ["99", "99"]
+        assert rows["Max core file size"] == ["0", "0"]
+
+
+def test_a_sandbox_with_a_1500_level_tree_is_refused_for_listing_and_fork_and_deleted_from_disk(tmp_path):
+    root = tmp_path / "boxes"
+    deep = "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\nopen('leaf', 'w').write('x')\n"
+    with start_local_server(root_dir=str(root)) as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token, max_retries=0) as client:
+                sid = await client.create({"deep.py": deep})
+                assert (await client.exec(sid, ["python", "deep.py"], timeout_s=60)).exit_code == 0
+                codes = []
+                for call in (client.list_files(sid), client.fork(sid)):
+                    try:
+                        await call
+                    except SandboxRequestError as exc:
+                        codes.append((exc.status, exc.code))
+                await client.delete(sid)
+                return codes, (await client.health())["sandboxes"]["active"]
+
+        codes, active = asyncio.run(main())
+        assert codes == [(400, "tree_too_deep"), (400, "tree_too_deep")]
+        assert active == 0
+        assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == []

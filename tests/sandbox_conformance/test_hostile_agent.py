@@ -1,0 +1,366 @@
+"""A hostile agent against the service: each attack fails with a typed error or is contained, and the
+server keeps answering everyone else meanwhile.
+
+Each test names the guarantee it holds a server to; docs/sandbox.md says how the reference server keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import pytest
+
+from sandbox_client import SandboxRequestError
+
+# Reads every visible process's argv and prints the absolute paths that do not exist in the sandbox's
+# own view: a host path there (a bind source, the server's workspace root) tells the agent where its
+# files live on the host.
+_HOST_PATHS_IN_CMDLINES = r"""
+import os
+missing = set()
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        args = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\0')
+    except OSError:
+        continue
+    for arg in args:
+        text = arg.decode(errors='replace')
+        for word in text.replace('=', ' ').replace(':', ' ').split():
+            if word.startswith('/') and not os.path.lexists(word):
+                missing.add(word)
+print(sorted(missing))
+"""
+
+
+def _raw(endpoint, method: str, path: str, body: dict | None = None, **kwargs) -> httpx.Response:
+    """A request sent as the JSON the body encodes to with ASCII escapes (so a lone surrogate travels)."""
+    url, token = endpoint
+    content = None if body is None else json.dumps(body).encode()
+    return httpx.request(method, f"{url}{path}", content=content, timeout=30,
+                         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                         **kwargs)
+
+
+def _assert_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code, response.text
+
+
+def _assert_still_serving(run):
+    async def body(client):
+        sid = await client.create({"ok.py": "print('alive')"})
+        try:
+            assert (await client.exec(sid, "python ok.py", timeout_s=30)).stdout == "alive\n"
+        finally:
+            await client.delete(sid)
+
+    run(body)
+
+
+@pytest.fixture
+def sandbox(endpoint):
+    response = _raw(endpoint, "POST", "/v1/sandboxes", {"files": {"a.txt": "a"}})
+    assert response.status_code == 201, response.text
+    sandbox_id = response.json()["id"]
+    yield sandbox_id
+    _raw(endpoint, "DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+
+# ---- 1. host root through env ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "GCONV_PATH", "LOCPATH"])
+def test_loader_variables_in_exec_env_are_refused_with_a_typed_400(endpoint, sandbox, name):
+    response = _raw(endpoint, "POST", f"/v1/sandboxes/{sandbox}/exec",
+                    {"command": "true", "env": {name: "/workspace/evil.so"}})
+    _assert_error(response, 400, "env_refused")
+
+
+def test_request_env_reaches_the_command_and_nothing_of_the_server_does(run):
+    async def body(client):
+        sid = await client.create({})
+        try:
+            result = await client.exec(sid, "echo \"$GREETING\"; env", env={"GREETING": "hello there"})
+            assert result.exit_code == 0, result.stderr
+            lines = result.stdout.splitlines()
+            assert lines[0] == "hello there"
+            names = {line.split("=", 1)[0] for line in lines[1:] if "=" in line}
+            assert not names & {"SANDBOX_SERVER_TOKEN", "LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH"}
+        finally:
+            await client.delete(sid)
+
+    run(body)
+
+
+def test_no_process_argv_inside_the_sandbox_names_a_host_path(run, health):
+    if "pid" not in " ".join(health["isolation"]["namespaces"]):
+        pytest.skip("server reports no pid namespace: host processes are visible by design")
+
+    async def body(client):
+        sid = await client.create({"probe.py": _HOST_PATHS_IN_CMDLINES})
+        try:
+            result = await client.exec(sid, ["python", "probe.py"], timeout_s=30)
+            assert result.exit_code == 0, result.stderr
+            assert result.stdout.strip() == "[]"
+        finally:
+            await client.delete(sid)
+
+    run(body)
+
+
+# ---- 5. typed errors for text that is not Unicode ---------------------------------------------
+def test_lone_surrogates_anywhere_in_a_request_get_a_typed_400(endpoint, sandbox, run):
+    bad = "x\ud800y"
+    exec_path = f"/v1/sandboxes/{sandbox}/exec"
+    for body in ({"command": f"echo {bad}"}, {"command": ["echo", bad]}, {"command": "true", "env": {"V": bad}},
+                 {"command": "cat", "stdin": bad}):
+        _assert_error(_raw(endpoint, "POST", exec_path, body), 400, "invalid_encoding")
+    for body in ({"path": "ok.txt", "content": bad}, {"path": f"{bad}.txt", "content": "ok"}):
+        _assert_error(_raw(endpoint, "PUT", f"/v1/sandboxes/{sandbox}/file", body), 400, "invalid_encoding")
+    _assert_error(_raw(endpoint, "POST", "/v1/sandboxes", {"files": {"a.py": bad}}), 400, "invalid_encoding")
+    _assert_error(_raw(endpoint, "POST", "/v1/sandboxes", {"files": {bad: "x"}}), 400, "invalid_encoding")
+
+    async def body(client):  # the client refuses before sending: a typed error, not UnicodeEncodeError
+        with pytest.raises(SandboxRequestError) as caught:
+            await client.write_file(sandbox, "ok.txt", bad)
+        assert caught.value.code == "invalid_encoding"
+        with pytest.raises(SandboxRequestError):
+            await client.exec(sandbox, ["echo", bad])
+
+    run(body)
+    _assert_still_serving(run)
+
+
+# ---- 2. non-regular files never block the server ----------------------------------------------
+def test_a_fifo_in_the_workspace_never_blocks_the_server(run, endpoint):
+    import asyncio
+
+    async def body(client):
+        sid = await client.create({})
+        try:
+            made = await client.exec(sid, "mkfifo lonely waited && ls -l")
+            assert made.exit_code == 0, made.stderr
+            for path in ("lonely", "waited"):
+                with pytest.raises(SandboxRequestError) as refused:
+                    await asyncio.wait_for(client.write_file(sid, path, "x"), timeout=10)
+                assert (refused.value.status, refused.value.code) == (400, "not_a_regular_file")
+                with pytest.raises(SandboxRequestError) as refused_read:
+                    await asyncio.wait_for(client.read_file(sid, path), timeout=10)
+                assert (refused_read.value.status, refused_read.value.code) == (400, "not_a_regular_file")
+            # A FIFO with a reader on the other end: opening it for writing would succeed; still refused.
+            reader = asyncio.create_task(client.exec(sid, "cat waited", timeout_s=15))
+            await asyncio.sleep(1.0)
+            with pytest.raises(SandboxRequestError) as with_reader:
+                await asyncio.wait_for(client.write_file(sid, "waited", "x"), timeout=10)
+            assert with_reader.value.code == "not_a_regular_file"
+            assert (await asyncio.wait_for(client.health(), timeout=5))["status"] == "ok"
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+            assert await client.list_files(sid) == []  # FIFOs are not files
+            child = await asyncio.wait_for(client.fork(sid), timeout=20)  # the copy skips them, never opens them
+            await client.delete(child)
+        finally:
+            await client.delete(sid)
+
+    run(body)
+    _assert_still_serving(run)
+
+
+# ---- 5. typed 4xx for directories, deep trees and oversized bodies ------------------------------
+def test_directories_as_files_get_400_is_a_directory(run):
+    async def body(client):
+        sid = await client.create({"pkg/mod.py": "x = 1\n"})
+        try:
+            for call in (client.read_file(sid, "pkg"), client.read_bytes(sid, "pkg"), client.write_file(sid, "pkg", "x")):
+                with pytest.raises(SandboxRequestError) as caught:
+                    await call
+                assert (caught.value.status, caught.value.code) == (400, "is_a_directory")
+        finally:
+            await client.delete(sid)
+
+    run(body)
+
+
+def test_a_very_deep_directory_tree_gets_typed_errors_and_is_deleted(run, endpoint):
+    deep = "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\nopen('leaf.txt', 'w').write('x')\n"
+
+    async def body(client):
+        sid = await client.create({"deep.py": deep})
+        deleted = False
+        try:
+            made = await client.exec(sid, ["python", "deep.py"], timeout_s=60)
+            assert made.exit_code == 0, made.stderr
+            for call in (client.list_files(sid), client.fork(sid)):
+                try:
+                    await call  # a server may support it; if not, a typed 4xx, never a 5xx or a reset
+                except SandboxRequestError as exc:
+                    assert 400 <= exc.status < 500 and exc.code, exc
+            await client.delete(sid)
+            deleted = True
+            assert sid not in _raw(endpoint, "GET", "/v1/sandboxes").json()["sandboxes"]
+        finally:
+            if not deleted:
+                await client.delete(sid)
+
+    run(body, max_retries=0)
+    _assert_still_serving(run)
+
+
+def test_an_oversized_chunked_body_gets_413(endpoint, health):
+    url, token = endpoint
+    limit = health["limits"]["max_request_bytes"]
+
+    def chunks():
+        piece = b"x" * (1 << 16)
+        for _ in range(limit // len(piece) + 2):
+            yield piece
+
+    response = httpx.post(f"{url}/v1/sandboxes", content=chunks(), timeout=60,
+                          headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    _assert_error(response, 413, "payload_too_large")
+
+
+# ---- 3. one sandbox cannot starve the others ----------------------------------------------------
+def _enforced(health: dict, limit: str) -> str:
+    how = health["isolation"].get("enforced", {}).get(limit)
+    if not how:
+        pytest.skip(f"server reports {limit} as not enforced")
+    return how
+
+
+def test_a_process_flood_in_one_sandbox_never_starves_another(run, health):
+    _enforced(health, "processes_per_sandbox")
+    flood = health["limits"]["max_processes"] + 100
+    hold = f"i=0; while [ $i -lt {flood} ]; do sleep 30 & i=$((i+1)); done 2>/dev/null; echo held; sleep 30"
+    check = ["python", "-c", "import subprocess\nfor _ in range(20):\n    subprocess.run(['true'], check=True)\n"
+             "print('forked fine')"]
+
+    async def body(client):
+        import asyncio
+
+        hog, victim = await client.create({}), await client.create({})
+        try:
+            flooding = asyncio.create_task(client.exec(hog, hold, timeout_s=8))
+            await asyncio.sleep(3.0)  # the flood is at its limit by now
+            result = await client.exec(victim, check, timeout_s=30)
+            assert (result.exit_code, result.stdout) == (0, "forked fine\n"), result.stderr
+            with contextlib.suppress(Exception):
+                await flooding
+        finally:
+            await client.delete(hog)
+            await client.delete(victim)
+
+    run(body)
+    _assert_still_serving(run)
+
+
+def test_memory_over_the_sandbox_limit_is_stopped_across_processes(run, health):
+    _enforced(health, "memory_per_sandbox")
+    limit = health["limits"]["memory_bytes"]
+    per_process = min(limit // 2, health["limits"]["address_space_bytes"] // 2)
+    count = limit // per_process + 2  # together well past the limit, each under its own rlimit
+    grab = (f"import time\nx = bytearray({per_process})\nfor i in range(0, len(x), 4096):\n    x[i] = 1\n"
+            "print('held')\ntime.sleep(5)\n")
+
+    async def body(client):
+        sid = await client.create({"grab.py": grab})
+        try:
+            result = await client.exec(sid, " & ".join(["python grab.py"] * count) + " ; wait", timeout_s=30)
+            assert result.stdout.count("held") < count, result.stdout
+        finally:
+            await client.delete(sid)
+
+    run(body)
+    _assert_still_serving(run)
+
+
+# ---- 6. disk and /tmp are capped ----------------------------------------------------------------
+def test_disk_and_tmp_writes_stop_at_their_quota(run, health):
+    _enforced(health, "disk_per_sandbox")
+    disk, tmp = health["limits"]["disk_bytes"], health["limits"]["tmp_bytes"]
+    mib = 1 << 20
+
+    async def body(client):
+        sid = await client.create({})
+        try:
+            full = await client.exec(sid, f"head -c {disk + 8 * mib} /dev/zero > big; echo rc=$?; wc -c < big",
+                                     timeout_s=60)
+            written = int(full.stdout.split()[-1])
+            assert "rc=0" not in full.stdout and written <= disk, full
+            with pytest.raises(SandboxRequestError) as refused:
+                await client.write_file(sid, "more.txt", "x" * mib)
+            assert (refused.value.status, refused.value.code) == (413, "disk_quota_exceeded")
+            child = await client.fork(sid)  # a full sandbox still forks (same quota)
+            await client.delete(child)
+            await client.exec(sid, "rm big")
+            if health["isolation"]["enforced"].get("tmp_per_command", "").startswith("private tmpfs"):
+                capped = await client.exec(sid, f"head -c {tmp + 8 * mib} /dev/zero > /tmp/big; echo rc=$?; "
+                                                "wc -c < /tmp/big", timeout_s=60)
+                assert "rc=0" not in capped.stdout and int(capped.stdout.split()[-1]) <= tmp, capped
+            await client.write_file(sid, "after.txt", "space again")
+        finally:
+            await client.delete(sid)
+
+    run(body)
+    _assert_still_serving(run)
+
+
+# ---- 8. no command runs as root ------------------------------------------------------------------
+def test_commands_do_not_run_as_root_unless_the_server_says_so(run, health):
+    says_root = any("run as root" in line for line in health["isolation"]["not_isolated"])
+
+    async def body(client):
+        sid = await client.create({})
+        try:
+            return (await client.exec(sid, "id -u")).stdout.strip()
+        finally:
+            await client.delete(sid)
+
+    uid = run(body)
+    assert uid != "0" or says_root
+
+
+# ---- 4. reward for nothing ------------------------------------------------------------------------
+def test_scoring_on_this_server_gives_no_reward_for_the_reported_attacks(run):
+    """The three reported holes, scored through this server (fork, exec with stdin, file writes)."""
+    from sandbox_client import score_submission
+
+    buggy = "def parse_date(s):\n    y, m, d = s.split('-')\n    return int(y), int(d), int(m)\n"
+    fixed = buggy.replace("int(d), int(m)", "int(m), int(d)")
+    task = {"utils.py": buggy}
+    hidden = {"hidden_tests/test_hidden.py": "from utils import parse_date\n\ndef test_order():\n"
+              "    assert parse_date('2024-01-02') == (2024, 1, 2)\n"}
+    passes = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+              "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    attempts = {
+        "exit_on_import": {"utils.py": "import os\nos._exit(0)\n"},
+        "ini_plugin": {"pytest.ini": "[pytest]\naddopts = -p evil\n", "evil.py": passes},
+        "package_exits": {"hidden_tests/__init__.py": "import os\nos._exit(0)\n"},
+        "real_fix": {"utils.py": fixed},
+    }
+
+    async def body(client):
+        rewards = {}
+        for name, edits in attempts.items():
+            agent = await client.create(task)
+            try:
+                for path, content in edits.items():
+                    await client.write_file(agent, path, content)
+                score = await score_submission(client, task_files=task, hidden_files=hidden, agent_sandbox_id=agent,
+                                               test_command="python -m pytest -q hidden_tests", timeout_s=60,
+                                               required_passed=1)
+                rewards[name] = score.reward
+            finally:
+                await client.delete(agent)
+        return rewards
+
+    assert run(body) == {"exit_on_import": 0.0, "ini_plugin": 0.0, "package_exits": 0.0, "real_fix": 1.0}
+
+
+def test_arguments_and_env_too_big_to_exec_get_a_typed_4xx(endpoint, sandbox):
+    exec_path = f"/v1/sandboxes/{sandbox}/exec"
+    for body in ({"command": ["echo", "x" * 200_000]}, {"command": "true", "env": {"BIG": "x" * 200_000}},
+                 {"command": ["echo", *(["y" * 100_000] * 25)]}):
+        response = _raw(endpoint, "POST", exec_path, body)
+        assert 400 <= response.status_code < 500 and response.json()["error"]["code"], response.text[:300]
