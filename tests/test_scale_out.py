@@ -32,7 +32,8 @@ STRATEGIES = {
               "--eval.samples_per_task=1"],
 }
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+# A test's timeout covers its module fixture: two 2-process fits (about 2 x 1 min on 2 idle cores).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.skipif(
     __import__("importlib").util.find_spec("deepspeed") is None, reason="needs deepspeed (extra: cpu-engines)"
 )]
 

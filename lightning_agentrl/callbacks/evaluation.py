@@ -79,6 +79,10 @@ class HeldOutEvaluation(L.Callback):
         """Play the held-out episodes with the current weights; log and record the result."""
         weights = gather_full_state_dict(pl_module.policy)  # a collective under ZeRO-3: every rank
         if not trainer.is_global_zero:
+            # Every rank records that step ``step`` was evaluated: under ZeRO each rank resumes from
+            # its own callback state, and a rank that would evaluate again alone would wait forever
+            # in the gather above.
+            self.history.append({"step": trainer.global_step})
             return {}
         if self._model is None:
             self._model = _private_copy(pl_module.policy).eval()
