@@ -181,6 +181,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning_agentrl.distributed import NodeSandbox
     from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.plan import check_memory_plan
+    from lightning_agentrl.preflight import preflight
     from lightning_agentrl.rollout.chat import ChatCodec
     from lightning_agentrl.tasks import load_tasks
 
@@ -188,6 +189,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         warnings.filterwarnings("ignore", message=pattern)
     check_memory_plan(settings)  # GPUs only: refuse, before anything loads, a run that cannot fit
     run_dir = check_run_dir(settings)
+    preflight(settings)  # inputs and services, in seconds, before any model loads
     run_dir.mkdir(parents=True, exist_ok=True)
     if settings.trainer.threads:
         torch.set_num_threads(settings.trainer.threads)
