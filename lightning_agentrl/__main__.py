@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
+    from lightning_agentrl.shutdown import RunInterrupted, RunStopped
     from lightning_agentrl.train import fit
 
     console = Console(stderr=True)
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # a signal (128 + its number) or a dependency that failed mid-run (3)
+        print(f"{'' if isinstance(err, RunInterrupted) else 'error: '}{err}", file=sys.stderr)
+        return err.exit_status
     if not result.is_global_zero:
         return 0
     console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}")

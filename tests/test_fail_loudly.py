@@ -4,6 +4,7 @@ nothing. Real processes and real servers, no mocks."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -96,3 +97,125 @@ def test_a_live_sandbox_service_that_refuses_the_token_is_named(capsys):
         capsys.readouterr()
         assert main([*args, "--sandbox.token=wrong"]) == 2
     assert error_line(capsys.readouterr().err).startswith(f"error: sandbox.token: the sandbox service at {server.url} refused it")
+
+
+# -- during the run --------------------------------------------------------------------------------
+SMALL = ["--engine.max_new_tokens=24", "--env.max_turns=2", "--trainer.threads=1"]
+
+
+def start_fit(run_dir: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightning_agentrl", "fit", "--config", "configs/smoke.yaml", f"--run.dir={run_dir}",
+         *SMALL, *args],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), f"{path} never appeared: {process.poll()}"
+
+
+def summary_step(run_dir: Path) -> int:
+    import json
+
+    return json.loads((run_dir / "summary.json").read_text())["global_step"]
+
+
+def test_sandbox_service_killed_mid_run_trips_the_breaker_with_a_checkpoint(tmp_path):
+    from sandbox_server.launch import start_local_server
+
+    run = tmp_path / "run"
+    with start_local_server() as server:
+        process = start_fit(run, f"--sandbox.url={server.url}", f"--sandbox.token={server.token}",
+                            "--trainer.max_steps=4")
+        wait_for(run / "trajectories" / "step_000000.jsonl", process)  # step 1's groups wait for its weights
+        server.stop()
+        output, _ = process.communicate(timeout=300)
+    assert process.returncode == 3, output[-3000:]
+    line = error_line(output)
+    assert line.startswith("error: the sandbox service failed: every episode of step 1 (8) ended with sandbox_error;")
+    assert "last error: SandboxInfraError:" in line and "unreachable" in line
+    assert f"Checkpoint: {run / 'checkpoints' / 'last.ckpt'} (step 1)" in line
+    assert "done" not in output and not (run / "summary.json").exists()
+    import torch
+
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
+
+
+class _HangingSandbox:
+    """A sandbox service that answers its health call and never anything else: a run that waits forever."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                if self.path != "/v1/health":
+                    time.sleep(3600)
+                body = b'{"status": "ok"}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):  # noqa: N802
+                time.sleep(3600)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_run_stuck_on_a_hanging_service_ends_on_sigterm_with_143_and_a_checkpoint(tmp_path):
+    hanging = _HangingSandbox()
+    run = tmp_path / "run"
+    process = start_fit(run, f"--sandbox.url={hanging.url}", "--sandbox.token=x", "--sandbox.request_timeout_s=3600")
+    wait_for(run / "mlflow_run_id.txt", process)
+    time.sleep(8)  # trainer.fit is running, the trainer waits for rollouts that never come
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 143, output[-3000:]
+    assert time.monotonic() - start < 60
+    assert f"stopped by SIGTERM at step 0, checkpoint {run / 'checkpoints' / 'last.ckpt'}; continue with --resume last" in output
+    assert (run / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_deadlocked_run_exits_after_the_grace_period(tmp_path, tiny_model_path):
+    script = (
+        "import sys, threading, lightning as L\n"
+        "from lightning_agentrl.__main__ import main\n"
+        "import lightning_agentrl.train as train\n"
+        "class Deadlock(L.Callback):\n"
+        "    def on_train_batch_end(self, *args):\n"
+        "        print('deadlocked', flush=True); threading.Event().wait()\n"
+        "fit = train.fit\n"
+        "train.fit = lambda settings, **kw: fit(settings, callbacks=[Deadlock()])\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, "fit", "--config", "configs/smoke.yaml", f"--run.dir={run}", *SMALL,
+         "--trainer.stop_grace_s=3", "--trainer.max_steps=1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    for line in process.stdout:
+        if "deadlocked" in line:
+            break
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 143, output[-3000:]
+    assert 3 <= time.monotonic() - start < 20
+    assert "error: the run did not stop within 3 s of the signal (trainer.stop_grace_s)" in output

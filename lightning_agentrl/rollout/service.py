@@ -133,6 +133,7 @@ class RolloutService:
         self.num_episodes_finished = 0
         self.num_groups_finished = 0
         self.num_parks = 0  # times an episode was parked (one episode may park several times)
+        self.num_skipped_steps = 0  # trainer steps without an optimizer step: each allows a step of groups
         self.rank, self.world_size = 0, 1
         self._groups_per_step_total = plan.groups_per_step
 
@@ -229,6 +230,17 @@ class RolloutService:
         self._gate.set()
         await self._notify()
 
+    def skip_step(self) -> None:
+        """The trainer took no optimizer step on its last batch (nothing to train on): allow one more
+        step of groups at the current weights, since no weight update will open the gate."""
+        assert self._loop is not None, "start() first"
+        asyncio.run_coroutine_threadsafe(self._skip(), self._loop).result()
+
+    async def _skip(self) -> None:
+        self.num_skipped_steps += 1
+        self._gate.set()
+        await self._notify()
+
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
@@ -240,7 +252,8 @@ class RolloutService:
 
     # -- producer ----------------------------------------------------------------------------
     def _groups_allowed(self) -> int:
-        return (self.engine_version + 1 + self.plan.max_staleness) * self.plan.groups_per_step
+        steps = self.engine_version + 1 + self.plan.max_staleness + self.num_skipped_steps
+        return steps * self.plan.groups_per_step
 
     async def _produce(self) -> None:
         if self._initial is not None:
@@ -369,6 +382,7 @@ class RolloutService:
             },
             "buffer": self.buffer.state_dict(),
             "num_episodes_finished": self.num_episodes_finished,
+            "num_skipped_steps": self.num_skipped_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -384,3 +398,4 @@ class RolloutService:
         }
         self.buffer.load_state_dict(state["buffer"])
         self.num_episodes_finished = state["num_episodes_finished"]
+        self.num_skipped_steps = state.get("num_skipped_steps", 0)  # absent in older checkpoints
