@@ -219,3 +219,102 @@ def test_a_deadlocked_run_exits_after_the_grace_period(tmp_path, tiny_model_path
     assert process.returncode == 143, output[-3000:]
     assert 3 <= time.monotonic() - start < 20
     assert "error: the run did not stop within 3 s of the signal (trainer.stop_grace_s)" in output
+
+
+# -- signals and checkpoints -----------------------------------------------------------------------
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
+    history = sorted(client.get_metric_history(run_id, "loss/total"), key=lambda m: m.timestamp)
+    return {m.step: m.value for m in history}
+
+
+def two_tasks(root: Path) -> Path:
+    import shutil
+
+    for name in ("binary_search_first", "balanced_brackets_unclosed"):
+        shutil.copytree(REPO / "tasks" / "bugfix" / name, root / "tasks" / name)
+    return root / "tasks"
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.slow
+def test_sigterm_mid_step_checkpoints_exits_143_and_resume_continues_exactly(tmp_path):
+    args = [f"--env.tasks={two_tasks(tmp_path)}", "--env.split=all", "--trainer.max_steps=4",
+            "--trainer.checkpoint_every=3", "--algorithm.entropy_coef=0.01", "--trainer.lr=1e-3"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    process = start_fit(straight, *args)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+
+    process = start_fit(stopped, *args)
+    wait_for(stopped / "trajectories" / "step_000001.jsonl", process)  # step 2 is running
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=300)
+    last = stopped / "checkpoints" / "last.ckpt"
+    assert process.returncode == 143, output[-3000:]
+    # no step checkpoint before step 3: this one was written on the signal
+    assert f"stopped by SIGTERM at step 2, checkpoint {last}; continue with --resume last" in output
+    assert not (stopped / "summary.json").exists()
+
+    intact = last.read_bytes()
+    truncate(last)
+    refused, _ = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={stopped}", *SMALL, *args, "--resume", "last")
+    assert refused.returncode == 2
+    assert error_line(refused.stderr).startswith(f"error: run.resume=last: no intact checkpoint in {last.parent}: {last}")
+    last.write_bytes(intact)
+
+    process = start_fit(stopped, *args, "--resume", "last")
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    expected, got = logged_losses(straight), logged_losses(stopped)
+    assert sorted(got) == sorted(expected) == [0, 1, 2, 3]
+    for step in (2, 3):  # the steps after the signal
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), (step, got, expected)
+
+
+def test_a_truncated_last_ckpt_resumes_from_the_newest_intact_step_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    process = start_fit(run, "--trainer.max_steps=1")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    truncate(run / "checkpoints" / "last.ckpt")
+    process = start_fit(run, "--trainer.max_steps=2", "--resume", "last")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    assert f"{run / 'checkpoints' / 'last.ckpt'} is not usable (truncated" in output
+    assert f"resuming from {run / 'checkpoints' / 'step_step=1.ckpt'} instead" in output
+    assert summary_step(run) == 2
+
+
+def test_checkpoint_integrity_of_files_and_deepspeed_folders(tmp_path):
+    import torch
+
+    from lightning_agentrl.resume import checkpoint_problem, resume_checkpoint
+
+    good = tmp_path / "good.ckpt"
+    torch.save({"w": torch.ones(1000)}, good)
+    assert checkpoint_problem(good) is None
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(good.read_bytes()[:-200])
+    assert "truncated" in checkpoint_problem(bad)
+
+    folder = tmp_path / "checkpoints" / "last.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    assert "without its 'latest' file" in checkpoint_problem(folder)
+    (folder / "latest").write_text("checkpoint")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        (folder / "checkpoint" / name).write_bytes(good.read_bytes())
+    assert checkpoint_problem(folder) is None
+    step = tmp_path / "checkpoints" / "step_step=7.ckpt"
+    step.write_bytes(good.read_bytes())
+    assert resume_checkpoint(folder.parent) == folder
+    (folder / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
+    with pytest.warns(UserWarning, match=r"optim_states.pt: truncated.*resuming from .*step_step=7.ckpt instead"):
+        assert resume_checkpoint(folder.parent) == step
