@@ -176,18 +176,19 @@ class _HangingSandbox:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def test_a_run_stuck_on_a_hanging_service_ends_on_sigterm_with_143_and_a_checkpoint(tmp_path):
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_run_stuck_on_a_hanging_service_ends_on_a_signal_with_a_checkpoint(tmp_path, signum, status):
     hanging = _HangingSandbox()
     run = tmp_path / "run"
     process = start_fit(run, f"--sandbox.url={hanging.url}", "--sandbox.token=x", "--sandbox.request_timeout_s=3600")
     wait_for(run / "mlflow_run_id.txt", process)
     time.sleep(8)  # trainer.fit is running, the trainer waits for rollouts that never come
     start = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     output, _ = process.communicate(timeout=120)
-    assert process.returncode == 143, output[-3000:]
+    assert process.returncode == status, output[-3000:]
     assert time.monotonic() - start < 60
-    assert f"stopped by SIGTERM at step 0, checkpoint {run / 'checkpoints' / 'last.ckpt'}; continue with --resume last" in output
+    assert f"stopped by {signal.Signals(signum).name} at step 0, checkpoint {run / 'checkpoints' / 'last.ckpt'}; continue with --resume last" in output
     assert (run / "checkpoints" / "last.ckpt").exists()
 
 
@@ -318,3 +319,17 @@ def test_checkpoint_integrity_of_files_and_deepspeed_folders(tmp_path):
     (folder / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
     with pytest.warns(UserWarning, match=r"optim_states.pt: truncated.*resuming from .*step_step=7.ckpt instead"):
         assert resume_checkpoint(folder.parent) == step
+
+
+def test_batches_with_nothing_to_train_take_no_step_and_stop_the_run(tmp_path):
+    """Every episode truncated and filtered out: no optimizer step, the rollout service is not stalled
+    by the missing weight update, and after rollout.max_empty_steps such batches the run stops."""
+    run = tmp_path / "run"
+    process = start_fit(run, "--env.max_turns=1", "--rollout.truncation=filter", "--rollout.max_empty_steps=2",
+                        "--trainer.max_steps=3")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 3, output[-3000:]
+    assert error_line(output).startswith("error: 2 batches in a row held no trainable token (rollout.max_empty_steps=2)")
+    assert "step 0 (skipped batch 1): no trainable token" in output
+    assert len(list((run / "trajectories").glob("step_000000*.jsonl"))) >= 1
+    assert not (run / "checkpoints" / "last.ckpt").exists()  # nothing was trained, nothing to save
