@@ -333,3 +333,21 @@ def test_batches_with_nothing_to_train_take_no_step_and_stop_the_run(tmp_path):
     assert "step 0 (skipped batch 1): no trainable token" in output
     assert len(list((run / "trajectories").glob("step_000000*.jsonl"))) >= 1
     assert not (run / "checkpoints" / "last.ckpt").exists()  # nothing was trained, nothing to save
+
+
+def test_with_on_infra_failure_wait_the_run_waits_for_the_service_and_finishes(tmp_path):
+    from sandbox_server.launch import start_local_server
+
+    run = tmp_path / "run"
+    server = start_local_server()
+    process = start_fit(run, f"--sandbox.url={server.url}", f"--sandbox.token={server.token}", "--trainer.max_steps=3",
+                        "--rollout.on_infra_failure=wait", "--rollout.infra_wait_s=120")
+    wait_for(run / "trajectories" / "step_000000.jsonl", process)
+    port = int(server.url.rsplit(":", 1)[1])
+    server.stop()
+    time.sleep(15)  # step 1's episodes fail; the breaker waits
+    with start_local_server(port=port, token=server.token):
+        output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    assert "waiting up to 120 s for it to answer (rollout.on_infra_failure=wait)" in output
+    assert summary_step(run) == 3
