@@ -50,6 +50,12 @@ class RunInterrupted(RunStopped):
         self.exit_status = 128 + signum
 
 
+class RolloutFailed(RunStopped):
+    """The rollout service died (e.g. an inference engine process was killed)."""
+
+    exit_status = 3
+
+
 class StopRequested(Exception):
     """Put into the rollout buffer on a signal, so a trainer waiting for rollouts stops waiting."""
 
@@ -140,8 +146,17 @@ class StopOnSignal(L.Callback):
             trainer.save_checkpoint(self.checkpoint)
 
     def raise_if_stopped(self, error: BaseException) -> None:
-        """Called with what ``trainer.fit`` raised: a signal's stop becomes :class:`RunInterrupted`."""
+        """Called with what ``trainer.fit`` raised: a signal's stop becomes :class:`RunInterrupted`, a dead
+        rollout service :class:`RolloutFailed`; anything else is left to propagate."""
+        from lightning_agentrl.rollout.buffer import RolloutServiceError
+
         self.restore()
+        if self.signum is None and isinstance(error, RolloutServiceError):
+            cause = error.__cause__
+            raise RolloutFailed(
+                f"the rollout service stopped ({error}): {type(cause).__name__}: {cause}; the last checkpoint is "
+                f"{self.checkpoint if self._saved_step is not None else 'none'} (continue with --resume last)"
+            ) from error
         if self.signum is None:
             return
         name = signal.Signals(self.signum).name
@@ -211,4 +226,4 @@ class _Watchdog:
         self._reader.close()
 
 
-__all__ = ["RunInterrupted", "RunStopped", "StopOnSignal", "StopRequested"]
+__all__ = ["RolloutFailed", "RunInterrupted", "RunStopped", "StopOnSignal", "StopRequested"]

@@ -351,3 +351,34 @@ def test_with_on_infra_failure_wait_the_run_waits_for_the_service_and_finishes(t
     assert process.returncode == 0, output[-3000:]
     assert "waiting up to 120 s for it to answer (rollout.on_infra_failure=wait)" in output
     assert summary_step(run) == 3
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    table = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    children: dict[int, list[tuple[int, str]]] = {}
+    for row in table:
+        child, parent, args = row.split(None, 2)
+        children.setdefault(int(parent), []).append((int(child), args))
+    found, todo = [], [pid]
+    while todo:
+        for child, args in children.get(todo.pop(), []):
+            found.append((child, args))
+            todo.append(child)
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_vllm_engine_process_stops_the_run_with_a_clear_error(tmp_path):
+    pytest.importorskip("vllm")
+    run = tmp_path / "run"
+    process = start_fit(run, "--engine.kind=vllm", "--trainer.max_steps=4")
+    wait_for(run / "trajectories" / "step_000000.jsonl", process, timeout=600)
+    engine_cores = [pid for pid, args in descendants(process.pid) if "EngineCore" in args]
+    assert engine_cores, descendants(process.pid)
+    for pid in engine_cores:
+        os.kill(pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 3, output[-3000:]
+    assert error_line(output).startswith("error: the rollout service stopped")
+    assert "EngineDeadError" in error_line(output)
+    assert not (run / "summary.json").exists()

@@ -36,7 +36,7 @@ from lightning_agentrl.rollout.agent_loop import (
     play_episode,
     restore_env_state,
 )
-from lightning_agentrl.rollout.buffer import RolloutBuffer
+from lightning_agentrl.rollout.buffer import RolloutBuffer, RolloutServiceError
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
@@ -222,7 +222,10 @@ class RolloutService:
         assert self._loop is not None, "start() first"
         named = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
         future = asyncio.run_coroutine_threadsafe(self._update(named, version), self._loop)
-        future.result()
+        try:
+            future.result()
+        except Exception as err:  # e.g. an engine process that died: the run cannot go on
+            raise RolloutServiceError(f"the engine could not load the weights of version {version}") from err
 
     async def _update(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         await self.engine.update_weights(named, version)
