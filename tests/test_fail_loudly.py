@@ -137,7 +137,7 @@ def test_sandbox_service_killed_mid_run_trips_the_breaker_with_a_checkpoint(tmp_
         output, _ = process.communicate(timeout=300)
     assert process.returncode == 3, output[-3000:]
     line = error_line(output)
-    assert line.startswith("error: the sandbox service failed: every episode of step 1 (8) ended with sandbox_error;")
+    assert line.startswith("error: the sandbox service failed: every episode of the step (8) ended with sandbox_error;")
     assert "last error: SandboxInfraError:" in line and "unreachable" in line
     assert f"Checkpoint: {run / 'checkpoints' / 'last.ckpt'} (step 1)" in line
     assert "done" not in output and not (run / "summary.json").exists()
@@ -382,3 +382,14 @@ def test_a_killed_vllm_engine_process_stops_the_run_with_a_clear_error(tmp_path)
     assert error_line(output).startswith("error: the rollout service stopped")
     assert "EngineDeadError" in error_line(output)
     assert not (run / "summary.json").exists()
+
+
+def test_the_breaker_trips_on_a_share_over_a_full_window_or_a_step_that_failed_whole():
+    import doctest
+
+    from lightning_agentrl.callbacks import circuit_breaker
+
+    assert doctest.testmod(circuit_breaker, raise_on_error=False, verbose=False).failed == 0
+    window = circuit_breaker.SandboxErrorWindow(size=8, max_error_frac=0.5)
+    for _ in range(20):  # one dead server of four behind the fleet's URL, for a long time
+        assert window.add([(1, 4), (1, 4)]) is None

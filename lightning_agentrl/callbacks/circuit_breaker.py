@@ -47,6 +47,42 @@ class NothingToTrain(RunStopped):
     exit_status = 3
 
 
+class SandboxErrorWindow:
+    """Sandbox errors per group over the newest ``size`` groups. :meth:`add` takes one step's groups as
+    ``(sandbox errors, episodes)`` and says why the breaker trips, or None:
+
+    >>> window = SandboxErrorWindow(size=4, max_error_frac=0.5)
+    >>> window.add([(1, 4), (1, 4)]) is None   # one dead server of four: a quarter fails
+    True
+    >>> window.add([(3, 4), (3, 4)])            # the window is full, 8 of 16 is not more than half
+    >>> window.add([(4, 4), (3, 4)])
+    '13 of 16 episodes of the last 4 groups ended, more than rollout.max_infra_error_frac=0.5,'
+    >>> SandboxErrorWindow(size=8, max_error_frac=1.0).add([(4, 4), (4, 4)])
+    'every episode of the step (8) ended'
+    """
+
+    def __init__(self, size: int, max_error_frac: float) -> None:
+        self.groups: deque[tuple[int, int]] = deque(maxlen=size)
+        self.max_error_frac = max_error_frac
+
+    @property
+    def share(self) -> float:
+        return sum(e for e, _ in self.groups) / max(sum(n for _, n in self.groups), 1)
+
+    def add(self, step_groups: list[tuple[int, int]]) -> str | None:
+        self.groups.extend(step_groups)
+        if step_groups and all(errors == episodes for errors, episodes in step_groups):
+            return f"every episode of the step ({sum(n for _, n in step_groups)}) ended"
+        if len(self.groups) == self.groups.maxlen and self.share > self.max_error_frac:
+            errors, episodes = sum(e for e, _ in self.groups), sum(n for _, n in self.groups)
+            return (f"{errors} of {episodes} episodes of the last {len(self.groups)} groups ended, more than "
+                    f"rollout.max_infra_error_frac={self.max_error_frac:g},")
+        return None
+
+    def clear(self) -> None:
+        self.groups.clear()
+
+
 class InfraCircuitBreaker(L.Callback):
     def __init__(self, sandbox, checkpoint: Path, *, max_error_frac: float, window: int,
                  on_failure: str = "stop", wait_s: float = 600.0) -> None:
@@ -61,7 +97,7 @@ class InfraCircuitBreaker(L.Callback):
         self.max_error_frac = max_error_frac
         self.on_failure = on_failure
         self.wait_s = wait_s
-        self._groups: deque[tuple[int, int]] = deque(maxlen=window)  # (sandbox errors, episodes) per group
+        self.window = SandboxErrorWindow(window, max_error_frac)
         self._saved_step: int | None = None
         self.num_trips = 0
 
@@ -69,27 +105,16 @@ class InfraCircuitBreaker(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        mine = _group_counts(batch)
-        every_rank = all_gather((mine, _last_error(batch)))
-        step_groups = [group for counts, _ in every_rank for group in counts]
-        self._groups.extend(step_groups)
-        errors, episodes = (sum(column) for column in zip(*self._groups, strict=True))
-        share = errors / max(episodes, 1)
-        pl_module.log("filter/infra_error_frac_window", share, on_step=True, batch_size=1)
-        whole_step_failed = bool(step_groups) and all(e == n for e, n in step_groups)
-        window_full = len(self._groups) == self._groups.maxlen
-        if not (whole_step_failed or (window_full and share > self.max_error_frac)):
+        every_rank = all_gather((_group_counts(batch), _last_error(batch)))
+        why = self.window.add([group for counts, _ in every_rank for group in counts])
+        pl_module.log("filter/infra_error_frac_window", self.window.share, on_step=True, batch_size=1)
+        if why is None:
             return
         last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
-        if whole_step_failed:
-            share_text = f"every episode of step {trainer.global_step} ({sum(n for _, n in step_groups)}) ended"
-        else:
-            share_text = (f"{errors} of {episodes} episodes of the last {len(self._groups)} groups ended, more than "
-                          f"rollout.max_infra_error_frac={self.max_error_frac:g},")
-        what = f"the sandbox service failed: {share_text} with sandbox_error; last error: {last_error}"
+        what = f"the sandbox service failed: {why} with sandbox_error; last error: {last_error}"
         self.num_trips += 1
         if self.on_failure == "wait" and self._service_came_back(what):
-            self._groups.clear()
+            self.window.clear()
             return
         if self._saved_step != trainer.global_step:
             trainer.save_checkpoint(self.checkpoint)
@@ -116,12 +141,12 @@ class InfraCircuitBreaker(L.Callback):
 
     @override
     def state_dict(self) -> dict:
-        return {"groups": [list(g) for g in self._groups], "num_trips": self.num_trips}
+        return {"groups": [list(g) for g in self.window.groups], "num_trips": self.num_trips}
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
-        self._groups.clear()
-        self._groups.extend(tuple(g) for g in state_dict["groups"])
+        self.window.clear()
+        self.window.groups.extend(tuple(g) for g in state_dict["groups"])
         self.num_trips = state_dict["num_trips"]
 
 
