@@ -331,7 +331,9 @@ def test_batches_with_nothing_to_train_take_no_step_and_stop_the_run(tmp_path):
     assert process.returncode == 3, output[-3000:]
     assert error_line(output).startswith("error: 2 batches in a row held no trainable token (rollout.max_empty_steps=2)")
     assert "step 0 (skipped batch 1): no trainable token" in output
-    assert len(list((run / "trajectories").glob("step_000000*.jsonl"))) >= 1
+    # both batches of step 0 are on disk: the first set aside, the second as the step's
+    assert (run / "trajectories" / "superseded_step_000000_1.jsonl").exists()
+    assert (run / "trajectories" / "step_000000.jsonl").exists()
     assert not (run / "checkpoints" / "last.ckpt").exists()  # nothing was trained, nothing to save
 
 
