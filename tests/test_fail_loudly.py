@@ -395,3 +395,14 @@ def test_the_breaker_trips_on_a_share_over_a_full_window_or_a_step_that_failed_w
     window = circuit_breaker.SandboxErrorWindow(size=8, max_error_frac=0.5)
     for _ in range(20):  # one dead server of four behind the fleet's URL, for a long time
         assert window.add([(1, 4), (1, 4)]) is None
+
+
+def test_a_local_sandbox_server_that_cannot_start_is_a_settings_error(tmp_path):
+    from lightning_agentrl.distributed import NodeSandbox
+    from lightning_agentrl.preflight import PreflightError
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    sandbox = NodeSandbox(None, None, timeout_s=5, max_retries=0, log_dir=not_a_folder)
+    with pytest.raises(PreflightError, match=r"^sandbox.url: unset, so the reference sandbox server .* did not come up"):
+        sandbox.start()
