@@ -406,3 +406,17 @@ def test_a_local_sandbox_server_that_cannot_start_is_a_settings_error(tmp_path):
     sandbox = NodeSandbox(None, None, timeout_s=5, max_retries=0, log_dir=not_a_folder)
     with pytest.raises(PreflightError, match=r"^sandbox.url: unset, so the reference sandbox server .* did not come up"):
         sandbox.start()
+
+
+def test_a_hub_id_that_is_not_cached_needs_a_reachable_hub(monkeypatch, capsys):
+    monkeypatch.setenv("HF_ENDPOINT", DEAD)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    args = ["validate", "--config", "configs/smoke.yaml", "--model.path=no-such-org/no-such-model"]
+    assert main(args) == 2
+    assert error_line(capsys.readouterr().err).startswith(
+        f"error: model.path: no-such-org/no-such-model is not a local folder nor in the hub cache, and the hub ({DEAD}) is unreachable"
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(args) == 2
+    assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err
+    assert main([*args, "--offline"]) == 0
