@@ -39,7 +39,7 @@ def test_fit_with_an_unreachable_sandbox_service_stops_in_seconds_before_any_mod
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: sandbox.url: the sandbox service at {DEAD} does not answer")
     assert "Traceback" not in done.stderr
-    assert seconds < 30
+    assert seconds < 60  # vs 200 s of retries before; imports dominate on a loaded machine
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -48,7 +48,7 @@ def test_fit_with_an_unreachable_tracking_server_stops_in_seconds(tmp_path):
                         f"--tracking.uri={DEAD}")
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: tracking.uri: the MLflow server at {DEAD} is unreachable")
-    assert seconds < 30
+    assert seconds < 60  # vs 200 s of retries before; imports dominate on a loaded machine
 
 
 @pytest.mark.parametrize(
