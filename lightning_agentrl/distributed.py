@@ -19,7 +19,6 @@ Every function is a no-op in a single process, so the same code runs a laptop sm
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -167,15 +166,6 @@ class NodeSandbox(L.Callback):
         if self.url is None:
             raise RuntimeError("the sandbox service is not started yet (NodeSandbox.setup runs with Trainer.fit)")
         return SandboxClient(self.url, self.token or "", timeout_s=self.timeout_s, max_retries=self.max_retries)
-
-
-def launched_rank() -> int:
-    """This process's global rank as the launcher set it (0 when nothing was launched). Only for
-    the moments before a Trainer exists; afterwards ask ``trainer.global_rank``."""
-    for name in ("RANK", "SLURM_PROCID"):
-        if name in os.environ:
-            return int(os.environ[name])
-    return 0
 
 
 __all__ = [

@@ -327,6 +327,13 @@ class Settings(BaseSettings):
                 "engine.vllm_kv_cache_bytes applies to vLLM on CPU only; on GPUs the KV cache is sized by "
                 "engine.gpu_memory_utilization (see `python -m lightning_agentrl plan`)"
             )
+        if isinstance(self.trainer.devices, int):
+            processes = self.trainer.devices * self.trainer.num_nodes
+            if self.rollout.groups_per_step % processes:
+                raise ValueError(
+                    f"rollout.groups_per_step ({self.rollout.groups_per_step}) must be a multiple of the training "
+                    f"processes, trainer.devices x trainer.num_nodes ({processes}): each trains on whole groups"
+                )
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
         return self

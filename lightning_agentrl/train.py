@@ -210,12 +210,15 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     service = build_rollout_service(
         settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
     )
-    logger = build_logger(settings, run_dir)
     stop = StopOnSignal(run_dir / "checkpoints" / "last.ckpt", grace_s=settings.trainer.stop_grace_s,
                         wake=service.buffer.fail, on_hard_exit=sandbox.close)
     extra = [*engine_sleep_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
-    trainer = build_trainer(settings, run_dir, logger, service, sandbox, tokenizer, extra=extra)
+    trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
+    # Rank 0 alone opens the MLflow store (even constructing the logger touches it): the Trainer
+    # knows the rank only once it exists, so the logger joins it afterwards.
+    logger = build_logger(settings, run_dir) if trainer.is_global_zero else None
     if trainer.is_global_zero:
+        trainer.logger = logger
         record_settings(settings, run_dir, logger)
     last = run_dir / "checkpoints" / "last.ckpt"
     try:
@@ -355,7 +358,7 @@ def build_guards(settings: Settings, run_dir: Path, service, sandbox) -> list:
     return [breaker, EmptyStepGuard(service, max_empty_steps=r.max_empty_steps)]
 
 
-def build_trainer(settings: Settings, run_dir: Path, logger, service, sandbox, tokenizer, *, extra: list):
+def build_trainer(settings: Settings, run_dir: Path, service, sandbox, tokenizer, *, extra: list):
     import lightning as L
 
     from lightning_agentrl.checkpoint_io import AtomicCheckpointIO
@@ -375,7 +378,7 @@ def build_trainer(settings: Settings, run_dir: Path, logger, service, sandbox, t
             gradient_clipping=t.grad_clip if deepspeed else None,
         ),
         precision=t.precision,
-        logger=logger if logger is not None else False,
+        logger=False,  # rank 0's MLflow logger joins after construction (fit)
         callbacks=[*build_callbacks(settings, run_dir, service, sandbox, tokenizer), *extra],
         plugins=None if deepspeed else [AtomicCheckpointIO()],
         default_root_dir=run_dir,

@@ -84,3 +84,9 @@ def test_fit_help_lists_every_field_with_its_doc():
         for name, info in model.annotation.model_fields.items():
             assert f"--{section}.{name} " in out
             assert info.description and info.description in out, f"{section}.{name} has no docstring"
+
+
+def test_a_step_must_split_into_whole_groups_per_process():
+    with pytest.raises(SettingsError, match=r"groups_per_step \(2\) must be a multiple .*\(4\)"):
+        load_settings(overrides=["--trainer.devices=2", "--trainer.num_nodes=2", "--rollout.groups_per_step=2"])
+    assert load_settings(overrides=["--trainer.devices=2", "--rollout.groups_per_step=4"]).trainer.num_nodes == 1

@@ -81,7 +81,7 @@ class HeldOutEvaluation(L.Callback):
         if not trainer.is_global_zero:
             return {}
         if self._model is None:
-            self._model = copy.deepcopy(pl_module.policy).eval()
+            self._model = _private_copy(pl_module.policy).eval()
         self._model.load_state_dict(weights)
         service = trainer.datamodule.service
         step = trainer.global_step
@@ -147,3 +147,14 @@ class HeldOutEvaluation(L.Callback):
     @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = [dict(entry) for entry in state_dict["history"]]
+
+
+def _private_copy(policy):
+    """A model of the policy's architecture that evaluation owns. Under ZeRO-3 the policy's
+    parameters are partitioned stubs, so a deep copy would copy stubs: build it from the config
+    (full size, on the CPU) instead; the gathered weights are loaded into it afterwards."""
+    if not any(hasattr(p, "ds_id") for p in policy.parameters()):
+        return copy.deepcopy(policy)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(policy.config, dtype=policy.dtype)

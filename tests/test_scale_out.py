@@ -1,0 +1,171 @@
+"""``fit`` with two training processes (gloo on CPU) under every strategy, as users run it.
+
+Each strategy trains the smoke recipe for 2 steps with 2 processes, then resumes from the run
+folder alone (no config, no strategy flags) for a third step. Deterministic sampling makes the
+first step's episodes the same in every run, so each strategy's first step must equal one
+process training on the whole batch: the same loss and the same gradient norm. A resume with
+another process count is refused, and 2 nodes x 1 process (NODE_RANK=0/1 on this machine) train
+like 1 node x 2 processes, each node with its own sandbox server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS = ["binary_search_first", "balanced_brackets_unclosed"]
+STRATEGIES = {
+    "ddp": ["--trainer.strategy=ddp"],
+    "zero2": ["--trainer.strategy=deepspeed_stage_2"],
+    "zero2-offload": ["--trainer.strategy=deepspeed_stage_2", "--trainer.offload_optimizer=true"],
+    # ZeRO-3 also evaluates: held-out episodes run on a full copy of the partitioned policy
+    "zero3": ["--trainer.strategy=deepspeed_stage_3", "--eval.every_n_steps=2", "--eval.split=all",
+              "--eval.samples_per_task=1"],
+}
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    __import__("importlib").util.find_spec("deepspeed") is None, reason="needs deepspeed (extra: cpu-engines)"
+)]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, tiny_model_path) -> Path:
+    root = tmp_path_factory.mktemp("scale")
+    for name in TASKS:
+        shutil.copytree(REPO / "tasks" / "bugfix" / name, root / "tasks" / name)
+    return root
+
+
+def fit(root: Path, run: str, *overrides: str, config: bool = True, env: dict | None = None,
+        wait: bool = True):
+    command = [sys.executable, "-m", "lightning_agentrl", "fit", f"--run.dir={root / run}", *overrides]
+    if config:
+        command[4:4] = [
+            "--config", str(REPO / "configs" / "smoke.yaml"),
+            f"--env.tasks={root / 'tasks'}", "--env.split=all", f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}",
+            "--trainer.accelerator=cpu", "--trainer.threads=1", "--trainer.max_steps=2", "--trainer.lr=1e-3",
+            "--algorithm.entropy_coef=0.01", "--engine.max_new_tokens=24", "--env.max_turns=2",
+        ]
+    full_env = {**os.environ, "PYTHONHASHSEED": "0", **(env or {})}
+    if not wait:
+        return subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def ok(done) -> None:
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def metric(run_dir: Path, key: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
+    return {m.step: m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)}
+
+
+def groups(run_dir: Path, step: int) -> list[int]:
+    lines = (run_dir / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    return sorted(json.loads(line)["group_id"] for line in lines)
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def one_process(root) -> Path:
+    ok(fit(root, "one"))
+    return root / "one"
+
+
+@pytest.fixture(scope="module", params=list(STRATEGIES))
+def two_processes(request, root) -> tuple[str, Path]:
+    """A 2-step run with 2 processes, then a resume from the run folder alone to step 3."""
+    name = request.param
+    ok(fit(root, name, "--trainer.devices=2", *STRATEGIES[name]))
+    ok(fit(root, name, "--resume", "last", "--trainer.max_steps=3", config=False))
+    return name, root / name
+
+
+def test_two_processes_train_like_one_and_resume(two_processes, one_process):
+    name, run = two_processes
+    one = {key: metric(one_process, key) for key in ("loss/total", "policy/grad_norm", "tokens/train")}
+    two = {key: metric(run, key) for key in one}
+    # step 0: the same episodes; the loss, its denominators and the gradient of the whole step
+    assert two["tokens/train"][0] == one["tokens/train"][0] > 0
+    assert two["loss/total"][0] == pytest.approx(one["loss/total"][0], abs=1e-5), name
+    assert two["policy/grad_norm"][0] == pytest.approx(one["policy/grad_norm"][0], rel=1e-4), name
+    assert one["policy/grad_norm"][0] > 0
+    # both ranks' whole groups were trained on and saved by rank 0; the resume went on from group 4
+    assert groups(run, 0) == [0] * 4 + [1] * 4
+    assert groups(run, 2) == [4] * 4 + [5] * 4
+    assert sorted(metric(run, "loss/total")) == [0, 1, 2]
+    assert metric(run, "mismatch/logprob_max")[0] < 1e-4  # the trainer saw the full output embedding
+    if name == "zero3":
+        assert sorted(metric(run, "eval/success")) == [0, 2, 3]  # before step 0, every 2 steps, at the end
+
+
+def test_rank_zero_alone_writes_a_full_policy_and_the_checkpoint_exports_it(two_processes, tiny_model_path):
+    name, run = two_processes
+    assert len(list(run.glob("settings.resume-*.yaml"))) == 1 and (run / "settings.yaml").exists()
+    assert not list(run.glob("sandbox_server.node*.log"))  # one node, one sandbox server
+    policy, base = weights(run / "policy"), weights(tiny_model_path)
+    assert {k: v.shape for k, v in policy.items()} == {k: v.shape for k, v in base.items()}  # gathered, not shards
+    assert any(not torch.equal(policy[k], base[k]) for k in base)  # trained
+    out = run.parent / f"{name}-export"
+    done = subprocess.run([sys.executable, "-m", "lightning_agentrl", "export", str(run / "checkpoints" / "last.ckpt"),
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    ok(done)
+    exported = weights(out)
+    assert max(float((exported[k] - policy[k]).abs().max()) for k in policy) < 1e-6
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)  # a plain Hugging Face folder
+
+
+def test_a_resume_with_another_process_count_or_strategy_is_refused(two_processes):
+    name, run = two_processes
+    if name != "ddp":
+        pytest.skip("the refusal is checked once, on the DDP run")
+    done = fit(run.parent, name, "--resume", "last", "--trainer.max_steps=4", "--trainer.devices=1", config=False)
+    assert done.returncode == 2
+    assert "trainer.devices: the run" in done.stderr and "ran with 2" in done.stderr and "asks for 1" in done.stderr
+    done = fit(run.parent, name, "--resume", "last", "--trainer.strategy=deepspeed_stage_2", config=False)
+    assert done.returncode == 2 and "'ddp'" in done.stderr and "'deepspeed_stage_2'" in done.stderr
+    assert sorted(metric(run, "loss/total")) == [0, 1, 2]  # nothing ran
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_of_one_process_train_like_one_process(root, one_process):
+    """2 nodes x 1 process as torchrun or SLURM start them (each node its own command), here on one
+    machine: the same first step as one process, and one sandbox server per node."""
+    port = str(free_port())
+    nodes = [
+        fit(root, "nodes", "--trainer.num_nodes=2", "--trainer.strategy=ddp", wait=False,
+            env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(rank), "LOCAL_RANK": "0"})
+        for rank in (0, 1)
+    ]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=600)
+        assert node.returncode == 0, stderr[-4000:]
+    run = root / "nodes"
+    assert (run / "sandbox_server.log").exists() and (run / "sandbox_server.node1.log").exists()
+    assert groups(run, 0) == [0] * 4 + [1] * 4
+    assert metric(run, "loss/total")[0] == pytest.approx(metric(one_process, "loss/total")[0], abs=1e-5)
