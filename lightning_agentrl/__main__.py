@@ -1,7 +1,7 @@
 """Command line: ``python -m lightning_agentrl {fit,validate,plan,inspect,credit} ...``.
 
     python -m lightning_agentrl fit --config configs/smoke.yaml [--resume last] [--section.field=value ...]
-    python -m lightning_agentrl validate --config configs/smoke.yaml      # settings only, no work
+    python -m lightning_agentrl validate --config configs/smoke.yaml      # settings, inputs, services [--offline]
     python -m lightning_agentrl plan --config configs/gpu_zero2.yaml --gpus 8 --gpu-memory 80GiB  # memory per GPU
     python -m lightning_agentrl inspect runs/smoke                          # a run folder or a .jsonl file
     python -m lightning_agentrl credit runs/smoke                           # advantages of every estimator
@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", type=Path, help="YAML settings file")
         p.add_argument("--resume", choices=["never", "last"], help="same as --run.resume")
         p.add_argument("-h", "--help", action="store_true", help="show this help and every setting")
+        if name == "validate":
+            p.add_argument("--offline", action="store_true", help="skip the network checks (services, hub)")
     p = sub.add_parser(
         "plan",
         help="memory per GPU of every part of a run (no weights are loaded)",
@@ -175,11 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         import yaml
 
+        from lightning_agentrl.preflight import preflight
+
+        try:
+            preflight(settings, network=not args.offline)
+        except SettingsError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
         return 0
 
     from rich.console import Console
 
+    from lightning_agentrl.shutdown import RunInterrupted, RunStopped
     from lightning_agentrl.train import fit
 
     console = Console(stderr=True)
@@ -188,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # a signal (128 + its number) or a dependency that failed mid-run (3)
+        print(f"{'' if isinstance(err, RunInterrupted) else 'error: '}{err}", file=sys.stderr)
+        return err.exit_status
     if not result.is_global_zero:
         return 0
     console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}")

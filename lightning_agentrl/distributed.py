@@ -137,7 +137,15 @@ class NodeSandbox(L.Callback):
             from sandbox_server.launch import start_local_server
 
             name = "sandbox_server.log" if node_rank == 0 else f"sandbox_server.node{node_rank}.log"
-            server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name))
+            try:
+                server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name))
+            except (OSError, RuntimeError, TimeoutError) as err:  # it never answered its health call
+                from lightning_agentrl.preflight import PreflightError
+
+                raise PreflightError(
+                    f"sandbox.url: unset, so the reference sandbox server was started on this node, and it did not "
+                    f"come up: {type(err).__name__}: {err} (log: {self.log_dir / name})"
+                ) from None
             mine = (node_rank, server.url, server.token)
         for entry in all_gather(mine):
             if entry is not None and entry[0] == node_rank:

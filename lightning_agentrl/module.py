@@ -35,6 +35,8 @@ class AgentRLModule(L.LightningModule):
         self.reference = None
         self.automatic_optimization = False
         self.offline_policy_version = 0
+        self.skipped_step = False  # the last batch had no trainable token: no optimizer step
+        self.num_skipped_steps = 0
         # kept in checkpoints; the resolved settings reach MLflow once, flattened, from train.py
         self.save_hyperparameters({"settings": settings.model_dump(mode="json"), "model_path": model_path}, logger=False)
 
@@ -207,6 +209,9 @@ class AgentRLModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         log = self.accumulate_gradients(batch)
+        self.skipped_step = log["tokens/train"] == 0  # summed over ranks: every rank agrees
+        if self.skipped_step:
+            return self._skip_step(batch, log)
         engine = self._deepspeed_engine()
         if engine is None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.settings.trainer.grad_clip))
@@ -221,6 +226,21 @@ class AgentRLModule(L.LightningModule):
         self.log_dict(log, on_step=True, prog_bar=False, batch_size=batch.num_episodes)
         self.log("loss", log["loss/total"], prog_bar=True, batch_size=batch.num_episodes)
         return torch.tensor(log["loss/total"])
+
+    def _skip_step(self, batch: RolloutBatch, log: dict[str, float]) -> torch.Tensor:
+        """No trainable token in the whole step (every episode excluded): an optimizer step would only
+        decay the weights and advance the schedule on nothing, so neither steps."""
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        self.optimizers().zero_grad(set_to_none=True)
+        reasons = sorted({t.termination.value for t in batch.trajectories if t.termination is not None})
+        self.num_skipped_steps += 1
+        rank_zero_warn(
+            f"step {self.global_step} (skipped batch {self.num_skipped_steps}): no trainable token, every episode "
+            f"was excluded (they ended as {', '.join(reasons)}); no optimizer or scheduler step"
+        )
+        self.log_dict({"policy/skipped_step": 1.0, "tokens/train": 0.0}, on_step=True, batch_size=batch.num_episodes)
+        return torch.tensor(0.0)
 
     def _policy_version(self) -> int:
         """Optimizer steps behind the current weights (``offline_policy_version`` outside a Trainer)."""

@@ -155,6 +155,22 @@ class RolloutSettings(_Section):
     """Experiments only: this share of training episodes (drawn from the seed, group and index) gets only `forced_truncation_turns` turns, so it ends with max_turns whatever the policy does. Held-out evaluation is never cut."""
     forced_truncation_turns: int = Field(1, ge=1)
     """Turn budget of a force-truncated episode; must be below env.max_turns."""
+    max_infra_error_frac: float = Field(0.5, ge=0.0, le=1.0)
+    """Circuit breaker: when more than this share of the episodes of the last `rollout.infra_error_window` groups
+    ended with `sandbox_error` (the service failed, not the agent), or every episode of a step did, the run acts
+    as `rollout.on_infra_failure` says. 1 = only when every episode of a step failed."""
+    infra_error_window: int = Field(8, ge=1)
+    """Groups (the newest, of every training process) the circuit breaker counts; it trips on a share only once it
+    has seen this many."""
+    on_infra_failure: Literal["stop", "wait"] = "stop"
+    """When the circuit breaker trips: `stop` writes a checkpoint and exits (status 3) naming the last sandbox
+    error; `wait` polls the sandbox service's health with backoff for up to `rollout.infra_wait_s`, then goes on
+    (or stops, if it never answered)."""
+    infra_wait_s: float = Field(600.0, gt=0)
+    """Longest wait for the sandbox service to answer again, with `rollout.on_infra_failure: wait`."""
+    max_empty_steps: int = Field(3, ge=1)
+    """Consecutive batches without one trainable token (every episode excluded) before the run stops with an
+    error. Such a batch takes no optimizer or scheduler step."""
 
 
 class AlgorithmSettings(_Section):
@@ -233,6 +249,10 @@ class TrainerSettings(_Section):
     """Push weights to the engine every this many optimizer steps."""
     threads: int | None = Field(None, ge=1)
     """torch CPU threads (None = torch's default)."""
+    stop_grace_s: float = Field(120.0, gt=0)
+    """SIGTERM or SIGINT: the run finishes its step, writes a checkpoint and exits with status 143 (130 for
+    SIGINT). A run still alive this many seconds after the signal (stuck on a service or a collective), or sent a
+    second signal, exits at once with that status, without a new checkpoint."""
 
 
 class TrackingSettings(_Section):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from lightning_agentrl.resume import checkpoint_candidates, resume_checkpoint
 from lightning_agentrl.settings import Settings, SettingsError, TrainerSettings, flatten
 
 
@@ -123,7 +124,7 @@ def check_run_dir(settings: Settings) -> Path:
     """The run folder, refusing a resume without a checkpoint and a new run over an old one."""
     run_dir = Path(settings.run.dir)
     last = run_dir / "checkpoints" / "last.ckpt"
-    if settings.run.resume == "last" and not last.exists():
+    if settings.run.resume == "last" and not checkpoint_candidates(last.parent):
         raise SettingsError(f"run.resume=last but there is no checkpoint at {last}")
     if settings.run.resume == "never" and last.exists():
         raise SettingsError(
@@ -181,13 +182,17 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning_agentrl.distributed import NodeSandbox
     from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.plan import check_memory_plan
+    from lightning_agentrl.preflight import preflight
     from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.shutdown import StopOnSignal
     from lightning_agentrl.tasks import load_tasks
 
     for pattern in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     check_memory_plan(settings)  # GPUs only: refuse, before anything loads, a run that cannot fit
     run_dir = check_run_dir(settings)
+    preflight(settings)  # inputs and services, in seconds, before any model loads
+    resume_from = resume_checkpoint(run_dir / "checkpoints") if settings.run.resume == "last" else None
     run_dir.mkdir(parents=True, exist_ok=True)
     if settings.trainer.threads:
         torch.set_num_threads(settings.trainer.threads)
@@ -205,7 +210,9 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     service = build_rollout_service(
         settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
     )
-    extra = [*engine_sleep_callbacks(engine), *callbacks]  # after WeightSync: wake after the sync
+    stop = StopOnSignal(run_dir / "checkpoints" / "last.ckpt", grace_s=settings.trainer.stop_grace_s,
+                        wake=service.buffer.fail, on_hard_exit=sandbox.close)
+    extra = [*engine_sleep_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
     trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
     # Rank 0 alone opens the MLflow store (even constructing the logger touches it): the Trainer
     # knows the rank only once it exists, so the logger joins it afterwards.
@@ -218,8 +225,11 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         trainer.fit(
             AgentRLModule(settings, model_path),
             datamodule=RolloutDataModule(service),
-            ckpt_path=str(last) if settings.run.resume == "last" else None,
+            ckpt_path=str(resume_from) if resume_from is not None else None,
         )
+    except BaseException as err:
+        stop.raise_if_stopped(err)  # a signal's stop: RunInterrupted, exit status 128 + signal
+        raise
     finally:
         service.stop()
         sandbox.close()
@@ -306,6 +316,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         GroupFilter(settings.algorithm.starpo_keep_fraction),
         SegmentBoundaries(),
         RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
+        *build_guards(settings, run_dir, service, sandbox),  # after RolloutMetrics: a failing batch is saved
         WeightSync(service, settings.trainer.sync_weights_every),
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",
@@ -333,6 +344,18 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
             )
         )
     return callbacks
+
+
+def build_guards(settings: Settings, run_dir: Path, service, sandbox) -> list:
+    """The circuit breaker on sandbox errors and the guard against steps with nothing to train on."""
+    from lightning_agentrl.callbacks.circuit_breaker import EmptyStepGuard, InfraCircuitBreaker
+
+    r = settings.rollout
+    breaker = InfraCircuitBreaker(
+        sandbox, run_dir / "checkpoints" / "last.ckpt", max_error_frac=r.max_infra_error_frac,
+        window=r.infra_error_window, on_failure=r.on_infra_failure, wait_s=r.infra_wait_s,
+    )
+    return [breaker, EmptyStepGuard(service, max_empty_steps=r.max_empty_steps)]
 
 
 def build_trainer(settings: Settings, run_dir: Path, service, sandbox, tokenizer, *, extra: list):

@@ -1,8 +1,9 @@
 """The SPEC §7 checks, every step: rewards, empty-signal groups, termination reasons, masks.
 
 Computed over *all* episodes of the batch, including those a filter excluded from the loss.
-Saves every batch's trajectories as JSON lines under ``<run.dir>/trajectories/`` and logs a
-decoded sample (mask highlighted, HTML) to MLflow. With several training processes the metrics
+Saves every batch's trajectories as JSON lines under ``<run.dir>/trajectories/`` (an earlier batch
+of the same step, one that took no optimizer step or a killed attempt's, is kept aside as
+``superseded_step_*``) and logs a decoded sample (mask highlighted, HTML) to MLflow. With several training processes the metrics
 are reduced over ranks (counts summed, rates averaged) and rank 0 saves every rank's trajectories.
 """
 
@@ -70,6 +71,9 @@ class RolloutMetrics(L.Callback):
     def _save(self, trainer: L.Trainer, trajectories) -> None:
         step = trainer.global_step
         path = self.dir / f"step_{step:06d}.jsonl"
+        if path.exists():  # an earlier batch at this step (it took no optimizer step, or a killed attempt's)
+            earlier = len(list(self.dir.glob(f"superseded_step_{step:06d}_*.jsonl")))
+            path.rename(self.dir / f"superseded_step_{step:06d}_{earlier + 1}.jsonl")
         save_trajectories(trajectories, path)
         if self.num_samples == 0:
             return

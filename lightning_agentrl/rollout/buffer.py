@@ -13,6 +13,10 @@ from collections import deque
 from lightning_agentrl.trajectory import Trajectory
 
 
+class RolloutServiceError(RuntimeError):
+    """The producer died (an engine or an episode raised); the cause is chained as ``__cause__``."""
+
+
 class RolloutBuffer:
     def __init__(self, max_staleness: int) -> None:
         if max_staleness < 0:
@@ -47,7 +51,7 @@ class RolloutBuffer:
         with self._cond:
             while len(taken) < num_groups:
                 if self._closed_error is not None:
-                    raise RuntimeError("the rollout service stopped") from self._closed_error
+                    raise RolloutServiceError("the rollout service stopped") from self._closed_error
                 if not self._ready:
                     if not self._cond.wait(timeout=timeout_s):
                         raise TimeoutError(f"no rollout group became ready within {timeout_s} s")

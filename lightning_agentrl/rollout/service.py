@@ -36,7 +36,7 @@ from lightning_agentrl.rollout.agent_loop import (
     play_episode,
     restore_env_state,
 )
-from lightning_agentrl.rollout.buffer import RolloutBuffer
+from lightning_agentrl.rollout.buffer import RolloutBuffer, RolloutServiceError
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
@@ -133,6 +133,7 @@ class RolloutService:
         self.num_episodes_finished = 0
         self.num_groups_finished = 0
         self.num_parks = 0  # times an episode was parked (one episode may park several times)
+        self.num_skipped_steps = 0  # trainer steps without an optimizer step: each allows a step of groups
         self.rank, self.world_size = 0, 1
         self._groups_per_step_total = plan.groups_per_step
 
@@ -221,11 +222,25 @@ class RolloutService:
         assert self._loop is not None, "start() first"
         named = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
         future = asyncio.run_coroutine_threadsafe(self._update(named, version), self._loop)
-        future.result()
+        try:
+            future.result()
+        except Exception as err:  # e.g. an engine process that died: the run cannot go on
+            raise RolloutServiceError(f"the engine could not load the weights of version {version}") from err
 
     async def _update(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         await self.engine.update_weights(named, version)
         self.engine_version = version
+        self._gate.set()
+        await self._notify()
+
+    def skip_step(self) -> None:
+        """The trainer took no optimizer step on its last batch (nothing to train on): allow one more
+        step of groups at the current weights, since no weight update will open the gate."""
+        assert self._loop is not None, "start() first"
+        asyncio.run_coroutine_threadsafe(self._skip(), self._loop).result()
+
+    async def _skip(self) -> None:
+        self.num_skipped_steps += 1
         self._gate.set()
         await self._notify()
 
@@ -240,7 +255,8 @@ class RolloutService:
 
     # -- producer ----------------------------------------------------------------------------
     def _groups_allowed(self) -> int:
-        return (self.engine_version + 1 + self.plan.max_staleness) * self.plan.groups_per_step
+        steps = self.engine_version + 1 + self.plan.max_staleness + self.num_skipped_steps
+        return steps * self.plan.groups_per_step
 
     async def _produce(self) -> None:
         if self._initial is not None:
@@ -369,6 +385,7 @@ class RolloutService:
             },
             "buffer": self.buffer.state_dict(),
             "num_episodes_finished": self.num_episodes_finished,
+            "num_skipped_steps": self.num_skipped_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -384,3 +401,4 @@ class RolloutService:
         }
         self.buffer.load_state_dict(state["buffer"])
         self.num_episodes_finished = state["num_episodes_finished"]
+        self.num_skipped_steps = state.get("num_skipped_steps", 0)  # absent in older checkpoints

@@ -1,0 +1,218 @@
+"""Stop (or wait) when the sandbox service fails, and never train on nothing.
+
+Episodes that end with ``sandbox_error`` are excluded from the loss (SPEC §4), so a dead sandbox
+service does not crash a run: it silently trains on nothing, step after step. Two guards:
+
+- :class:`InfraCircuitBreaker` counts, over the newest ``window`` groups of every training process,
+  the share of episodes that ended with ``sandbox_error``. Past ``max_error_frac`` (once it has
+  seen ``window`` groups), or when every episode of a step failed, it trips: with ``stop`` it writes
+  a checkpoint and raises :class:`SandboxOutage` (exit status 3) naming the share and the last
+  error; with ``wait`` it polls the service's health with exponential backoff (1 s to 60 s) for up
+  to ``wait_s`` and goes on once it answers. A fleet that loses one server of several behind its
+  URL keeps the share low (it routes around the dead one), so the breaker stays closed.
+- :class:`EmptyStepGuard`: a batch with no trainable token takes no optimizer step
+  (``AgentRLModule.skipped_step``); the guard lets the rollout service start the next step's groups
+  at the current weights (its staleness gate otherwise opens only on new weights) and stops the
+  run with :class:`NothingToTrain` after ``max_empty_steps`` such batches in a row.
+
+The breaker runs before the step (after :class:`RolloutMetrics`, so the failing batch is on disk).
+Every decision is taken on counts gathered from all ranks, so every rank takes the same one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_agentrl.distributed import all_gather
+from lightning_agentrl.shutdown import RunStopped
+from lightning_agentrl.trajectory import RolloutBatch, TerminationReason
+
+
+class SandboxOutage(RunStopped):
+    """The sandbox service failed during the run; a checkpoint was written first."""
+
+    exit_status = 3
+
+
+class NothingToTrain(RunStopped):
+    """Batch after batch held no trainable token."""
+
+    exit_status = 3
+
+
+class SandboxErrorWindow:
+    """Sandbox errors per group over the newest ``size`` groups. :meth:`add` takes one step's groups as
+    ``(sandbox errors, episodes)`` and says why the breaker trips, or None:
+
+    >>> window = SandboxErrorWindow(size=4, max_error_frac=0.5)
+    >>> window.add([(1, 4), (1, 4)]) is None   # one dead server of four: a quarter fails
+    True
+    >>> window.add([(3, 4), (3, 4)])            # the window is full, 8 of 16 is not more than half
+    >>> window.add([(4, 4), (3, 4)])
+    '13 of 16 episodes of the last 4 groups ended, more than rollout.max_infra_error_frac=0.5,'
+    >>> SandboxErrorWindow(size=8, max_error_frac=1.0).add([(4, 4), (4, 4)])
+    'every episode of the step (8) ended'
+    """
+
+    def __init__(self, size: int, max_error_frac: float) -> None:
+        self.groups: deque[tuple[int, int]] = deque(maxlen=size)
+        self.max_error_frac = max_error_frac
+
+    @property
+    def share(self) -> float:
+        return sum(e for e, _ in self.groups) / max(sum(n for _, n in self.groups), 1)
+
+    def add(self, step_groups: list[tuple[int, int]]) -> str | None:
+        self.groups.extend(step_groups)
+        if step_groups and all(errors == episodes for errors, episodes in step_groups):
+            return f"every episode of the step ({sum(n for _, n in step_groups)}) ended"
+        if len(self.groups) == self.groups.maxlen and self.share > self.max_error_frac:
+            errors, episodes = sum(e for e, _ in self.groups), sum(n for _, n in self.groups)
+            return (f"{errors} of {episodes} episodes of the last {len(self.groups)} groups ended, more than "
+                    f"rollout.max_infra_error_frac={self.max_error_frac:g},")
+        return None
+
+    def clear(self) -> None:
+        self.groups.clear()
+
+
+class InfraCircuitBreaker(L.Callback):
+    def __init__(self, sandbox, checkpoint: Path, *, max_error_frac: float, window: int,
+                 on_failure: str = "stop", wait_s: float = 600.0) -> None:
+        if not 0.0 <= max_error_frac <= 1.0:
+            raise ValueError(f"rollout.max_infra_error_frac must be in [0, 1], got {max_error_frac}")
+        if window < 1:
+            raise ValueError(f"rollout.infra_error_window must be >= 1, got {window}")
+        if on_failure not in ("stop", "wait"):
+            raise ValueError(f"rollout.on_infra_failure must be 'stop' or 'wait', got {on_failure!r}")
+        self.sandbox = sandbox
+        self.checkpoint = Path(checkpoint)
+        self.max_error_frac = max_error_frac
+        self.on_failure = on_failure
+        self.wait_s = wait_s
+        self.window = SandboxErrorWindow(window, max_error_frac)
+        self._saved_step: int | None = None
+        self.num_trips = 0
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if not isinstance(batch, RolloutBatch):
+            return
+        every_rank = all_gather((_group_counts(batch), _last_error(batch)))
+        why = self.window.add([group for counts, _ in every_rank for group in counts])
+        pl_module.log("filter/infra_error_frac_window", self.window.share, on_step=True, batch_size=1)
+        if why is None:
+            return
+        last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
+        what = f"the sandbox service failed: {why} with sandbox_error; last error: {last_error}"
+        self.num_trips += 1
+        if self.on_failure == "wait" and self._service_came_back(what):
+            self.window.clear()
+            return
+        if self._saved_step != trainer.global_step:
+            trainer.save_checkpoint(self.checkpoint)
+        raise SandboxOutage(f"{what}. Checkpoint: {self.checkpoint} (step {trainer.global_step}); "
+                            f"continue with --resume last once the service is back")
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._saved_step = trainer.global_step
+
+    def _service_came_back(self, what: str) -> bool:
+        rank_zero_warn(f"{what}; waiting up to {self.wait_s:g} s for it to answer (rollout.on_infra_failure=wait)")
+        return all(all_gather(self._wait_for_health()))
+
+    def _wait_for_health(self) -> bool:
+        deadline = time.monotonic() + self.wait_s
+        delay = 1.0
+        while time.monotonic() < deadline:
+            if _healthy(self.sandbox):
+                return True
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 60.0)
+        return False
+
+    @override
+    def state_dict(self) -> dict:
+        return {"groups": [list(g) for g in self.window.groups], "num_trips": self.num_trips}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.window.clear()
+        self.window.groups.extend(tuple(g) for g in state_dict["groups"])
+        self.num_trips = state_dict["num_trips"]
+
+
+class EmptyStepGuard(L.Callback):
+    """After a batch that took no optimizer step: open the rollout gate, and stop after too many in a row."""
+
+    def __init__(self, service, *, max_empty_steps: int) -> None:
+        if max_empty_steps < 1:
+            raise ValueError(f"rollout.max_empty_steps must be >= 1, got {max_empty_steps}")
+        self.service = service
+        self.max_empty_steps = max_empty_steps
+        self.num_empty_in_a_row = 0
+        self.num_empty = 0
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not getattr(pl_module, "skipped_step", False):
+            self.num_empty_in_a_row = 0
+            return
+        self.num_empty += 1
+        self.num_empty_in_a_row += 1
+        if self.num_empty_in_a_row >= self.max_empty_steps:
+            reasons = Counter(t.termination.value for t in batch.trajectories if t.termination is not None)
+            raise NothingToTrain(
+                f"{self.num_empty_in_a_row} batches in a row held no trainable token (rollout.max_empty_steps="
+                f"{self.max_empty_steps}); every episode was excluded; the last batch ended as {dict(reasons)} "
+                f"(see rollout.truncation and filter/* in MLflow)"
+            )
+        self.service.skip_step()
+
+    @override
+    def state_dict(self) -> dict:
+        return {"num_empty": self.num_empty, "num_empty_in_a_row": self.num_empty_in_a_row}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.num_empty = state_dict["num_empty"]
+        self.num_empty_in_a_row = state_dict["num_empty_in_a_row"]
+
+
+def _group_counts(batch: RolloutBatch) -> list[tuple[int, int]]:
+    groups: dict[int, list[int]] = {}
+    for t in batch.trajectories:
+        counts = groups.setdefault(t.group_id, [0, 0])
+        counts[0] += t.termination == TerminationReason.SANDBOX_ERROR
+        counts[1] += 1
+    return [(errors, total) for errors, total in groups.values()]
+
+
+def _last_error(batch: RolloutBatch) -> str | None:
+    errors = [t.info["sandbox_error"] for t in batch.trajectories if t.info.get("sandbox_error")]
+    return errors[-1] if errors else None
+
+
+def _healthy(sandbox) -> bool:
+    async def health() -> bool:
+        client = sandbox.make_client()
+        try:
+            return (await client.health()).get("status") == "ok"
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(health())
+    except Exception:  # unreachable, 5xx, refused: not back yet
+        return False
+
+
+__all__ = ["EmptyStepGuard", "InfraCircuitBreaker", "NothingToTrain", "SandboxOutage"]

@@ -1,0 +1,179 @@
+"""Start-up checks: every input and service the settings name, in seconds, before any model loads.
+
+Without them a dead sandbox service gives a run that "succeeds" after training on nothing, a bad
+``model.path`` ends in a transformers traceback about repo ids, and an unreachable tracking server
+costs 200 s of MLflow retries. Each check raises :class:`PreflightError`, a :class:`SettingsError`
+whose message names the setting (``env.tasks: no such folder: /x``), so the command line prints it
+as one ``error:`` line with exit status 2, like every other settings error.
+
+Local checks (no network): the task suite exists and has tasks of the split (and of the held-out
+split); ``model.path`` is a folder with a ``config.json``, ``tiny``, or a hub id. Network checks,
+each with a deadline of :data:`TIMEOUT_S` and no retries: the sandbox service answers its health
+call with the token; the MLflow tracking server answers ``/health``; a hub id that is not in the
+local cache exists on the hub. ``validate --offline`` runs the local checks only.
+
+>>> preflight(load_settings("configs/smoke.yaml"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+from urllib.parse import urlparse
+
+from lightning_agentrl.settings import SandboxSettings, Settings, SettingsError, TrackingSettings
+
+TIMEOUT_S = 5.0
+"""Deadline of one start-up health call: a service that does not answer within it counts as down."""
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+class PreflightError(SettingsError):
+    """An input or service named by the settings is missing or down. The message starts with the setting."""
+
+
+def preflight(settings: Settings, *, network: bool = True) -> None:
+    """Run every start-up check; the first failure raises :class:`PreflightError`."""
+    check_tasks(settings)
+    check_model_path(settings.model.path, network=network)
+    if not network:
+        return
+    check_sandbox(settings.sandbox)
+    check_tracking(settings.tracking)
+
+
+# -- local -----------------------------------------------------------------------------------------
+def check_tasks(settings: Settings) -> None:
+    """The suite exists, loads, and holds tasks of ``env.split`` (and of ``eval.split`` when evaluating)."""
+    from lightning_agentrl.tasks import load_tasks
+
+    root = Path(settings.env.tasks)
+    if not root.is_dir():
+        raise PreflightError(f"env.tasks: no such folder: {root}")
+    splits = [("env.split", settings.env.split)]
+    if settings.eval.every_n_steps is not None:
+        splits.append(("eval.split", settings.eval.split))
+    for setting, split in splits:
+        try:
+            tasks = load_tasks(root, split=None if split == "all" else split)
+        except (OSError, ValueError) as err:
+            raise PreflightError(f"env.tasks: {err}") from None
+        if not tasks:
+            raise PreflightError(f"{setting}: no {split} tasks in {root}")
+
+
+def check_model_path(path: str, *, network: bool = True) -> None:
+    """``tiny``, a folder with a ``config.json``, or a hub id (in the local cache, or on a reachable hub)."""
+    if path == "tiny":
+        return
+    folder = Path(path).expanduser()
+    if folder.exists():
+        if not folder.is_dir():
+            raise PreflightError(f"model.path: {path} is a file; expected a model folder (config.json and weights)")
+        if not (folder / "config.json").is_file():
+            raise PreflightError(f"model.path: {path} has no config.json; is it a Hugging Face model folder?")
+        return
+    if _looks_like_a_path(path):
+        raise PreflightError(f"model.path: no such folder: {path}")
+    if not _HUB_ID.fullmatch(path) or ".." in path:
+        raise PreflightError(f"model.path: {path!r} is neither a local folder nor a hub id like 'org/name'")
+    if _in_hub_cache(path) or not network:
+        return
+    _check_on_hub(path)
+
+
+def _looks_like_a_path(path: str) -> bool:
+    return path.startswith(("/", ".", "~")) or "\\" in path or path.count("/") > 1 or path.endswith("/")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _check_on_hub(repo_id: str) -> None:
+    import httpx
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        raise PreflightError(f"model.path: {repo_id} is not a local folder nor in the hub cache, and HF_HUB_OFFLINE is set")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    token = os.environ.get("HF_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = f"{endpoint}/{repo_id}/resolve/main/config.json"
+    try:
+        response = httpx.head(url, headers=headers, timeout=TIMEOUT_S, follow_redirects=True)
+    except httpx.HTTPError as err:
+        raise PreflightError(
+            f"model.path: {repo_id} is not a local folder nor in the hub cache, and the hub ({endpoint}) "
+            f"is unreachable: {type(err).__name__}: {err}"
+        ) from None
+    if response.status_code in (401, 403, 404):
+        raise PreflightError(
+            f"model.path: the hub ({endpoint}) has no model {repo_id} (HTTP {response.status_code}; "
+            f"a gated or private model needs HF_TOKEN)"
+        )
+
+
+# -- network ---------------------------------------------------------------------------------------
+def check_sandbox(sandbox: SandboxSettings, timeout_s: float = TIMEOUT_S) -> None:
+    """``sandbox.url`` answers ``GET /v1/health`` with ``sandbox.token`` (unset url: the local server,
+    started and health-checked later by ``NodeSandbox``)."""
+    if sandbox.url is None:
+        return
+    if not sandbox.token:
+        raise PreflightError("sandbox.token: sandbox.url is set but no token is (the service needs its bearer token)")
+    from sandbox_client import SandboxAuthError, SandboxClient
+
+    async def health() -> dict:
+        async with SandboxClient(sandbox.url, sandbox.token, timeout_s=timeout_s, max_retries=0) as client:
+            return await client.health()
+
+    try:
+        answer = asyncio.run(health())
+    except SandboxAuthError as err:
+        raise PreflightError(f"sandbox.token: the sandbox service at {sandbox.url} refused it: {err}") from None
+    except Exception as err:  # unreachable, 5xx, not a URL: all mean "no service here"
+        raise PreflightError(
+            f"sandbox.url: the sandbox service at {sandbox.url} does not answer its health call within "
+            f"{timeout_s:g} s: {type(err).__name__}: {err}"
+        ) from None
+    if not isinstance(answer, dict) or answer.get("status") != "ok":
+        raise PreflightError(f"sandbox.url: the sandbox service at {sandbox.url} is not healthy: {answer!r}")
+
+
+def check_tracking(tracking: TrackingSettings, timeout_s: float = TIMEOUT_S) -> None:
+    """An ``http(s)`` ``tracking.uri`` answers MLflow's ``GET /health``; a ``sqlite:///`` one lies in an
+    existing folder. Other schemes are left to MLflow."""
+    if not tracking.enabled or tracking.uri is None:
+        return
+    import httpx
+
+    uri = tracking.uri
+    scheme = urlparse(uri).scheme
+    if scheme == "sqlite":
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if uri.startswith("sqlite:///") and not folder.is_dir():
+            raise PreflightError(f"tracking.uri: the folder of the sqlite store does not exist: {folder}")
+        return
+    if scheme not in ("http", "https"):
+        return
+    try:
+        response = httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.HTTPError as err:
+        raise PreflightError(
+            f"tracking.uri: the MLflow server at {uri} is unreachable ({type(err).__name__}: {err}); start it, "
+            f"or unset tracking.uri to record the run in <run.dir>/mlflow.db"
+        ) from None
+    if response.status_code >= 500 or response.status_code == 404:
+        raise PreflightError(
+            f"tracking.uri: {uri} answered HTTP {response.status_code} to GET /health; is it an MLflow tracking server?"
+        )
+
+
+__all__ = ["PreflightError", "check_model_path", "check_sandbox", "check_tasks", "check_tracking", "preflight"]
