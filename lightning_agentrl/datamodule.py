@@ -72,9 +72,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
-        states = state_dict["services"]
         world_size = self.trainer.world_size if self._trainer_attached() else 1
         rank = self.trainer.global_rank if self._trainer_attached() else 0
+        states = state_dict.get("services")
+        if states is None:  # a checkpoint from before several processes: one service's state
+            states = [state_dict["service"]]
         if len(states) != world_size:
             raise ValueError(
                 f"the checkpoint holds the rollout state of {len(states)} training processes, this run has "

@@ -60,9 +60,10 @@ def reduce_metrics(
     *,
     sums: Collection[str] | Callable[[str], bool] = (),
     maxima: Collection[str] = (),
+    minima: Collection[str] = (),
 ) -> dict[str, float]:
     """``metrics`` of this rank -> those of the step: keys in ``sums`` summed, in ``maxima`` maxed,
-    every other key averaged over ranks (each rank holds the same number of episodes). ``sums`` may
+    in ``minima`` minimized, every other key averaged over ranks (each rank holds the same number of episodes). ``sums`` may
     be a predicate on the key. A key that some rank lacks counts as 0 there. A collective: every
     rank must call it."""
     is_sum = sums if callable(sums) else set(sums).__contains__
@@ -71,17 +72,18 @@ def reduce_metrics(
     # a rank may lack a key another has (e.g. it had nothing to train on): it counts as 0 there
     keys = sorted(set().union(*all_gather(sorted(metrics))))
     values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
-    is_max = torch.tensor([k in maxima for k in keys])
+    is_extreme = torch.tensor([k in maxima or k in minima for k in keys])
+    sign = torch.tensor([-1.0 if k in minima else 1.0 for k in keys], dtype=torch.float64)
     summed = values.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-    # max of x == -min(-x): one MAX all-reduce serves the maxima; the others are ignored
-    largest = torch.where(is_max, values, torch.full_like(values, -float("inf")))
+    # min(x) == -max(-x): one MAX all-reduce serves maxima and minima; the other keys are ignored
+    largest = torch.where(is_extreme, values * sign, torch.full_like(values, -float("inf")))
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     size = dist.get_world_size()
     out = {}
     for i, key in enumerate(keys):
-        if key in maxima:
-            out[key] = float(largest[i])
+        if key in maxima or key in minima:
+            out[key] = float(largest[i] * sign[i])
         elif is_sum(key):
             out[key] = float(summed[i])
         else:

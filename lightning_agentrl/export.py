@@ -20,10 +20,13 @@ POLICY_PREFIX = "policy."
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """The Lightning checkpoint dict of a file or a DeepSpeed checkpoint folder."""
+    """The Lightning checkpoint dict of a file or a DeepSpeed checkpoint folder. A file is read
+    with ``weights_only=True``: a checkpoint is data, and nothing in it is executed."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if not (path.is_file() or path.is_dir()):
+        raise ValueError(f"{path} is neither a checkpoint file nor a DeepSpeed checkpoint folder")
     if path.is_dir():
         if not (path / "latest").exists() and not any(path.glob("*/mp_rank_*_model_states.pt")):
             raise ValueError(f"{path} is a folder but not a DeepSpeed checkpoint (no */mp_rank_*_model_states.pt)")
@@ -32,8 +35,14 @@ def load_checkpoint(path: str | Path) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             consolidated = Path(tmp) / "consolidated.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(path), str(consolidated))
-            return torch.load(consolidated, map_location="cpu", weights_only=False)
-    return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(consolidated, map_location="cpu", weights_only=False)  # written just now, by us
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for a truncated, empty or foreign file
+        raise ValueError(f"{path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ValueError(f"{path} is not a Lightning checkpoint (no state_dict)")
+    return state
 
 
 def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None) -> Path:
@@ -43,6 +52,14 @@ def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None 
     checkpoint holds (fp32 masters for a ZeRO checkpoint)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a folder; name a new or existing folder to write the model into")
+    cast = None
+    if dtype is not None:
+        cast = getattr(torch, dtype, None)
+        if not isinstance(cast, torch.dtype) or not cast.is_floating_point:
+            raise ValueError(f"--dtype {dtype!r} is not a floating-point torch dtype (e.g. bfloat16, float16, float32)")
     state = load_checkpoint(checkpoint)
     model_path = state.get("hyper_parameters", {}).get("model_path")
     if model_path is None:
@@ -50,9 +67,14 @@ def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None 
     weights = {k[len(POLICY_PREFIX) :]: v for k, v in state["state_dict"].items() if k.startswith(POLICY_PREFIX)}
     if not weights:
         raise ValueError(f"{checkpoint}: its state_dict holds no {POLICY_PREFIX}* weights")
-    if dtype is not None:
-        cast = getattr(torch, dtype)
+    if cast is not None:
         weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in weights.items()}
-    out = Path(out)
+    if not (Path(model_path) / "config.json").exists():
+        raise ValueError(
+            f"{checkpoint} was trained from {model_path!r}, which is not a model folder seen from here "
+            f"(run from the folder the run started in, or keep that model folder)"
+        )
     save_policy(AutoConfig.from_pretrained(model_path), weights, out, AutoTokenizer.from_pretrained(model_path))
+    if not (out / "config.json").exists():
+        raise ValueError(f"nothing was written to {out}")
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -237,7 +237,7 @@ class TrainerSettings(_Section):
     """ZeRO: keep optimizer states in CPU memory."""
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     """Lightning accelerator."""
-    devices: int | Literal["auto"] = 1
+    devices: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     """Training processes (devices) per node."""
     num_nodes: int = Field(1, ge=1)
     """Nodes; each runs `devices` processes (launched by Lightning, torchrun or SLURM: docs/scaling.md)."""

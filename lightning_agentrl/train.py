@@ -36,11 +36,13 @@ class FitResult:
 def resolve_model_path(settings: Settings) -> str:
     """``tiny`` builds (once) the local tiny model; anything else goes to ``from_pretrained``."""
     if settings.model.path != "tiny":
-        return settings.model.path
+        local = Path(settings.model.path)
+        # absolute: the path is kept in checkpoints, which are read from other folders (export, resume)
+        return str(local.resolve()) if local.is_dir() else settings.model.path
     from lightning_agentrl.models.tiny import TinyModelConfig, build_tiny_model
 
     config = TinyModelConfig(hidden_size=settings.model.tiny_hidden_size, num_hidden_layers=settings.model.tiny_num_layers)
-    return str(build_tiny_model(settings.model.cache_dir, config))
+    return str(build_tiny_model(settings.model.cache_dir, config).resolve())
 
 
 def make_engine(settings: Settings, model_path: str, tokenizer):
@@ -97,7 +99,7 @@ def record_settings(settings: Settings, run_dir: Path, logger) -> None:
     settings_file = run_dir / "settings.yaml"
     if settings.run.resume == "last":
         settings_file = run_dir / f"settings.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    settings_file.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+    settings_file.write_text(yaml.safe_dump(_with_absolute_paths(settings), sort_keys=False))
     if logger is None:
         return
     (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
@@ -108,6 +110,18 @@ def record_settings(settings: Settings, run_dir: Path, logger) -> None:
     logger.log_hyperparams({k: v for k, v in params.items() if k not in logged})
     artifact_path = "resumed" if logged else None
     logger.experiment.log_artifact(logger.run_id, str(settings_file), artifact_path=artifact_path)
+
+
+def _with_absolute_paths(settings: Settings) -> dict:
+    """The settings as data, with local paths made absolute, so that ``--resume last`` (which takes
+    this file as its base) works from any folder."""
+    data = settings.model_dump(mode="json")
+    data["run"]["dir"] = str(Path(settings.run.dir).resolve())
+    data["model"]["cache_dir"] = str(Path(settings.model.cache_dir).resolve())
+    for section, key in (("env", "tasks"), ("model", "path")):
+        if Path(data[section][key]).exists():
+            data[section][key] = str(Path(data[section][key]).resolve())
+    return data
 
 
 # Lightning warnings that do not apply to this loop, said once here instead of on every run:

@@ -109,6 +109,9 @@ def test_two_processes_train_like_one_and_resume(two_processes, one_process):
     assert two["loss/total"][0] == pytest.approx(one["loss/total"][0], abs=1e-5), name
     assert two["policy/grad_norm"][0] == pytest.approx(one["policy/grad_norm"][0], rel=1e-4), name
     assert one["policy/grad_norm"][0] > 0
+    # callbacks log the step of all ranks, as one process does (counts summed, not rank 0's share)
+    for key in ("tokens/turns_checked", "staleness/num_kept", "termination/max_turns", "reward/mean"):
+        assert metric(run, key)[0] == pytest.approx(metric(one_process, key)[0]), key
     # both ranks' whole groups were trained on and saved by rank 0; the resume went on from group 4
     assert groups(run, 0) == [0] * 4 + [1] * 4
     assert groups(run, 2) == [4] * 4 + [5] * 4

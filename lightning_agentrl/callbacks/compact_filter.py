@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_agentrl.distributed import reduce_metrics
 from lightning_agentrl.trajectory import RolloutBatch, TerminationReason
 
 TRUNCATIONS = (TerminationReason.MAX_TURNS, TerminationReason.MAX_CONTEXT, TerminationReason.TIMEOUT)
@@ -36,6 +37,7 @@ class CompactFilter(L.Callback):
         self._total.update(step)
         metrics = {f"filter/excluded_{reason.value}": float(step.get(reason.value, 0)) for reason in self.reasons}
         metrics["filter/excluded_frac"] = sum(excluded) / max(len(excluded), 1)
+        metrics = reduce_metrics(metrics, sums=lambda key: key != "filter/excluded_frac")  # the step, all ranks
         pl_module.log_dict(metrics, on_step=True, batch_size=len(excluded))
 
     @override

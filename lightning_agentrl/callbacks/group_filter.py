@@ -11,6 +11,7 @@ import lightning as L
 from typing_extensions import override
 
 from lightning_agentrl.algorithms.advantages import starpo_s_keep
+from lightning_agentrl.distributed import reduce_metrics
 from lightning_agentrl.trajectory import RolloutBatch
 
 
@@ -28,12 +29,13 @@ class GroupFilter(L.Callback):
         keep = starpo_s_keep(batch.rewards, batch.group_ids, self.keep_fraction)
         dropped_groups = batch.group_ids[~keep].unique().numel()
         batch.include &= keep
-        self.num_groups_dropped += dropped_groups
-        pl_module.log_dict(
+        # groups are ranked within each rank's share of the step (docs/scaling.md); counts are summed
+        metrics = reduce_metrics(
             {"filter/starpo_groups_dropped": float(dropped_groups), "filter/starpo_kept_frac": float(keep.float().mean())},
-            on_step=True,
-            batch_size=batch.num_episodes,
+            sums={"filter/starpo_groups_dropped"},
         )
+        self.num_groups_dropped += int(metrics["filter/starpo_groups_dropped"])
+        pl_module.log_dict(metrics, on_step=True, batch_size=batch.num_episodes)
 
     @override
     def state_dict(self) -> dict:

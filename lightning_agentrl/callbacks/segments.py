@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_agentrl.distributed import reduce_metrics
 from lightning_agentrl.trajectory import RolloutBatch
 
 
@@ -34,15 +35,15 @@ class SegmentBoundaries(L.Callback):
                 assert float(batch.turn_rewards[last_turn[episode]]) == trajectory.reward, (
                     f"episode {trajectory.episode_id}: the outcome is not on its final turn"
                 )
-        self.num_split_episodes += int(split.sum())
-        pl_module.log_dict(
+        metrics = reduce_metrics(  # the step over all ranks
             {
                 "segments/per_episode": float(segments_per_episode.float().mean()),
                 "segments/split_episodes": float(split.sum()),
             },
-            on_step=True,
-            batch_size=batch.num_episodes,
+            sums={"segments/split_episodes"},
         )
+        self.num_split_episodes += int(metrics["segments/split_episodes"])
+        pl_module.log_dict(metrics, on_step=True, batch_size=batch.num_episodes)
 
     @override
     def state_dict(self) -> dict:

@@ -14,6 +14,7 @@ import torch
 from typing_extensions import override
 
 from lightning_agentrl.algorithms import staleness
+from lightning_agentrl.distributed import reduce_metrics
 from lightning_agentrl.trajectory import RolloutBatch
 
 
@@ -37,16 +38,23 @@ class StalenessWeighting(L.Callback):
         episode_lag = staleness.trajectory_lag(lag, batch.seq_ids, batch.num_episodes)
         keep, counts = staleness.apply_staleness_bound(episode_lag, self.max_staleness)
         batch.include &= keep
-        self.num_dropped += int((~keep).sum())
         sampled = lag >= 0
         metrics = dict(counts)
-        metrics["staleness/num_dropped_total"] = float(self.num_dropped)
         if sampled.any():
             weights = batch.token_weights[sampled]
             metrics["staleness/weight_mean"] = float(weights.mean())
             metrics["staleness/weight_min"] = float(weights.min())
             for value, count in zip(*torch.unique(lag[sampled], return_counts=True), strict=True):
                 metrics[f"staleness/tokens_lag_{int(value)}"] = float(count)
+        # the step over all ranks: counts summed, extremes kept, means averaged
+        metrics = reduce_metrics(
+            metrics,
+            sums=lambda key: key.startswith(("staleness/num_", "staleness/tokens_lag_")),
+            maxima={"staleness/max_lag"},
+            minima={"staleness/weight_min"},
+        )
+        self.num_dropped += int(metrics["staleness/num_dropped"])
+        metrics["staleness/num_dropped_total"] = float(self.num_dropped)
         pl_module.log_dict(metrics, on_step=True, batch_size=batch.num_episodes)
         pl_module.log("lag", metrics["staleness/max_lag"], prog_bar=True, on_step=True, batch_size=batch.num_episodes)
 

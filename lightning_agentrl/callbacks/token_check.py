@@ -11,6 +11,7 @@ from __future__ import annotations
 import lightning as L
 from typing_extensions import override
 
+from lightning_agentrl.distributed import global_sum
 from lightning_agentrl.rollout.agent_loop import check_token_in_token_out
 from lightning_agentrl.trajectory import RolloutBatch
 
@@ -23,7 +24,8 @@ class TokenCheck(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        self.num_turns_checked += check_token_in_token_out(batch)
+        (checked,) = global_sum(check_token_in_token_out(batch))  # every rank's turns of the step
+        self.num_turns_checked += int(checked)
         pl_module.log("tokens/turns_checked", float(self.num_turns_checked), on_step=True, batch_size=1)
 
     @override
