@@ -619,7 +619,12 @@ def _count(num: int) -> str:
 def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int | None = None,
              model_config: str | Path | None = None) -> MemoryPlan:
     """The plan of ``settings``; GPUs and their memory default to ``trainer.devices`` and, with
-    CUDA present, the first device's memory (else 80 GiB)."""
+    CUDA present, the first device's memory (else 80 GiB).
+
+    ``num_gpus`` is the GPUs of one node, like ``trainer.devices``: ZeRO shards over
+    ``N = num_gpus x trainer.num_nodes`` (the plan's ``num_gpus`` is that total), while each GPU
+    still holds its own engine.
+    """
     import torch
 
     shape = ModelShape.from_config(load_model_config(settings, model_config))
@@ -631,7 +636,8 @@ def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int 
         else:
             num_gpus = max(torch.cuda.device_count(), 1)
             if not torch.cuda.is_available():
-                guessed.append(f"trainer.devices=auto counted as {num_gpus} GPU (no CUDA here; pass --gpus)")
+                guessed.append(f"trainer.devices=auto counted as {num_gpus} GPU per node (no CUDA here; pass --gpus)")
+    num_gpus *= settings.trainer.num_nodes
     if gpu_bytes is None:
         if torch.cuda.is_available():
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory

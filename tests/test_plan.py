@@ -312,3 +312,20 @@ def test_plan_says_what_it_assumed_without_a_gpu(capsys):
     assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--trainer.devices=auto"]) == 0
     out = capsys.readouterr().out
     assert "counted as 1 GPU" in out and "GPUs of 80 GiB" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Review findings (issue 16)
+
+
+def test_zero_shards_over_every_node():
+    """F6: trainer.devices is per node; ZeRO shards over devices x num_nodes, the engine stays per GPU."""
+    settings = zero2_recipe(**{"trainer": {"num_nodes": 2}})
+    plan = plan_for(settings, gpu_bytes=GPU_80)  # trainer.devices = 8 per node
+    assert plan.num_gpus == 16
+    assert plan.part("gradients").gpu_bytes == 192_964_288  # 2 * 1,543,714,304 / 16
+    assert plan.part("optimizer states").gpu_bytes == 1_157_785_728  # 12 * P / 16
+    assert plan.part("parameters").gpu_bytes == 3_087_428_608  # whole under ZeRO-2
+    assert plan.part("engine weights").gpu_bytes == 3_087_428_608  # one whole copy per GPU
+    # --gpus is per node as well
+    assert plan_for(settings, num_gpus=4, gpu_bytes=GPU_80).num_gpus == 8
