@@ -65,6 +65,9 @@ ENGINE_OVERHEAD_BYTES = 2 * GiB
 DEEPSPEED_REDUCE_BUCKET = 200_000_000
 DEEPSPEED_ALLGATHER_BUCKET = 200_000_000
 
+#: The largest GPU memory ``parse_bytes`` accepts: far above any GPU, far below float overflow.
+MAX_GPU_BYTES = 1 << 50
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -336,10 +339,17 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
     if not match:
         raise ValueError(f"not a size: {text!r} (e.g. 80GiB, 141GB)")
-    number, unit = float(match.group(1)), (match.group(2) or "B")
+    try:
+        number = float(match.group(1))
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 80GiB, 141GB)") from None
+    unit = match.group(2) or "B"
     scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
              "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[unit]
-    return int(number * scale)
+    size = number * scale
+    if not math.isfinite(size) or size > MAX_GPU_BYTES:
+        raise ValueError(f"not a GPU memory size: {text!r} is above {MAX_GPU_BYTES >> 40} TiB (e.g. 80GiB, 141GB)")
+    return int(size)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -329,3 +329,13 @@ def test_zero_shards_over_every_node():
     assert plan.part("engine weights").gpu_bytes == 3_087_428_608  # one whole copy per GPU
     # --gpus is per node as well
     assert plan_for(settings, num_gpus=4, gpu_bytes=GPU_80).num_gpus == 8
+
+
+@pytest.mark.parametrize("text", ["1e999", "1e999GiB", "2PB", "1e20", "1e6TiB", "1..2GB", "e", "+"])
+def test_parse_bytes_rejects_non_finite_and_absurd_sizes(text, capsys):
+    """F1: 1e999 overflowed to inf and int(inf) raised OverflowError; now a clear error, exit 2."""
+    with pytest.raises(ValueError, match="not a"):
+        parse_bytes(text)
+    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--gpu-memory", text]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: not a") and "Traceback" not in err
