@@ -94,27 +94,54 @@ class ModelShape:
     qkv_bias: bool = False
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
+    def from_config(cls, config: dict, source: str = "config.json") -> ModelShape:
         """From a Hugging Face ``config.json`` dict (Llama, Qwen2, Mistral and alike).
 
         ``head_dim`` defaults to H / a; q/k/v biases are read from ``attention_bias`` and are on
-        for ``model_type: qwen2`` (Qwen2 has them without a config key).
+        for ``model_type: qwen2`` (Qwen2 has them without a config key). Every size must be a
+        positive integer (``num_key_value_heads`` and ``head_dim`` may be absent or null: their
+        defaults); anything else raises :class:`SettingsError` naming the field and ``source``.
         """
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in config]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder-only transformer config")
-        heads = config["num_attention_heads"]
+        if not isinstance(config, dict):
+            raise SettingsError(f"{source}: not a JSON object of model settings (got {type(config).__name__})")
+        problems = []
+
+        def size(key: str, required: bool = True) -> int | None:
+            value = config.get(key)
+            if value is None:
+                if required:
+                    problems.append(f"{key} is {'null' if key in config else 'missing'}")
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{key} must be a positive integer, got {value!r}")
+                return None
+            return value
+
+        def flag(key: str, default: bool) -> bool:
+            value = config.get(key)
+            if value is None:
+                return default
+            if not isinstance(value, bool):
+                problems.append(f"{key} must be true or false, got {value!r}")
+                return default
+            return value
+
+        vocab, hidden = size("vocab_size"), size("hidden_size")
+        intermediate, layers = size("intermediate_size"), size("num_hidden_layers")
+        heads = size("num_attention_heads")
+        kv_heads = size("num_key_value_heads", required=False) or heads
+        head_dim = size("head_dim", required=False)
+        tie = flag("tie_word_embeddings", False)
+        bias = flag("attention_bias", config.get("model_type") == "qwen2")
+        if head_dim is None and hidden and heads:
+            if hidden % heads:
+                problems.append(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim)")
+            head_dim = hidden // heads
+        if problems:
+            raise SettingsError(f"{source}: {'; '.join(problems)} (a decoder-only transformer config is needed)")
         return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tie, qkv_bias=bias,
         )
 
     def layer_parameters(self) -> int:
@@ -173,7 +200,7 @@ def load_model_config(settings: Settings, model_config: str | Path | None = None
     :data:`KNOWN_CONFIGS`, the Hugging Face cache / hub (``AutoConfig``).
     """
     if model_config is not None:
-        return json.loads(Path(model_config).read_text())
+        return _read_json(Path(model_config))
     path = settings.model.path
     if path == "tiny":
         from lightning_agentrl.models.tiny import TinyModelConfig
@@ -186,7 +213,7 @@ def load_model_config(settings: Settings, model_config: str | Path | None = None
             "head_dim": tiny.head_dim, "tie_word_embeddings": tiny.tie_word_embeddings,
         }
     if (Path(path) / "config.json").is_file():
-        return json.loads((Path(path) / "config.json").read_text())
+        return _read_json(Path(path) / "config.json")
     if path in KNOWN_CONFIGS:
         return dict(KNOWN_CONFIGS[path])
     try:
@@ -197,6 +224,23 @@ def load_model_config(settings: Settings, model_config: str | Path | None = None
         raise SettingsError(
             f"model.path: cannot read the config.json of {path!r} ({err}); pass --model-config FILE"
         ) from err
+
+
+def model_config_source(settings: Settings, model_config: str | Path | None = None) -> str:
+    """Where :func:`load_model_config` reads from, for error messages."""
+    if model_config is not None:
+        return str(model_config)
+    path = settings.model.path
+    if path != "tiny" and (Path(path) / "config.json").is_file():
+        return str(Path(path) / "config.json")
+    return f"the config.json of model.path={path!r}"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise SettingsError(f"{path}: cannot read it as a config.json ({err})") from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -637,7 +681,7 @@ def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int 
     """
     import torch
 
-    shape = ModelShape.from_config(load_model_config(settings, model_config))
+    shape = ModelShape.from_config(load_model_config(settings, model_config), model_config_source(settings, model_config))
     guessed = []
     if num_gpus is None:
         devices = settings.trainer.devices

@@ -339,3 +339,66 @@ def test_parse_bytes_rejects_non_finite_and_absurd_sizes(text, capsys):
     assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--gpu-memory", text]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: not a") and "Traceback" not in err
+
+
+def _fake_cuda(monkeypatch, gpu_bytes: int = GPU_80, count: int = 8) -> None:
+    """A machine with ``count`` CUDA GPUs of ``gpu_bytes`` each, as far as the plan can tell."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=gpu_bytes))
+
+
+GOOD_CONFIG = json.loads((FIXTURES / "qwen2.5-1.5b" / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"hidden_size": "1536"}, "hidden_size must be a positive integer, got '1536'"),
+        ({"vocab_size": None}, "vocab_size is null"),
+        ({"num_hidden_layers": 28.0}, "num_hidden_layers must be a positive integer, got 28.0"),
+        ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+        ({"intermediate_size": -1}, "intermediate_size must be a positive integer, got -1"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer, got '2'"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"hidden_size": 1537}, "hidden_size 1537 is not a multiple of num_attention_heads 12"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        ({"intermediate_size": ...}, "intermediate_size is missing"),
+    ],
+)
+def test_a_bad_config_json_is_a_settings_error_naming_the_field_and_file(change, named, tmp_path, capsys, monkeypatch):
+    """F2/F3: zero heads, strings, nulls, missing fields were ZeroDivisionError/TypeError tracebacks."""
+    config = {**GOOD_CONFIG, **change}
+    config = {k: v for k, v in config.items() if v is not ...}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SettingsError) as caught:
+        ModelShape.from_config(config, str(path))
+    assert named in str(caught.value) and str(path) in str(caught.value)
+    # plan: exit 2, one error line
+    assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--model-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and named in err and "Traceback" not in err
+    # fit, with the model folder holding that config.json: the same error, before a run folder exists
+    _fake_cuda(monkeypatch)
+    run_dir = tmp_path / "run"
+    code = main(["fit", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), f"--model.path={tmp_path}",
+                 f"--run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and named in err
+    assert not run_dir.exists()
+
+
+def test_a_config_json_that_is_not_json_is_a_settings_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--model-config", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: cannot read it as a config.json")
+    path.write_text("[1, 2]")
+    with pytest.raises(SettingsError, match="not a JSON object"):
+        plan_for(load_settings(REPO / "configs" / "smoke.yaml"), model_config=path)
