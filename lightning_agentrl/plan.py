@@ -718,9 +718,21 @@ def refusal_message(plan: MemoryPlan) -> str:
 
 def check_memory_plan(settings: Settings) -> MemoryPlan | None:
     """What ``fit`` runs before loading anything: on GPUs, raise :class:`MemoryPlanError` for a plan
-    that does not fit; on CPU do nothing (host memory is not planned) and return None."""
+    that does not fit; on CPU do nothing (host memory is not planned) and return None.
+
+    ``trainer.accelerator=gpu`` without CUDA is a :class:`SettingsError`: the plan would have to
+    assume a GPU size, and the run would fail later anyway. On GPUs the plan uses the first
+    device's memory, never an assumed one.
+    """
     if not on_gpu(settings):
         return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SettingsError(
+            "trainer.accelerator=gpu but CUDA is not available here (no GPU, or a CPU-only torch); "
+            "set trainer.accelerator=cpu or auto, or run on a machine with GPUs"
+        )
     plan = plan_for(settings)
     if not plan.fits:
         raise MemoryPlanError(refusal_message(plan))

@@ -224,10 +224,11 @@ def test_check_is_informational_on_cpu():
     assert check_memory_plan(settings) is None
 
 
-def test_check_refuses_a_gpu_run_in_one_paragraph():
+def test_check_refuses_a_gpu_run_in_one_paragraph(monkeypatch):
+    _fake_cuda(monkeypatch)
     settings = zero2_recipe(**{"model": {"path": "Qwen/Qwen2.5-32B-Instruct"}})
     with pytest.raises(MemoryPlanError) as caught:
-        check_memory_plan(settings)  # no CUDA here: 8 GPUs (trainer.devices) of 80 GiB
+        check_memory_plan(settings)  # 8 GPUs (trainer.devices) of 80 GiB (the fake CUDA's)
     message = str(caught.value)
     assert "\n" not in message
     assert "Qwen/Qwen2.5-32B-Instruct (32.76 B parameters) does not fit on 8 GPU(s) of 80.00 GiB" in message
@@ -243,6 +244,7 @@ def test_fit_refuses_before_writing_or_loading_anything(tmp_path, monkeypatch):
         raise AssertionError("the model was resolved before the memory plan refused the run")
 
     monkeypatch.setattr(train, "resolve_model_path", no_model)
+    _fake_cuda(monkeypatch)
     run_dir = tmp_path / "run"
     settings = zero2_recipe(**{"model": {"path": "Qwen/Qwen2.5-32B-Instruct"}, "run": {"dir": str(run_dir)}})
     with pytest.raises(MemoryPlanError, match="does not fit"):
@@ -402,3 +404,30 @@ def test_a_config_json_that_is_not_json_is_a_settings_error(tmp_path, capsys):
     path.write_text("[1, 2]")
     with pytest.raises(SettingsError, match="not a JSON object"):
         plan_for(load_settings(REPO / "configs" / "smoke.yaml"), model_config=path)
+
+
+def test_fit_on_gpu_without_cuda_is_refused_before_anything(tmp_path, capsys, monkeypatch):
+    """F5: accelerator=gpu without CUDA assumed 80 GiB, made the run folder, loaded weights, then a
+    Lightning traceback. Now the check refuses it first, and never assumes a GPU size in fit."""
+    import torch
+
+    import lightning_agentrl.train as train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train, "resolve_model_path", lambda *a, **k: pytest.fail("the model was resolved"))
+    with pytest.raises(SettingsError, match=r"trainer\.accelerator=gpu but CUDA is not available"):
+        check_memory_plan(zero2_recipe())
+    run_dir = tmp_path / "run"
+    code = main(["fit", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), f"--run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: trainer.accelerator=gpu but CUDA is not available")
+    assert not run_dir.exists()
+    # auto on a machine without CUDA: CPU, no plan
+    assert check_memory_plan(zero2_recipe(**{"trainer": {"accelerator": "auto"}})) is None
+
+
+def test_fit_plans_with_the_gpus_real_memory(monkeypatch):
+    _fake_cuda(monkeypatch, gpu_bytes=141 * 10**9)
+    plan = check_memory_plan(zero2_recipe())
+    assert plan.gpu_bytes == 141 * 10**9
+    assert not any("80 GiB" in note for note in plan.notes)
