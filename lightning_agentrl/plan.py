@@ -68,6 +68,10 @@ DEEPSPEED_ALLGATHER_BUCKET = 200_000_000
 #: The largest GPU memory ``parse_bytes`` accepts: far above any GPU, far below float overflow.
 MAX_GPU_BYTES = 1 << 50
 
+#: ``config.json`` keys of mixture-of-experts models (Qwen-MoE, Mixtral, DeepSeek), which the
+#: dense formulas below would undercount.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -104,6 +108,12 @@ class ModelShape:
         """
         if not isinstance(config, dict):
             raise SettingsError(f"{source}: not a JSON object of model settings (got {type(config).__name__})")
+        experts = [f"{key}={config[key]!r}" for key in MOE_KEYS if config.get(key) not in (None, 0, False)]
+        if experts:
+            raise SettingsError(
+                f"{source}: {', '.join(experts)}: MoE models are not planned yet (their experts' "
+                "parameters, gradients and optimizer states would be undercounted); plan a dense model"
+            )
         problems = []
 
         def size(key: str, required: bool = True) -> int | None:

@@ -431,3 +431,16 @@ def test_fit_plans_with_the_gpus_real_memory(monkeypatch):
     plan = check_memory_plan(zero2_recipe())
     assert plan.gpu_bytes == 141 * 10**9
     assert not any("80 GiB" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("key", ["num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"])
+def test_moe_configs_are_refused_not_undercounted(key, tmp_path, capsys):
+    """F4: an MoE config was planned as its dense part only."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GOOD_CONFIG, key: 8}))
+    with pytest.raises(SettingsError, match=f"{key}=8: MoE models are not planned yet"):
+        ModelShape.from_config(json.loads(path.read_text()), str(path))
+    assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--model-config", str(path)]) == 2
+    assert "MoE models are not planned yet" in capsys.readouterr().err
+    # a dense config carrying the key empty is still planned
+    assert ModelShape.from_config({**GOOD_CONFIG, key: None}) == ModelShape.from_config(GOOD_CONFIG)
