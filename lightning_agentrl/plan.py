@@ -489,8 +489,14 @@ def on_gpu(settings: Settings) -> bool:
 
 
 def param_bytes_of(settings: Settings) -> int:
-    """Bytes per trained parameter: 2 under ``bf16-true``/``16-true`` precision, else ``model.dtype``'s."""
-    if settings.trainer.precision in ("bf16-true", "16-true", "bf16", "16"):
+    """Bytes per trained parameter: 2 under ``bf16-true``/``16-true`` precision; 2 under DeepSpeed
+    with a 16-bit mixed precision (``bf16-mixed``/``16-mixed``: DeepSpeed casts the parameters to
+    16 bits and keeps fp32 masters in its optimizer state, ``K = 12``); else ``model.dtype``'s
+    (``32-true``, and torch's autocast, which keeps the parameters as loaded)."""
+    precision = settings.trainer.precision
+    if precision in ("bf16-true", "16-true", "bf16", "16"):
+        return 2
+    if settings.trainer.strategy.startswith("deepspeed") and precision in ("bf16-mixed", "16-mixed"):
         return 2
     return DTYPE_BYTES[settings.model.dtype]
 

@@ -444,3 +444,23 @@ def test_moe_configs_are_refused_not_undercounted(key, tmp_path, capsys):
     assert "MoE models are not planned yet" in capsys.readouterr().err
     # a dense config carrying the key empty is still planned
     assert ModelShape.from_config({**GOOD_CONFIG, key: None}) == ModelShape.from_config(GOOD_CONFIG)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_deepspeed_mixed_precision_trains_16_bit_parameters_with_fp32_masters(precision):
+    """F8: DeepSpeed with a 16-bit mixed precision casts fp32 weights to 16 bits: 2 + 2 + 12 bytes."""
+    settings = zero2_recipe(**{"trainer": {"precision": precision}, "model": {"dtype": "float32"}})
+    plan = memory_plan(settings, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.part("parameters").gpu_bytes == 3_087_428_608  # 2 * P
+    assert plan.part("gradients").gpu_bytes == 385_928_576  # 2 * P / 8
+    assert plan.part("optimizer states").gpu_bytes == 2_315_571_456  # 12 * P / 8
+    assert plan.part("engine weights").gpu_bytes == 6_174_857_216  # vLLM loads model.dtype: 4 * P
+    # only 32-true trains in model.dtype: 4 + 4/8 + 8/8 bytes (K = 2*b without 16-bit parameters)
+    full = zero2_recipe(**{"trainer": {"precision": "32-true"}, "model": {"dtype": "float32"}})
+    plan = memory_plan(full, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.part("parameters").gpu_bytes == 6_174_857_216
+    assert plan.part("optimizer states").gpu_bytes == 1_543_714_304  # 8 * P / 8
+    # without DeepSpeed, torch autocast keeps fp32 parameters
+    ddp = zero2_recipe(**{"trainer": {"precision": precision, "strategy": "ddp"}, "model": {"dtype": "float32"}})
+    plan = memory_plan(ddp, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.part("parameters").gpu_bytes == 6_174_857_216
