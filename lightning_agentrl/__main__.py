@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
         "Exit status 1 when it does not fit. Overrides: --section.field=value.",
     )
     p.add_argument("--config", type=Path, help="YAML settings file")
-    p.add_argument("--gpus", type=int, help="GPUs the trainer uses (default: trainer.devices, or the visible GPUs)")
+    p.add_argument("--gpus", type=int, help="GPUs per node, like trainer.devices; the total is this x trainer.num_nodes "
+                   "(default: trainer.devices, or the visible GPUs)")
     p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB or 141GB (default: the first GPU's, else 80GiB)")
     p.add_argument("--model-config", type=Path, help="a config.json to use instead of model.path's")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -65,6 +65,13 @@ ENGINE_OVERHEAD_BYTES = 2 * GiB
 DEEPSPEED_REDUCE_BUCKET = 200_000_000
 DEEPSPEED_ALLGATHER_BUCKET = 200_000_000
 
+#: The largest GPU memory ``parse_bytes`` accepts: far above any GPU, far below float overflow.
+MAX_GPU_BYTES = 1 << 50
+
+#: ``config.json`` keys of mixture-of-experts models (Qwen-MoE, Mixtral, DeepSeek), which the
+#: dense formulas below would undercount.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -91,27 +98,60 @@ class ModelShape:
     qkv_bias: bool = False
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
+    def from_config(cls, config: dict, source: str = "config.json") -> ModelShape:
         """From a Hugging Face ``config.json`` dict (Llama, Qwen2, Mistral and alike).
 
         ``head_dim`` defaults to H / a; q/k/v biases are read from ``attention_bias`` and are on
-        for ``model_type: qwen2`` (Qwen2 has them without a config key).
+        for ``model_type: qwen2`` (Qwen2 has them without a config key). Every size must be a
+        positive integer (``num_key_value_heads`` and ``head_dim`` may be absent or null: their
+        defaults); anything else raises :class:`SettingsError` naming the field and ``source``.
         """
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in config]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}: not a decoder-only transformer config")
-        heads = config["num_attention_heads"]
+        if not isinstance(config, dict):
+            raise SettingsError(f"{source}: not a JSON object of model settings (got {type(config).__name__})")
+        experts = [f"{key}={config[key]!r}" for key in MOE_KEYS if config.get(key) not in (None, 0, False)]
+        if experts:
+            raise SettingsError(
+                f"{source}: {', '.join(experts)}: MoE models are not planned yet (their experts' "
+                "parameters, gradients and optimizer states would be undercounted); plan a dense model"
+            )
+        problems = []
+
+        def size(key: str, required: bool = True) -> int | None:
+            value = config.get(key)
+            if value is None:
+                if required:
+                    problems.append(f"{key} is {'null' if key in config else 'missing'}")
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{key} must be a positive integer, got {value!r}")
+                return None
+            return value
+
+        def flag(key: str, default: bool) -> bool:
+            value = config.get(key)
+            if value is None:
+                return default
+            if not isinstance(value, bool):
+                problems.append(f"{key} must be true or false, got {value!r}")
+                return default
+            return value
+
+        vocab, hidden = size("vocab_size"), size("hidden_size")
+        intermediate, layers = size("intermediate_size"), size("num_hidden_layers")
+        heads = size("num_attention_heads")
+        kv_heads = size("num_key_value_heads", required=False) or heads
+        head_dim = size("head_dim", required=False)
+        tie = flag("tie_word_embeddings", False)
+        bias = flag("attention_bias", config.get("model_type") == "qwen2")
+        if head_dim is None and hidden and heads:
+            if hidden % heads:
+                problems.append(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and no head_dim)")
+            head_dim = hidden // heads
+        if problems:
+            raise SettingsError(f"{source}: {'; '.join(problems)} (a decoder-only transformer config is needed)")
         return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tie_word_embeddings=tie, qkv_bias=bias,
         )
 
     def layer_parameters(self) -> int:
@@ -170,7 +210,7 @@ def load_model_config(settings: Settings, model_config: str | Path | None = None
     :data:`KNOWN_CONFIGS`, the Hugging Face cache / hub (``AutoConfig``).
     """
     if model_config is not None:
-        return json.loads(Path(model_config).read_text())
+        return _read_json(Path(model_config))
     path = settings.model.path
     if path == "tiny":
         from lightning_agentrl.models.tiny import TinyModelConfig
@@ -183,7 +223,7 @@ def load_model_config(settings: Settings, model_config: str | Path | None = None
             "head_dim": tiny.head_dim, "tie_word_embeddings": tiny.tie_word_embeddings,
         }
     if (Path(path) / "config.json").is_file():
-        return json.loads((Path(path) / "config.json").read_text())
+        return _read_json(Path(path) / "config.json")
     if path in KNOWN_CONFIGS:
         return dict(KNOWN_CONFIGS[path])
     try:
@@ -194,6 +234,23 @@ def load_model_config(settings: Settings, model_config: str | Path | None = None
         raise SettingsError(
             f"model.path: cannot read the config.json of {path!r} ({err}); pass --model-config FILE"
         ) from err
+
+
+def model_config_source(settings: Settings, model_config: str | Path | None = None) -> str:
+    """Where :func:`load_model_config` reads from, for error messages."""
+    if model_config is not None:
+        return str(model_config)
+    path = settings.model.path
+    if path != "tiny" and (Path(path) / "config.json").is_file():
+        return str(Path(path) / "config.json")
+    return f"the config.json of model.path={path!r}"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise SettingsError(f"{path}: cannot read it as a config.json ({err})") from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,10 +393,17 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", text)
     if not match:
         raise ValueError(f"not a size: {text!r} (e.g. 80GiB, 141GB)")
-    number, unit = float(match.group(1)), (match.group(2) or "B")
+    try:
+        number = float(match.group(1))
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 80GiB, 141GB)") from None
+    unit = match.group(2) or "B"
     scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
              "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[unit]
-    return int(number * scale)
+    size = number * scale
+    if not math.isfinite(size) or size > MAX_GPU_BYTES:
+        raise ValueError(f"not a GPU memory size: {text!r} is above {MAX_GPU_BYTES >> 40} TiB (e.g. 80GiB, 141GB)")
+    return int(size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +489,14 @@ def on_gpu(settings: Settings) -> bool:
 
 
 def param_bytes_of(settings: Settings) -> int:
-    """Bytes per trained parameter: 2 under ``bf16-true``/``16-true`` precision, else ``model.dtype``'s."""
-    if settings.trainer.precision in ("bf16-true", "16-true", "bf16", "16"):
+    """Bytes per trained parameter: 2 under ``bf16-true``/``16-true`` precision; 2 under DeepSpeed
+    with a 16-bit mixed precision (``bf16-mixed``/``16-mixed``: DeepSpeed casts the parameters to
+    16 bits and keeps fp32 masters in its optimizer state, ``K = 12``); else ``model.dtype``'s
+    (``32-true``, and torch's autocast, which keeps the parameters as loaded)."""
+    precision = settings.trainer.precision
+    if precision in ("bf16-true", "16-true", "bf16", "16"):
+        return 2
+    if settings.trainer.strategy.startswith("deepspeed") and precision in ("bf16-mixed", "16-mixed"):
         return 2
     return DTYPE_BYTES[settings.model.dtype]
 
@@ -619,10 +689,15 @@ def _count(num: int) -> str:
 def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int | None = None,
              model_config: str | Path | None = None) -> MemoryPlan:
     """The plan of ``settings``; GPUs and their memory default to ``trainer.devices`` and, with
-    CUDA present, the first device's memory (else 80 GiB)."""
+    CUDA present, the first device's memory (else 80 GiB).
+
+    ``num_gpus`` is the GPUs of one node, like ``trainer.devices``: ZeRO shards over
+    ``N = num_gpus x trainer.num_nodes`` (the plan's ``num_gpus`` is that total), while each GPU
+    still holds its own engine.
+    """
     import torch
 
-    shape = ModelShape.from_config(load_model_config(settings, model_config))
+    shape = ModelShape.from_config(load_model_config(settings, model_config), model_config_source(settings, model_config))
     guessed = []
     if num_gpus is None:
         devices = settings.trainer.devices
@@ -631,7 +706,8 @@ def plan_for(settings: Settings, *, num_gpus: int | None = None, gpu_bytes: int 
         else:
             num_gpus = max(torch.cuda.device_count(), 1)
             if not torch.cuda.is_available():
-                guessed.append(f"trainer.devices=auto counted as {num_gpus} GPU (no CUDA here; pass --gpus)")
+                guessed.append(f"trainer.devices=auto counted as {num_gpus} GPU per node (no CUDA here; pass --gpus)")
+    num_gpus *= settings.trainer.num_nodes
     if gpu_bytes is None:
         if torch.cuda.is_available():
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
@@ -658,9 +734,21 @@ def refusal_message(plan: MemoryPlan) -> str:
 
 def check_memory_plan(settings: Settings) -> MemoryPlan | None:
     """What ``fit`` runs before loading anything: on GPUs, raise :class:`MemoryPlanError` for a plan
-    that does not fit; on CPU do nothing (host memory is not planned) and return None."""
+    that does not fit; on CPU do nothing (host memory is not planned) and return None.
+
+    ``trainer.accelerator=gpu`` without CUDA is a :class:`SettingsError`: the plan would have to
+    assume a GPU size, and the run would fail later anyway. On GPUs the plan uses the first
+    device's memory, never an assumed one.
+    """
     if not on_gpu(settings):
         return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SettingsError(
+            "trainer.accelerator=gpu but CUDA is not available here (no GPU, or a CPU-only torch); "
+            "set trainer.accelerator=cpu or auto, or run on a machine with GPUs"
+        )
     plan = plan_for(settings)
     if not plan.fits:
         raise MemoryPlanError(refusal_message(plan))

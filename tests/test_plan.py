@@ -224,10 +224,11 @@ def test_check_is_informational_on_cpu():
     assert check_memory_plan(settings) is None
 
 
-def test_check_refuses_a_gpu_run_in_one_paragraph():
+def test_check_refuses_a_gpu_run_in_one_paragraph(monkeypatch):
+    _fake_cuda(monkeypatch)
     settings = zero2_recipe(**{"model": {"path": "Qwen/Qwen2.5-32B-Instruct"}})
     with pytest.raises(MemoryPlanError) as caught:
-        check_memory_plan(settings)  # no CUDA here: 8 GPUs (trainer.devices) of 80 GiB
+        check_memory_plan(settings)  # 8 GPUs (trainer.devices) of 80 GiB (the fake CUDA's)
     message = str(caught.value)
     assert "\n" not in message
     assert "Qwen/Qwen2.5-32B-Instruct (32.76 B parameters) does not fit on 8 GPU(s) of 80.00 GiB" in message
@@ -243,6 +244,7 @@ def test_fit_refuses_before_writing_or_loading_anything(tmp_path, monkeypatch):
         raise AssertionError("the model was resolved before the memory plan refused the run")
 
     monkeypatch.setattr(train, "resolve_model_path", no_model)
+    _fake_cuda(monkeypatch)
     run_dir = tmp_path / "run"
     settings = zero2_recipe(**{"model": {"path": "Qwen/Qwen2.5-32B-Instruct"}, "run": {"dir": str(run_dir)}})
     with pytest.raises(MemoryPlanError, match="does not fit"):
@@ -312,3 +314,153 @@ def test_plan_says_what_it_assumed_without_a_gpu(capsys):
     assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--trainer.devices=auto"]) == 0
     out = capsys.readouterr().out
     assert "counted as 1 GPU" in out and "GPUs of 80 GiB" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Review findings (issue 16)
+
+
+def test_zero_shards_over_every_node():
+    """F6: trainer.devices is per node; ZeRO shards over devices x num_nodes, the engine stays per GPU."""
+    settings = zero2_recipe(**{"trainer": {"num_nodes": 2}})
+    plan = plan_for(settings, gpu_bytes=GPU_80)  # trainer.devices = 8 per node
+    assert plan.num_gpus == 16
+    assert plan.part("gradients").gpu_bytes == 192_964_288  # 2 * 1,543,714,304 / 16
+    assert plan.part("optimizer states").gpu_bytes == 1_157_785_728  # 12 * P / 16
+    assert plan.part("parameters").gpu_bytes == 3_087_428_608  # whole under ZeRO-2
+    assert plan.part("engine weights").gpu_bytes == 3_087_428_608  # one whole copy per GPU
+    # --gpus is per node as well
+    assert plan_for(settings, num_gpus=4, gpu_bytes=GPU_80).num_gpus == 8
+
+
+@pytest.mark.parametrize("text", ["1e999", "1e999GiB", "2PB", "1e20", "1e6TiB", "1..2GB", "e", "+"])
+def test_parse_bytes_rejects_non_finite_and_absurd_sizes(text, capsys):
+    """F1: 1e999 overflowed to inf and int(inf) raised OverflowError; now a clear error, exit 2."""
+    with pytest.raises(ValueError, match="not a"):
+        parse_bytes(text)
+    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--gpu-memory", text]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: not a") and "Traceback" not in err
+
+
+def _fake_cuda(monkeypatch, gpu_bytes: int = GPU_80, count: int = 8) -> None:
+    """A machine with ``count`` CUDA GPUs of ``gpu_bytes`` each, as far as the plan can tell."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=gpu_bytes))
+
+
+GOOD_CONFIG = json.loads((FIXTURES / "qwen2.5-1.5b" / "config.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"hidden_size": "1536"}, "hidden_size must be a positive integer, got '1536'"),
+        ({"vocab_size": None}, "vocab_size is null"),
+        ({"num_hidden_layers": 28.0}, "num_hidden_layers must be a positive integer, got 28.0"),
+        ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+        ({"intermediate_size": -1}, "intermediate_size must be a positive integer, got -1"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads must be a positive integer, got '2'"),
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"hidden_size": 1537}, "hidden_size 1537 is not a multiple of num_attention_heads 12"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        ({"intermediate_size": ...}, "intermediate_size is missing"),
+    ],
+)
+def test_a_bad_config_json_is_a_settings_error_naming_the_field_and_file(change, named, tmp_path, capsys, monkeypatch):
+    """F2/F3: zero heads, strings, nulls, missing fields were ZeroDivisionError/TypeError tracebacks."""
+    config = {**GOOD_CONFIG, **change}
+    config = {k: v for k, v in config.items() if v is not ...}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SettingsError) as caught:
+        ModelShape.from_config(config, str(path))
+    assert named in str(caught.value) and str(path) in str(caught.value)
+    # plan: exit 2, one error line
+    assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--model-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and named in err and "Traceback" not in err
+    # fit, with the model folder holding that config.json: the same error, before a run folder exists
+    _fake_cuda(monkeypatch)
+    run_dir = tmp_path / "run"
+    code = main(["fit", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), f"--model.path={tmp_path}",
+                 f"--run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and named in err
+    assert not run_dir.exists()
+
+
+def test_a_config_json_that_is_not_json_is_a_settings_error(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--model-config", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: cannot read it as a config.json")
+    path.write_text("[1, 2]")
+    with pytest.raises(SettingsError, match="not a JSON object"):
+        plan_for(load_settings(REPO / "configs" / "smoke.yaml"), model_config=path)
+
+
+def test_fit_on_gpu_without_cuda_is_refused_before_anything(tmp_path, capsys, monkeypatch):
+    """F5: accelerator=gpu without CUDA assumed 80 GiB, made the run folder, loaded weights, then a
+    Lightning traceback. Now the check refuses it first, and never assumes a GPU size in fit."""
+    import torch
+
+    import lightning_agentrl.train as train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train, "resolve_model_path", lambda *a, **k: pytest.fail("the model was resolved"))
+    with pytest.raises(SettingsError, match=r"trainer\.accelerator=gpu but CUDA is not available"):
+        check_memory_plan(zero2_recipe())
+    run_dir = tmp_path / "run"
+    code = main(["fit", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), f"--run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: trainer.accelerator=gpu but CUDA is not available")
+    assert not run_dir.exists()
+    # auto on a machine without CUDA: CPU, no plan
+    assert check_memory_plan(zero2_recipe(**{"trainer": {"accelerator": "auto"}})) is None
+
+
+def test_fit_plans_with_the_gpus_real_memory(monkeypatch):
+    _fake_cuda(monkeypatch, gpu_bytes=141 * 10**9)
+    plan = check_memory_plan(zero2_recipe())
+    assert plan.gpu_bytes == 141 * 10**9
+    assert not any("80 GiB" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("key", ["num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"])
+def test_moe_configs_are_refused_not_undercounted(key, tmp_path, capsys):
+    """F4: an MoE config was planned as its dense part only."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GOOD_CONFIG, key: 8}))
+    with pytest.raises(SettingsError, match=f"{key}=8: MoE models are not planned yet"):
+        ModelShape.from_config(json.loads(path.read_text()), str(path))
+    assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--model-config", str(path)]) == 2
+    assert "MoE models are not planned yet" in capsys.readouterr().err
+    # a dense config carrying the key empty is still planned
+    assert ModelShape.from_config({**GOOD_CONFIG, key: None}) == ModelShape.from_config(GOOD_CONFIG)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_deepspeed_mixed_precision_trains_16_bit_parameters_with_fp32_masters(precision):
+    """F8: DeepSpeed with a 16-bit mixed precision casts fp32 weights to 16 bits: 2 + 2 + 12 bytes."""
+    settings = zero2_recipe(**{"trainer": {"precision": precision}, "model": {"dtype": "float32"}})
+    plan = memory_plan(settings, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.part("parameters").gpu_bytes == 3_087_428_608  # 2 * P
+    assert plan.part("gradients").gpu_bytes == 385_928_576  # 2 * P / 8
+    assert plan.part("optimizer states").gpu_bytes == 2_315_571_456  # 12 * P / 8
+    assert plan.part("engine weights").gpu_bytes == 6_174_857_216  # vLLM loads model.dtype: 4 * P
+    # only 32-true trains in model.dtype: 4 + 4/8 + 8/8 bytes (K = 2*b without 16-bit parameters)
+    full = zero2_recipe(**{"trainer": {"precision": "32-true"}, "model": {"dtype": "float32"}})
+    plan = memory_plan(full, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.part("parameters").gpu_bytes == 6_174_857_216
+    assert plan.part("optimizer states").gpu_bytes == 1_543_714_304  # 8 * P / 8
+    # without DeepSpeed, torch autocast keeps fp32 parameters
+    ddp = zero2_recipe(**{"trainer": {"precision": precision, "strategy": "ddp"}, "model": {"dtype": "float32"}})
+    plan = memory_plan(ddp, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.part("parameters").gpu_bytes == 6_174_857_216
