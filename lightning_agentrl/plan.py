@@ -12,7 +12,8 @@ Symbols used in the formulas (all per model, from ``config.json``):
     L  decoder layers               a  attention heads         k  key/value heads
     d  head dimension               P  parameters              N  GPUs the trainer shards over
     b  bytes per element of the parameters (bf16: 2, fp32: 4)
-    n  tokens of one micro-batch (``trainer.micro_batch_tokens``)
+    n  tokens of the longest micro-batch: ``max(trainer.micro_batch_tokens, env.max_context_tokens)``
+       (micro-batches hold whole episodes, so one episode longer than micro_batch_tokens is its own)
     C  tokens of one log-prob chunk (``trainer.logprob_chunk_tokens``)
 
 The figures are estimates of what the code in this repository allocates, not measurements: the
@@ -550,7 +551,9 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     if settings.algorithm.kl_coef > 0:
         add(Part("reference model", b * num_params // (num_gpus if stage == 3 else 1), "both",
                  f"{b}*P{whole_or_sharded}"))
-    n = t.micro_batch_tokens
+    # module._micro_batches never splits an episode: one longer than micro_batch_tokens is its own
+    # micro-batch, so the longest is max(micro_batch_tokens, max_context_tokens).
+    n = max(t.micro_batch_tokens, settings.env.max_context_tokens)
     add(Part("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
              f"n={n}, " + ("L*n*H*b + n*e*b (checkpointed)" if m.gradient_checkpointing else "L*n*e*b")))
     attention = attention_matrix_bytes(shape, n, b, m.attn_implementation)
@@ -653,9 +656,11 @@ def _fix_for(part: str, settings: Settings) -> str:
     fixes = {
         "activations": (
             "set model.gradient_checkpointing=true" if not m.gradient_checkpointing
-            else f"lower trainer.micro_batch_tokens (now {t.micro_batch_tokens})"
+            else f"lower trainer.micro_batch_tokens (now {t.micro_batch_tokens}) and, if it is the larger, "
+            f"env.max_context_tokens (now {settings.env.max_context_tokens})"
         ),
-        "attention mask": "set model.attn_implementation=flash_attention_2 (no [n, n] mask) or lower trainer.micro_batch_tokens",
+        "attention mask": ("set model.attn_implementation=flash_attention_2 (no [n, n] mask) or lower trainer.micro_batch_tokens "
+                           "(and env.max_context_tokens if it is the larger)"),
         "optimizer states": (
             "use trainer.strategy=deepspeed_stage_2/3 on more GPUs" if not t.strategy.startswith("deepspeed")
             else "set trainer.offload_optimizer=true or use more GPUs"

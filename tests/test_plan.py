@@ -464,3 +464,15 @@ def test_deepspeed_mixed_precision_trains_16_bit_parameters_with_fp32_masters(pr
     ddp = zero2_recipe(**{"trainer": {"precision": precision, "strategy": "ddp"}, "model": {"dtype": "float32"}})
     plan = memory_plan(ddp, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
     assert plan.part("parameters").gpu_bytes == 6_174_857_216
+
+
+def test_activations_are_planned_for_the_longest_micro_batch():
+    """F7: an episode longer than micro_batch_tokens is its own micro-batch, so n = max(both)."""
+    settings = zero2_recipe(**{"trainer": {"micro_batch_tokens": 8192}})  # env.max_context_tokens = 16384
+    plan = memory_plan(settings, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    # checkpointed, n = 16384: 28 * 16384 * 1536 * 2 + 16384 * 45,568 * 2 = 1,409,286,144 + 1,493,172,224
+    assert plan.part("activations").gpu_bytes == 2_902_458_368
+    assert plan.part("activations").formula.startswith("n=16384,")
+    # the recipe's own 32768-token micro-batches are longer than any episode: n = 32768
+    plan = memory_plan(zero2_recipe(), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.part("activations").gpu_bytes == 5_804_916_736
