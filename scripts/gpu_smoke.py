@@ -169,6 +169,8 @@ def main() -> int:
     plan = plan_for(settings, num_gpus=1, gpu_bytes=gpu_bytes)
     largest = max(s["largest_micro_batch"] for s in measure.steps)
     overrides["trainer"]["micro_batch_tokens"] = max(largest, 64)
+    # the plan sizes micro-batches by max(micro_batch_tokens, max_context_tokens): bound both by what was seen
+    overrides.setdefault("env", {})["max_context_tokens"] = max(largest, 64, settings.engine.max_new_tokens + 1)
     plan_observed = plan_for(load_settings(args.recipe, overrides), num_gpus=1, gpu_bytes=gpu_bytes)
     engine_copy = DTYPE_BYTES[settings.model.dtype] * plan.num_parameters
     timed = measure.steps[1:] or measure.steps  # the first step includes allocator warm-up
