@@ -161,7 +161,7 @@ def check_same_layout(settings: Settings, run_dir: Path) -> None:
         if old != new:
             raise SettingsError(
                 f"trainer.{field}: the run in {run_dir} ran with {old!r}, this resume asks for {new!r}; "
-                f"a resume keeps the strategy and the number of processes (drop the override, or start a new run.dir)"
+                f"a resume keeps the strategy and the number of processes (resume with {old!r}, or start a new run.dir)"
             )
 
 
