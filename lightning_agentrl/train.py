@@ -12,6 +12,7 @@ Everything a run writes goes under ``run.dir``::
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,10 @@ def build_logger(settings: Settings, run_dir: Path):
         return None
     from lightning.pytorch.loggers import MLFlowLogger
 
+    # MLflow's defaults (7 retries, 120 s per request) turn a tracking server that dies mid-run into
+    # a hang of tens of minutes; bounded, its failure surfaces within about a minute.
+    for name, value in (("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"), ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")):
+        os.environ.setdefault(name, value)
     id_file = run_dir / "mlflow_run_id.txt"
     run_id = id_file.read_text().strip() if settings.run.resume == "last" and id_file.exists() else None
     return MLFlowLogger(
