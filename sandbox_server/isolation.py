@@ -568,6 +568,16 @@ def kill_marked_processes(marker: str) -> int:
     return killed
 
 
+def _read_available(fd: int) -> bytes | None:
+    """What a non-blocking ``fd`` holds now: None if nothing yet, ``b""`` at EOF (or a read error)."""
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 async def _read_json_object(fd: int) -> dict:
     """Read one JSON object from ``fd`` on the event loop (complete object or EOF), then close ``fd``.
     Does not wait for EOF: bwrap's sandboxed child may still hold the write end."""
@@ -577,12 +587,9 @@ async def _read_json_object(fd: int) -> dict:
     done: asyncio.Future = loop.create_future()
 
     def on_readable() -> None:
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
+        chunk = _read_available(fd)
+        if chunk is None:
             return
-        except OSError:
-            chunk = b""
         if chunk:
             chunks.append(chunk)
             with contextlib.suppress(ValueError):
@@ -636,12 +643,9 @@ class _Capture:
         done: asyncio.Future = loop.create_future()
 
         def on_readable() -> None:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
+            chunk = _read_available(fd)
+            if chunk is None:
                 return
-            except OSError:
-                chunk = b""
             if not chunk:
                 loop.remove_reader(fd)
                 if not done.done():

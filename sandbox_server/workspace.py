@@ -58,24 +58,11 @@ def _confined_parts(root: Path, path: str) -> list[str]:
 
 
 def _open_dir(root: Path, parts: list[str], *, create: bool, owner: int | None) -> int:
-    fd = os.open(root, _DIR_FLAGS)
+    root_fd = os.open(root, _DIR_FLAGS)
     try:
-        for part in parts:
-            try:
-                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                os.mkdir(part, 0o755, dir_fd=fd)
-                if owner is not None:
-                    os.chown(part, owner, owner, dir_fd=fd, follow_symlinks=False)
-                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+        return _open_chain(root_fd, tuple(parts), create=create, owner=owner)
+    finally:
+        os.close(root_fd)
 
 
 def _refuse(path: str, exc: OSError) -> WorkspaceError:
@@ -157,12 +144,21 @@ def write_bytes(root: Path, path: str, data: bytes, *, owner: int | None, max_by
         os.close(fd)
 
 
-def _open_chain(root_fd: int, parts: tuple[str, ...]) -> int:
-    """Open ``root/parts...`` relative fd by fd (O_NOFOLLOW each step): no path length limit."""
+def _open_chain(root_fd: int, parts: tuple[str, ...], *, create: bool = False, owner: int | None = None) -> int:
+    """Open ``root/parts...`` relative fd by fd (O_NOFOLLOW each step): no path length limit. With
+    ``create``, missing folders are made (owned by ``owner`` when given)."""
     fd = os.dup(root_fd)
     try:
         for part in parts:
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            try:
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(part, 0o755, dir_fd=fd)
+                if owner is not None:
+                    os.chown(part, owner, owner, dir_fd=fd, follow_symlinks=False)
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nxt
         return fd

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from lightning_agentrl.distributed import reduce_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,8 +117,3 @@ def test_two_ranks_give_the_gradient_of_one(two_rank_gradients, case):
         assert rank["tokens"][0] == rank["tokens"][1]  # global action-token count
     # uneven shares: the rank with fewer micro-batches ran zero-loss backward passes
     assert rank0["micro_batches"] > rank1["micro_batches"]
-
-
-def test_metrics_of_a_single_process_are_its_own():
-    metrics = {"a": 1.0, "b": 2.0}
-    assert reduce_metrics(metrics, sums={"a"}, maxima={"b"}) == metrics
