@@ -229,7 +229,8 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     service = build_rollout_service(
         settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
     )
-    stop = StopOnSignal(run_dir / "checkpoints" / "last.ckpt", grace_s=settings.trainer.stop_grace_s,
+    last = run_dir / "checkpoints" / "last.ckpt"
+    stop = StopOnSignal(last, grace_s=settings.trainer.stop_grace_s,
                         wake=service.buffer.fail, on_hard_exit=sandbox.close)
     extra = [*engine_sleep_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
     trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
@@ -239,7 +240,6 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     if trainer.is_global_zero:
         trainer.logger = logger
         record_settings(settings, run_dir, logger)
-    last = run_dir / "checkpoints" / "last.ckpt"
     try:
         trainer.fit(
             AgentRLModule(settings, model_path),
