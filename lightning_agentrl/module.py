@@ -6,9 +6,9 @@ the packed tokens into micro-batches of about ``trainer.micro_batch_tokens`` tok
 episodes, so per-sequence aggregation stays exact), accumulates gradients with global
 denominators (the loss equals the loss of the whole batch in one pass), clips and steps.
 
-Log-probs are computed on packed sequences (positions restart per segment, block-diagonal
-attention) and only at positions that carry a loss, chunk by chunk, so the [tokens, vocab]
-logits are never materialized for the whole batch.
+Log-probs are computed on packed sequences (positions restart per segment, each segment
+attending only to itself) and only at positions that carry a loss, chunk by chunk, so the
+[tokens, vocab] logits are never materialized for the whole batch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import losses
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import global_max, global_sum, reduce_metrics, world_size
+from lightning_agentrl.models.packed import packed_hidden_states
 from lightning_agentrl.settings import Settings
 from lightning_agentrl.trajectory import RolloutBatch
 
@@ -175,23 +176,14 @@ class AgentRLModule(L.LightningModule):
     # -- forward -----------------------------------------------------------------------------
     def hidden_states(self, model, input_ids, position_ids, segment_ids) -> torch.Tensor:
         """Last hidden states [n, H] of one packed micro-batch: positions restart per segment and
-        attention is block-diagonal causal, so segments never see each other."""
+        segments never see each other. Varlen flash kernels find the boundaries in the position
+        ids; every other kernel runs the segments as length-bucketed padded batches, so the cost
+        is the sum of squared segment lengths, not the square of the pack's length."""
         decoder = model.get_decoder()
         if str(model.config._attn_implementation).startswith("flash_attention"):
-            # varlen kernels find the segment boundaries where position ids restart: no [n, n] mask
             out = decoder(input_ids=input_ids[None], position_ids=position_ids[None])
             return out.last_hidden_state[0]
-        n = input_ids.numel()
-        same_segment = segment_ids[:, None] == segment_ids[None, :]
-        causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
-        allowed = (causal & same_segment)[None, None]  # [1, 1, n, n]
-        # additive float mask: every kernel (eager, sdpa) reads it the same way, unlike a bool one
-        dtype = next(model.parameters()).dtype
-        attention = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min
-        )
-        out = decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=attention)
-        return out.last_hidden_state[0]
+        return packed_hidden_states(decoder, input_ids, position_ids, segment_ids)
 
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of ``input_ids[targets_at]``; ``hidden[t-1]`` predicts token t."""

@@ -324,18 +324,20 @@ def layer_activation_elements_per_token(shape: ModelShape) -> int:
 
 
 def attention_matrix_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, attn_implementation: str | None) -> int:
-    """``[n, n]`` tensors of one packed micro-batch's attention.
+    """Attention-mask and score tensors of one packed micro-batch, at worst.
 
-    flash_attention_*: none (segments are separated by position ids). Otherwise the module builds
-    a block-causal mask: three ``[n, n]`` bool tensors and one additive ``[n, n]`` mask of ``b``
-    bytes, ``n*n*(3 + b)``; ``eager`` also saves scores and probabilities, ``2*a*n*n*b`` per
-    layer (counted once: with checkpointing only one layer's exist at a time, without it this
-    understates by a factor L, which makes eager at these lengths hopeless either way).
+    flash_attention_*: none (segments are separated by position ids). Otherwise the module runs
+    length buckets of ``b`` segments padded to ``L`` (:mod:`lightning_agentrl.models.packed`) and
+    the model builds a ``[b, L, L]`` bool mask, ``b*L*L <= n*n`` bytes (equality when one segment
+    fills the micro-batch, the worst case counted here); ``eager`` also saves scores and
+    probabilities, ``2*a*n*n*b`` per layer (counted once: with checkpointing only one layer's exist
+    at a time, without it this understates by a factor L, which makes eager at these lengths
+    hopeless either way).
     """
     impl = attn_implementation or "sdpa"
     if impl.startswith("flash_attention"):
         return 0
-    mask = tokens * tokens * (3 + dtype_bytes)
+    mask = tokens * tokens
     if impl == "eager":
         mask += 2 * shape.num_heads * tokens * tokens * dtype_bytes
     return mask

@@ -54,7 +54,7 @@ class ModelSettings(_Section):
     """Recompute activations in the backward pass to save memory."""
     attn_implementation: str | None = None
     """transformers attention kernel (`sdpa`, `eager`, `flash_attention_2`, ...); None = transformers' choice.
-    With `flash_attention_*` packed segments are separated by their position ids; otherwise by a block mask."""
+    With `flash_attention_*` packed segments are separated by their position ids; otherwise each segment runs alone, in length buckets of padded rows."""
     value_head: bool = False
     """Add a scalar value head (turn-level critic, SPEC §3); needed by `algorithm.advantage=gae`."""
     tiny_hidden_size: int = Field(128, ge=64)

@@ -99,7 +99,7 @@ def test_activations_with_and_without_checkpointing():
     # with: L * n * H * b + n * e * b = 2,818,572,288 + 2,986,344,448
     assert activation_bytes(shape, 32768, 2, gradient_checkpointing=True) == 5_804_916_736  # 5.4 GiB
     # the sdpa path's block mask: n*n*(3 + b) = 32768^2 * 5
-    assert attention_matrix_bytes(shape, 32768, 2, "sdpa") == 5_368_709_120
+    assert attention_matrix_bytes(shape, 32768, 2, "sdpa") == 1_073_741_824  # one [n, n] bool mask
     assert attention_matrix_bytes(shape, 32768, 2, "flash_attention_2") == 0
     # one log-prob chunk: C * V * (b + 12) = 1024 * 151,936 * 14
     assert logprob_chunk_bytes(151_936, 1024, 2) == 2_178_154_496
