@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
-def cli(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "lightning_agentrl", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -56,19 +56,26 @@ class _HealthOnlyServer:
     """An HTTP server that answers ``/health`` (200) and, on every other path, hangs, or answers 404 or 500:
     what a proxy in front of a dead MLflow, or another service on its port, looks like."""
 
-    def __init__(self, other: str) -> None:
+    def __init__(self, other: str, *, search_answers: bool = False) -> None:
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
-                if self.path != "/health" and other == "hang":
+                if search_answers and self.path.startswith("/api/2.0/mlflow/experiments/search"):
+                    self.answer(200, b'{"experiments": []}')
+                elif self.path == "/health":
+                    self.answer(200, b"OK")
+                elif other == "hang":
                     time.sleep(3600)
-                status = 200 if self.path == "/health" else int(other)
+                else:
+                    self.answer(int(other), b"{}")
+
+            def answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)
-                self.send_header("Content-Length", "2")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(b"OK")
+                self.wfile.write(body)
 
             do_POST = do_GET  # noqa: N815
 
@@ -92,6 +99,15 @@ def test_fit_with_a_tracking_server_that_answers_only_its_health_call_stops_in_s
     assert "Traceback" not in done.stderr
     assert seconds < 60  # vs minutes of MLflow retries in the first MLflow call; imports dominate
     assert not (tmp_path / "run" / "mlflow_run_id.txt").exists()
+
+
+def test_a_tracking_server_that_fails_after_the_start_up_check_is_one_error_line(tmp_path):
+    failing = _HealthOnlyServer("500", search_answers=True)  # passes the check, then fails every call
+    done, _ = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={tmp_path / 'run'}",
+                  f"--tracking.uri={failing.url}", env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})  # the test's time
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert error_line(done.stderr).startswith(f"error: tracking.uri: recording the run in {failing.url} failed: ")
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("status", ["404", "500"])
