@@ -40,7 +40,7 @@ def test_fit_with_an_unreachable_sandbox_service_stops_in_seconds_before_any_mod
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: sandbox.url: the sandbox service at {DEAD} does not answer")
     assert "Traceback" not in done.stderr
-    assert seconds < 60  # vs 200 s of retries before; imports dominate on a loaded machine
+    assert seconds < 120  # vs 200 s of retries before; imports dominate (a minute on a loaded machine)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -49,7 +49,7 @@ def test_fit_with_an_unreachable_tracking_server_stops_in_seconds(tmp_path):
                         f"--tracking.uri={DEAD}")
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: tracking.uri: the MLflow server at {DEAD} is unreachable")
-    assert seconds < 60  # vs 200 s of retries before; imports dominate on a loaded machine
+    assert seconds < 120  # vs 200 s of retries before; imports dominate (a minute on a loaded machine)
 
 
 class _HealthOnlyServer:
@@ -97,8 +97,11 @@ def test_fit_with_a_tracking_server_that_answers_only_its_health_call_stops_in_s
         f"error: tracking.uri: the MLflow server at {hanging.url} does not answer GET /api/2.0/mlflow/experiments/search "
         f"within 5 s")
     assert "Traceback" not in done.stderr
-    assert seconds < 60  # vs minutes of MLflow retries in the first MLflow call; imports dominate
+    assert seconds < 120  # vs minutes of MLflow retries in the first MLflow call; imports dominate
     assert not (tmp_path / "run" / "mlflow_run_id.txt").exists()
+    start = time.monotonic()  # the check alone, without the imports: its 5 s deadline
+    assert main(["validate", "--config", "configs/smoke.yaml", f"--tracking.uri={hanging.url}"]) == 2
+    assert time.monotonic() - start < 15
 
 
 def test_a_tracking_server_that_fails_after_the_start_up_check_is_one_error_line(tmp_path):
