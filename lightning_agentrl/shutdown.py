@@ -10,7 +10,8 @@ SIGTERM handling ends ``trainer.fit`` with a bare ``SystemExit`` (status 0). Her
   A trainer waiting for rollouts is woken at once (the rollout buffer fails with :class:`StopRequested`).
 - **A stuck run** still ends: a watchdog thread, fed by ``signal.set_wakeup_fd`` (so it hears the
   signal even while the main thread is blocked in C code), exits the process with the same status
-  after ``trainer.stop_grace_s`` or on a second signal, after stopping the local sandbox server.
+  after ``trainer.stop_grace_s`` or on a second signal, after stopping the local sandbox server
+  (10 s at most); that exit waits on no lock a stuck thread may hold.
 - **A failed dependency** during the run raises a :class:`RunStopped` subclass whose
   ``exit_status`` the command line returns (see ``callbacks/circuit_breaker.py``).
 

@@ -112,9 +112,8 @@ def record_settings(settings: Settings, run_dir: Path, logger) -> None:
     try:
         _record_in_mlflow(settings, run_dir, logger, settings_file)
     except MlflowException as err:  # a server that passed the start-up check and failed since
-        raise SettingsError(
-            f"tracking.uri: recording the run in {tracking_uri(settings, run_dir)} failed: {err.message[:500]}"
-        ) from None
+        why = " ".join(err.message.split())[:500]
+        raise SettingsError(f"tracking.uri: recording the run in {tracking_uri(settings, run_dir)} failed: {why}") from None
 
 
 def _record_in_mlflow(settings: Settings, run_dir: Path, logger, settings_file: Path) -> None:
