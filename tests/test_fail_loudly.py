@@ -121,35 +121,6 @@ def test_a_tracking_uri_whose_api_fails_is_named(status, capsys):
         f"error: tracking.uri: {server.url} answered HTTP {status} to GET /api/2.0/mlflow/experiments/search")
 
 
-@pytest.mark.slow
-def test_a_live_mlflow_server_passes_the_tracking_check(tmp_path, capsys):
-    import socket
-
-    import httpx
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        assert main(["validate", "--config", "configs/smoke.yaml", f"--tracking.uri={url}"]) == 0, capsys.readouterr().err
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
 def test_check_health_names_every_server_of_a_fleet_that_does_not_answer():
     from lightning_agentrl.preflight import PreflightError, check_health
 
