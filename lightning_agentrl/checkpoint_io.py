@@ -65,6 +65,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         atomic_torch_save(checkpoint, path)
 
+    @override
+    def load_checkpoint(self, path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The parent's load, with a failure named as the checkpoint's (``resume.py`` checks CRCs and pickles
+        first, so this is the rare damage that passed them) instead of a bare unpickling error."""
+        try:
+            return super().load_checkpoint(path, *args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # anything torch.load raises on a damaged file (UnpicklingError, zip, even MemoryError)
+            from lightning_agentrl.settings import SettingsError
+
+            raise SettingsError(
+                f"checkpoint {path} cannot be loaded ({type(err).__name__}: {err}); it is damaged: move it aside "
+                f"and --resume last takes the newest intact step_*.ckpt"
+            ) from err
+
 
 def atomic_torch_save(obj: Any, path: _PATH) -> None:
     """``torch.save(obj, path)`` that leaves ``path`` untouched unless the whole write succeeded."""

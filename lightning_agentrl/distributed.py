@@ -119,10 +119,11 @@ class NodeSandbox(L.Callback):
     """
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
-                 log_dir: Path) -> None:
+                 log_dir: Path, call_timeout_s: float | None = None) -> None:
         self.url, self.token = url, token
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        self.call_timeout_s = call_timeout_s
         self.log_dir = Path(log_dir)
         self._stack = contextlib.ExitStack()
 
@@ -162,12 +163,16 @@ class NodeSandbox(L.Callback):
     def close(self) -> None:
         self._stack.close()
 
-    def make_client(self):
+    def make_client(self, **options):
+        """A client of this node's service with the run's timeouts and retries; ``options`` override them
+        (e.g. a health probe: ``timeout_s=5, max_retries=0, call_timeout_s=None``)."""
         from sandbox_client import SandboxClient
 
         if self.url is None:
             raise RuntimeError("the sandbox service is not started yet (NodeSandbox.setup runs with Trainer.fit)")
-        return SandboxClient(self.url, self.token or "", timeout_s=self.timeout_s, max_retries=self.max_retries)
+        options = {"timeout_s": self.timeout_s, "max_retries": self.max_retries,
+                   "call_timeout_s": self.call_timeout_s, **options}
+        return SandboxClient(self.url, self.token or "", **options)
 
 
 __all__ = [

@@ -7,10 +7,12 @@ whose message names the setting (``env.tasks: no such folder: /x``), so the comm
 as one ``error:`` line with exit status 2, like every other settings error.
 
 Local checks (no network): the task suite exists and has tasks of the split (and of the held-out
-split); ``model.path`` is a folder with a ``config.json``, ``tiny``, or a hub id. Network checks,
+split); ``model.path`` is ``tiny``, a hub id, or a complete model folder: a ``config.json``, a tokenizer and
+weights (every shard a sharded index names). Network checks,
 each with a deadline of :data:`TIMEOUT_S` and no retries: the sandbox service answers its health
-call with the token; the MLflow tracking server answers ``/health``; a hub id that is not in the
-local cache exists on the hub. ``validate --offline`` runs the local checks only.
+call with the token; the MLflow tracking server answers an API call (not only ``/health``); a hub id
+that is not in the local cache exists on the hub. :func:`check_health` checks a list of servers (an
+inference fleet) at once. ``validate --offline`` runs the local checks only.
 
 >>> preflight(load_settings("configs/smoke.yaml"))  # doctest: +SKIP
 """
@@ -18,8 +20,10 @@ local cache exists on the hub. ``validate --offline`` runs the local checks only
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -38,7 +42,7 @@ class PreflightError(SettingsError):
 def preflight(settings: Settings, *, network: bool = True) -> None:
     """Run every start-up check; the first failure raises :class:`PreflightError`."""
     check_tasks(settings)
-    check_model_path(settings.model.path, network=network)
+    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind == "vllm")
     if not network:
         return
     check_sandbox(settings.sandbox)
@@ -65,16 +69,19 @@ def check_tasks(settings: Settings) -> None:
             raise PreflightError(f"{setting}: no {split} tasks in {root}")
 
 
-def check_model_path(path: str, *, network: bool = True) -> None:
-    """``tiny``, a folder with a ``config.json``, or a hub id (in the local cache, or on a reachable hub)."""
+def check_model_path(path: str, *, network: bool = True, safetensors: bool = False) -> None:
+    """``tiny`` (built from its config by ``models/tiny.py``), a complete model folder (:func:`model_folder_problem`),
+    or a hub id (in the local cache, or on a reachable hub). ``safetensors``: the weights must be safetensors
+    (the vLLM engine reads their headers)."""
     if path == "tiny":
         return
     folder = Path(path).expanduser()
     if folder.exists():
         if not folder.is_dir():
             raise PreflightError(f"model.path: {path} is a file; expected a model folder (config.json and weights)")
-        if not (folder / "config.json").is_file():
-            raise PreflightError(f"model.path: {path} has no config.json; is it a Hugging Face model folder?")
+        problem = model_folder_problem(folder, safetensors=safetensors)
+        if problem is not None:
+            raise PreflightError(f"model.path: {path} {problem}")
         return
     if _looks_like_a_path(path):
         raise PreflightError(f"model.path: no such folder: {path}")
@@ -83,6 +90,35 @@ def check_model_path(path: str, *, network: bool = True) -> None:
     if _in_hub_cache(path) or not network:
         return
     _check_on_hub(path)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def model_folder_problem(folder: Path, *, safetensors: bool = False) -> str | None:
+    """What keeps ``AutoModelForCausalLM`` and ``AutoTokenizer`` from loading ``folder`` (``"has no ..."``), or None:
+    a ``config.json``, one of the tokenizer files, and weights: ``*.safetensors`` or ``pytorch_model*.bin``, or a
+    sharded index whose every shard is present."""
+    if not (folder / "config.json").is_file():
+        return "has no config.json; is it a Hugging Face model folder?"
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return f"has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save one beside the weights (tokenizer.save_pretrained)"
+    for index in _WEIGHT_INDEXES:
+        if (folder / index).is_file():
+            try:
+                shards = set(json.loads((folder / index).read_text())["weight_map"].values())
+            except (ValueError, KeyError, AttributeError) as err:
+                return f"has an unreadable {index} ({type(err).__name__}: {err})"
+            missing = sorted(shard for shard in shards if not (folder / shard).is_file())
+            if missing:
+                return f"lacks {len(missing)} of the {len(shards)} weight shards {index} names: {', '.join(missing[:3])}"
+    weights = [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]
+    if not weights:
+        return "has no weights (*.safetensors, pytorch_model*.bin or a sharded index); is the download complete?"
+    if safetensors and not any(w.suffix == ".safetensors" for w in weights):
+        return "has .bin weights only; engine.kind=vllm needs safetensors (save_pretrained writes them)"
+    return None
 
 
 def _looks_like_a_path(path: str) -> bool:
@@ -148,8 +184,11 @@ def check_sandbox(sandbox: SandboxSettings, timeout_s: float = TIMEOUT_S) -> Non
 
 
 def check_tracking(tracking: TrackingSettings, timeout_s: float = TIMEOUT_S) -> None:
-    """An ``http(s)`` ``tracking.uri`` answers MLflow's ``GET /health``; a ``sqlite:///`` one lies in an
-    existing folder. Other schemes are left to MLflow."""
+    """An ``http(s)`` ``tracking.uri`` answers a real MLflow API call (search experiments, one result) within
+    ``timeout_s``: a server that answers ``/health`` and hangs on the API would otherwise block the run's
+    first MLflow call for minutes. A ``sqlite:///`` one lies in an existing folder. Other schemes are left
+    to MLflow. Credentials come from MLflow's own variables (``MLFLOW_TRACKING_TOKEN``, or
+    ``MLFLOW_TRACKING_USERNAME`` and ``MLFLOW_TRACKING_PASSWORD``)."""
     if not tracking.enabled or tracking.uri is None:
         return
     import httpx
@@ -163,17 +202,80 @@ def check_tracking(tracking: TrackingSettings, timeout_s: float = TIMEOUT_S) -> 
         return
     if scheme not in ("http", "https"):
         return
+    call = "GET /api/2.0/mlflow/experiments/search"
+    insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true")
     try:
-        response = httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+        response = httpx.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
+                             headers=_mlflow_auth(), timeout=timeout_s, verify=not insecure)
+    except httpx.TimeoutException as err:
+        raise PreflightError(
+            f"tracking.uri: the MLflow server at {uri} does not answer {call} within {timeout_s:g} s "
+            f"({type(err).__name__}); is it overloaded or hung? Unset tracking.uri to record the run in "
+            f"<run.dir>/mlflow.db"
+        ) from None
     except httpx.HTTPError as err:
         raise PreflightError(
             f"tracking.uri: the MLflow server at {uri} is unreachable ({type(err).__name__}: {err}); start it, "
             f"or unset tracking.uri to record the run in <run.dir>/mlflow.db"
         ) from None
-    if response.status_code >= 500 or response.status_code == 404:
+    if response.status_code in (401, 403):
         raise PreflightError(
-            f"tracking.uri: {uri} answered HTTP {response.status_code} to GET /health; is it an MLflow tracking server?"
+            f"tracking.uri: {uri} refused {call} (HTTP {response.status_code}); set MLFLOW_TRACKING_TOKEN, or "
+            f"MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+        )
+    if response.status_code != 200 or not _is_json_object(response):
+        raise PreflightError(
+            f"tracking.uri: {uri} answered HTTP {response.status_code} to {call}: {response.text[:200]!r}; "
+            f"is it an MLflow tracking server?"
         )
 
 
-__all__ = ["PreflightError", "check_model_path", "check_sandbox", "check_tasks", "check_tracking", "preflight"]
+def _mlflow_auth() -> dict[str, str]:
+    import base64
+
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {}
+
+
+def _is_json_object(response) -> bool:
+    try:
+        return isinstance(response.json(), dict)
+    except ValueError:
+        return False
+
+
+def check_health(setting: str, urls: Sequence[str], *, path: str = "/health", timeout_s: float = TIMEOUT_S,
+                 headers: Mapping[str, str] | None = None) -> None:
+    """Every server of ``urls`` answers ``GET <url><path>`` with a 2xx within ``timeout_s`` (all at once, so a
+    fleet costs one deadline); else one :class:`PreflightError` naming ``setting`` and every server that
+    did not, e.g. ``engine.server_urls: 2 of 8 servers do not answer GET /health within 5 s: ...``."""
+    import httpx
+
+    async def probe(client: httpx.AsyncClient, url: str) -> str | None:
+        try:
+            response = await client.get(f"{url.rstrip('/')}{path}")
+        except httpx.HTTPError as err:
+            return f"{url} ({type(err).__name__}{f': {err}' if str(err) else ''})"
+        return None if response.is_success else f"{url} (HTTP {response.status_code})"
+
+    async def probe_all() -> list[str]:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=dict(headers or {})) as client:
+            return [p for p in await asyncio.gather(*(probe(client, url) for url in urls)) if p is not None]
+
+    if not urls:
+        raise PreflightError(f"{setting}: no server URL given")
+    failed = asyncio.run(probe_all())
+    if failed:
+        raise PreflightError(f"{setting}: {len(failed)} of {len(urls)} servers do not answer GET {path} within "
+                             f"{timeout_s:g} s: {'; '.join(failed)}")
+
+
+__all__ = [
+    "PreflightError", "check_health", "check_model_path", "check_sandbox", "check_tasks", "check_tracking",
+    "model_folder_problem", "preflight",
+]

@@ -94,10 +94,15 @@ class SandboxSettings(_Section):
     """Sandbox service URL. Unset: start the reference server on a free 127.0.0.1 port for this run."""
     token: str | None = None
     """Bearer token for `sandbox.url` (a random one is made for the local server)."""
-    request_timeout_s: float = Field(60.0, gt=0)
-    """Deadline of one HTTP call (a command's own timeout comes on top)."""
+    request_timeout_s: float = Field(10.0, gt=0)
+    """Deadline of one HTTP attempt (a command's own timeout comes on top)."""
     max_retries: int = Field(4, ge=0)
-    """Retries of idempotent calls on connection errors, 5xx and 429."""
+    """Retries of a call on connection errors, timeouts, 5xx and 429 (exec and create carry an idempotency key)."""
+    call_timeout_s: float = Field(30.0, gt=0)
+    """Deadline of one call, its retries included (a command's own timeout comes on top). It bounds what a frozen
+    service (it accepts connections, never answers) costs: each episode then ends with `sandbox_error` within
+    `call_timeout_s + env.tool_timeout_s` of its pending call, plus `request_timeout_s` for the cleanup delete,
+    i.e. within 60 s with the defaults, and the circuit breaker trips at the first step whose every episode failed."""
 
 
 class EnvSettings(_Section):
@@ -334,6 +339,11 @@ class Settings(BaseSettings):
                     f"rollout.groups_per_step ({self.rollout.groups_per_step}) must be a multiple of the training "
                     f"processes, trainer.devices x trainer.num_nodes ({processes}): each trains on whole groups"
                 )
+        if self.sandbox.call_timeout_s < self.sandbox.request_timeout_s:
+            raise ValueError(
+                f"sandbox.call_timeout_s ({self.sandbox.call_timeout_s:g}) must be >= sandbox.request_timeout_s "
+                f"({self.sandbox.request_timeout_s:g}): it is the deadline of a call, all its attempts included"
+            )
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
         return self

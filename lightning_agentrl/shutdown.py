@@ -10,7 +10,8 @@ SIGTERM handling ends ``trainer.fit`` with a bare ``SystemExit`` (status 0). Her
   A trainer waiting for rollouts is woken at once (the rollout buffer fails with :class:`StopRequested`).
 - **A stuck run** still ends: a watchdog thread, fed by ``signal.set_wakeup_fd`` (so it hears the
   signal even while the main thread is blocked in C code), exits the process with the same status
-  after ``trainer.stop_grace_s`` or on a second signal, after stopping the local sandbox server.
+  after ``trainer.stop_grace_s`` or on a second signal, after stopping the local sandbox server
+  (10 s at most); that exit waits on no lock a stuck thread may hold.
 - **A failed dependency** during the run raises a :class:`RunStopped` subclass whose
   ``exit_status`` the command line returns (see ``callbacks/circuit_breaker.py``).
 
@@ -168,13 +169,27 @@ class StopOnSignal(L.Callback):
 
     def hard_exit(self, why: str) -> None:
         """The watchdog's exit: no checkpoint, the local sandbox server stopped, status 128 + signal."""
-        signum = self.signum or signal.SIGTERM
-        print(f"error: {why}; exiting without a new checkpoint (the last one: {self.checkpoint})",
-              file=sys.stderr, flush=True)
+        status = 128 + (self.signum or signal.SIGTERM)
+        # The exit itself must not wait on anything a stuck thread may hold: printing takes the lock of
+        # sys.stderr (held by a thread blocked on a full pipe, say), the cleanup a server's shutdown. A
+        # thread that only sleeps then exits is the last word.
+        threading.Thread(target=_exit_after, args=(HARD_EXIT_CLEANUP_S + 5, status), daemon=True).start()
+        message = f"error: {why}; exiting without a new checkpoint (the last one: {self.checkpoint})\n"
+        with contextlib.suppress(OSError):
+            os.write(sys.stderr.fileno(), message.encode())
         cleanup = threading.Thread(target=self.on_hard_exit, daemon=True)
         cleanup.start()
-        cleanup.join(timeout=10)
-        os._exit(128 + signum)
+        cleanup.join(timeout=HARD_EXIT_CLEANUP_S)
+        os._exit(status)
+
+
+HARD_EXIT_CLEANUP_S = 10.0
+"""Longest wait for the cleanup (stopping the local sandbox server) before a watchdog exit."""
+
+
+def _exit_after(seconds: float, status: int) -> None:
+    time.sleep(seconds)
+    os._exit(status)
 
 
 class _Watchdog:

@@ -107,6 +107,16 @@ def record_settings(settings: Settings, run_dir: Path, logger) -> None:
     settings_file.write_text(yaml.safe_dump(_with_absolute_paths(settings), sort_keys=False))
     if logger is None:
         return
+    from mlflow.exceptions import MlflowException
+
+    try:
+        _record_in_mlflow(settings, run_dir, logger, settings_file)
+    except MlflowException as err:  # a server that passed the start-up check and failed since
+        why = " ".join(err.message.split())[:500]
+        raise SettingsError(f"tracking.uri: recording the run in {tracking_uri(settings, run_dir)} failed: {why}") from None
+
+
+def _record_in_mlflow(settings: Settings, run_dir: Path, logger, settings_file: Path) -> None:
     (run_dir / "mlflow_run_id.txt").write_text(logger.run_id)
     params = flatten(settings)
     logged = logger.experiment.get_run(logger.run_id).data.params
@@ -224,7 +234,8 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     codec = ChatCodec(tokenizer)
     s = settings.sandbox
-    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries, log_dir=run_dir)
+    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
+                          call_timeout_s=s.call_timeout_s, log_dir=run_dir)
     engine = make_engine(settings, model_path, tokenizer)
     service = build_rollout_service(
         settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks

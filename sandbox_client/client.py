@@ -1,8 +1,13 @@
 """Async client of the sandbox protocol v1 (docs/sandbox.md).
 
-Every call retries connection errors, 5xx and 429 (honouring Retry-After) with exponential backoff
-and jitter. Calls that are not naturally idempotent (create, fork, exec) carry an idempotency key that
-stays the same across retries; the server answers a repeated key with the first result, so a retried
+Every call retries connection errors, timeouts, 5xx and 429 (honouring Retry-After) with exponential
+backoff and jitter, within two deadlines: ``timeout_s`` per attempt and ``call_timeout_s`` for the
+whole call, retries included (a command's own timeout comes on top of both). The second bounds what
+a frozen service (it accepts connections and never answers) costs: without it, every attempt waits
+its full ``timeout_s``, i.e. ``(max_retries + 1) x timeout_s`` per call.
+
+Calls that are not naturally idempotent (create, fork, exec) carry an idempotency key that stays
+the same across retries; the server answers a repeated key with the first result, so a retried
 exec never runs the command twice.
 
     async with SandboxClient(url, token) as client:
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import random
+import time
 import uuid
 from typing import Any
 
@@ -39,10 +45,12 @@ class SandboxClient:
     """Client for one sandbox service. Use as an async context manager (or call :meth:`close`)."""
 
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 30.0, max_retries: int = 4,
-                 backoff_s: float = 0.25, max_backoff_s: float = 8.0, max_connections: int = 64,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 call_timeout_s: float | None = None, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
+                 max_connections: int = 64, transport: httpx.AsyncBaseTransport | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if call_timeout_s is not None and call_timeout_s < timeout_s:
+            raise ValueError(f"call_timeout_s ({call_timeout_s}) must be >= timeout_s ({timeout_s}), or None")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if backoff_s < 0 or max_backoff_s < 0:
@@ -54,6 +62,7 @@ class SandboxClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        self.call_timeout_s = call_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._http = httpx.AsyncClient(
@@ -81,33 +90,36 @@ class SandboxClient:
         return min(self.max_backoff_s, self.backoff_s * (2**attempt)) * random.uniform(0.5, 1.5)
 
     async def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-                       timeout_s: float | None = None) -> tuple[httpx.Response, int]:
-        """Send with retries; returns the final response (2xx or a non-retryable 4xx) and the attempt index."""
-        timeout = httpx.Timeout(timeout_s) if timeout_s is not None else None
+                       extra_s: float = 0.0) -> tuple[httpx.Response, int]:
+        """Send with retries; returns the final response (2xx or a non-retryable 4xx) and the attempt index.
+        ``extra_s`` (a command's own timeout) extends both deadlines."""
+        deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s + extra_s
         for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
-            kwargs: dict[str, Any] = {"json": json, "params": params}
-            if timeout is not None:
-                kwargs["timeout"] = timeout
+            attempt_s = self.timeout_s + extra_s
+            if deadline is not None:
+                attempt_s = min(attempt_s, deadline - time.monotonic())
             try:
-                request = self._http.build_request(method, path, **kwargs)
+                request = self._http.build_request(method, path, json=json, params=params,
+                                                   timeout=httpx.Timeout(max(attempt_s, 1e-3)))
             except UnicodeEncodeError as exc:  # a lone surrogate: no server could store it as UTF-8
                 raise SandboxRequestError(f"{method} {path}: text is not valid Unicode ({exc.reason} at "
                                           f"position {exc.start})", code="invalid_encoding") from None
+            last = attempt == self.max_retries
             try:
                 response = await self._http.send(request)
             except httpx.TransportError as exc:  # connect/read errors, resets, timeouts
-                if last:
+                if last or _expired(deadline):
+                    within = "" if deadline is None else f" within call_timeout_s={self.call_timeout_s + extra_s:g} s"
                     raise SandboxInfraError(
-                        f"{method} {path}: sandbox server unreachable after {attempt + 1} attempts: "
+                        f"{method} {path}: sandbox server unreachable after {attempt + 1} attempts{within}: "
                         f"{type(exc).__name__}: {exc}") from exc
-                await asyncio.sleep(self._backoff(attempt))
+                await _sleep(self._backoff(attempt), deadline)
                 continue
             status = response.status_code
             if status == 429 or status >= 500:
-                if last:
+                if last or _expired(deadline):
                     raise _classify(response, method, path, attempts=attempt + 1)
-                await asyncio.sleep(_retry_after(response) if status == 429 else self._backoff(attempt))
+                await _sleep(_retry_after(response) if status == 429 else self._backoff(attempt), deadline)
                 continue
             return response, attempt
         raise AssertionError("unreachable")
@@ -144,9 +156,8 @@ class SandboxClient:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         body = {"command": command, "stdin": stdin, "env": env or {}, "timeout_s": timeout_s,
                 "idempotency_key": uuid.uuid4().hex}
-        # The HTTP deadline covers the command's own timeout plus the usual request budget.
-        response = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body,
-                                    timeout_s=timeout_s + self.timeout_s)
+        # Both deadlines cover the command's own timeout plus the usual request budget.
+        response = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, extra_s=timeout_s)
         result = ExecResult.from_json(response.json())
         if result.timed_out:
             raise CommandTimeout(f"command timed out after {timeout_s} s and was killed", result)
@@ -184,6 +195,17 @@ class SandboxClient:
             return  # an earlier attempt deleted it before its answer was lost
         if response.status_code != 204:
             raise _classify(response, "DELETE", f"/v1/sandboxes/{sandbox_id}")
+
+
+def _expired(deadline: float | None, margin_s: float = 0.01) -> bool:
+    return deadline is not None and deadline - time.monotonic() < margin_s
+
+
+async def _sleep(seconds: float, deadline: float | None) -> None:
+    """Back off, but never past the call's deadline (the last attempt gets what is left)."""
+    if deadline is not None:
+        seconds = min(seconds, max(0.0, deadline - time.monotonic() - 0.05))
+    await asyncio.sleep(seconds)
 
 
 def _retry_after(response: httpx.Response) -> float:

@@ -4,6 +4,7 @@ nothing. Real processes and real servers, no mocks."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,8 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
-def cli(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "lightning_agentrl", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -39,7 +40,7 @@ def test_fit_with_an_unreachable_sandbox_service_stops_in_seconds_before_any_mod
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: sandbox.url: the sandbox service at {DEAD} does not answer")
     assert "Traceback" not in done.stderr
-    assert seconds < 60  # vs 200 s of retries before; imports dominate on a loaded machine
+    assert seconds < 120  # vs 200 s of retries before; imports dominate (a minute on a loaded machine)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -48,7 +49,90 @@ def test_fit_with_an_unreachable_tracking_server_stops_in_seconds(tmp_path):
                         f"--tracking.uri={DEAD}")
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: tracking.uri: the MLflow server at {DEAD} is unreachable")
-    assert seconds < 60  # vs 200 s of retries before; imports dominate on a loaded machine
+    assert seconds < 120  # vs 200 s of retries before; imports dominate (a minute on a loaded machine)
+
+
+class _HealthOnlyServer:
+    """An HTTP server that answers ``/health`` (200) and, on every other path, hangs, or answers 404 or 500:
+    what a proxy in front of a dead MLflow, or another service on its port, looks like."""
+
+    def __init__(self, other: str, *, search_answers: bool = False) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                if search_answers and self.path.startswith("/api/2.0/mlflow/experiments/search"):
+                    self.answer(200, b'{"experiments": []}')
+                elif self.path == "/health":
+                    self.answer(200, b"OK")
+                elif other == "hang":
+                    time.sleep(3600)
+                else:
+                    self.answer(int(other), b"{}")
+
+            def answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET  # noqa: N815
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_fit_with_a_tracking_server_that_answers_only_its_health_call_stops_in_seconds(tmp_path):
+    hanging = _HealthOnlyServer("hang")
+    done, seconds = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={tmp_path / 'run'}",
+                        f"--tracking.uri={hanging.url}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert error_line(done.stderr).startswith(
+        f"error: tracking.uri: the MLflow server at {hanging.url} does not answer GET /api/2.0/mlflow/experiments/search "
+        f"within 5 s")
+    assert "Traceback" not in done.stderr
+    assert seconds < 120  # vs minutes of MLflow retries in the first MLflow call; imports dominate
+    assert not (tmp_path / "run" / "mlflow_run_id.txt").exists()
+    start = time.monotonic()  # the check alone, without the imports: its 5 s deadline
+    assert main(["validate", "--config", "configs/smoke.yaml", f"--tracking.uri={hanging.url}"]) == 2
+    assert time.monotonic() - start < 15
+
+
+def test_a_tracking_server_that_fails_after_the_start_up_check_is_one_error_line(tmp_path):
+    failing = _HealthOnlyServer("500", search_answers=True)  # passes the check, then fails every call
+    done, _ = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={tmp_path / 'run'}",
+                  f"--tracking.uri={failing.url}", env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})  # the test's time
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert error_line(done.stderr).startswith(f"error: tracking.uri: recording the run in {failing.url} failed: ")
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("status", ["404", "500"])
+def test_a_tracking_uri_whose_api_fails_is_named(status, capsys):
+    server = _HealthOnlyServer(status)
+    assert main(["validate", "--config", "configs/smoke.yaml", f"--tracking.uri={server.url}"]) == 2
+    assert error_line(capsys.readouterr().err).startswith(
+        f"error: tracking.uri: {server.url} answered HTTP {status} to GET /api/2.0/mlflow/experiments/search")
+
+
+def test_check_health_names_every_server_of_a_fleet_that_does_not_answer():
+    from lightning_agentrl.preflight import PreflightError, check_health
+
+    live, broken = _HealthOnlyServer("404"), _HealthOnlyServer("500")
+    check_health("engine.server_urls", [live.url, live.url + "/"])
+    with pytest.raises(PreflightError) as raised:
+        check_health("engine.server_urls", [live.url, DEAD, broken.url], path="/v1/models", timeout_s=2)
+    message = str(raised.value)
+    assert message.startswith("engine.server_urls: 3 of 3 servers do not answer GET /v1/models within 2 s: ")
+    assert f"{DEAD} (ConnectError" in message and f"{live.url} (HTTP 404)" in message
+    with pytest.raises(PreflightError, match=r"^engine.server_urls: 1 of 2 servers .*: http://127.0.0.1:9 "):
+        check_health("engine.server_urls", [live.url, DEAD])
 
 
 @pytest.mark.parametrize(
@@ -180,7 +264,8 @@ class _HangingSandbox:
 def test_a_run_stuck_on_a_hanging_service_ends_on_a_signal_with_a_checkpoint(tmp_path, signum, status):
     hanging = _HangingSandbox()
     run = tmp_path / "run"
-    process = start_fit(run, f"--sandbox.url={hanging.url}", "--sandbox.token=x", "--sandbox.request_timeout_s=3600")
+    process = start_fit(run, f"--sandbox.url={hanging.url}", "--sandbox.token=x", "--sandbox.request_timeout_s=3600",
+                        "--sandbox.call_timeout_s=3600")
     wait_for(run / "mlflow_run_id.txt", process)
     time.sleep(8)  # trainer.fit is running, the trainer waits for rollouts that never come
     start = time.monotonic()
@@ -280,17 +365,40 @@ def test_sigterm_mid_step_checkpoints_exits_143_and_resume_continues_exactly(tmp
         assert got[step] == pytest.approx(expected[step], abs=1e-6), (step, got, expected)
 
 
-def test_a_truncated_last_ckpt_resumes_from_the_newest_intact_step_checkpoint(tmp_path):
+def corrupt_pickle(path: Path) -> None:
+    """Overwrite bytes inside the checkpoint's ``data.pkl`` in place: the zip stays whole, the pickle is garbage."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        member = next(m for m in archive.infolist() if m.filename.endswith("data.pkl"))
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[member.header_offset + 26: member.header_offset + 30])
+    start = member.header_offset + 30 + name_len + extra_len
+    data[start + 2: start + 12] = b"\xff" * 10
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_last_ckpt_resumes_from_the_newest_intact_step_checkpoint(tmp_path):
+    """``last.ckpt`` with a corrupt ``data.pkl`` inside an intact zip, and a truncated newer step checkpoint:
+    the resume names both and continues from the intact one."""
+    import shutil
+
     run = tmp_path / "run"
     process = start_fit(run, "--trainer.max_steps=1")
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
-    truncate(run / "checkpoints" / "last.ckpt")
+    checkpoints = run / "checkpoints"
+    corrupt_pickle(checkpoints / "last.ckpt")
+    shutil.copy(checkpoints / "step_step=1.ckpt", checkpoints / "step_step=5.ckpt")
+    truncate(checkpoints / "step_step=5.ckpt")
     process = start_fit(run, "--trainer.max_steps=2", "--resume", "last")
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
-    assert f"{run / 'checkpoints' / 'last.ckpt'} is not usable (truncated" in output
-    assert f"resuming from {run / 'checkpoints' / 'step_step=1.ckpt'} instead" in output
+    assert re.search(rf"{re.escape(str(checkpoints / 'last.ckpt'))} is not usable \(corrupt: Bad CRC-32 for file "
+                     rf"'[^']*data.pkl'\)", output), output[-3000:]
+    assert f"{checkpoints / 'step_step=5.ckpt'} is not usable (truncated" in output
+    assert f"resuming from {checkpoints / 'step_step=1.ckpt'} instead" in output
     assert summary_step(run) == 2
 
 
@@ -319,6 +427,31 @@ def test_checkpoint_integrity_of_files_and_deepspeed_folders(tmp_path):
     (folder / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
     with pytest.warns(UserWarning, match=r"optim_states.pt: truncated.*resuming from .*step_step=7.ckpt instead"):
         assert resume_checkpoint(folder.parent) == step
+    shard = folder / "checkpoint" / "mp_rank_00_model_states.pt"
+    (folder / "checkpoint" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(good.read_bytes())
+    corrupt_pickle(shard)
+    assert checkpoint_problem(folder) == "checkpoint/mp_rank_00_model_states.pt: corrupt: Bad CRC-32 for file 'good/data.pkl'"
+
+
+def test_a_rewritten_pickle_with_valid_crcs_is_caught_and_a_failed_load_names_the_file(tmp_path):
+    import zipfile
+
+    import torch
+
+    from lightning_agentrl.checkpoint_io import AtomicCheckpointIO
+    from lightning_agentrl.resume import checkpoint_problem
+    from lightning_agentrl.settings import SettingsError
+
+    good, bad = tmp_path / "good.ckpt", tmp_path / "bad.ckpt"
+    torch.save({"w": torch.ones(10), "global_step": 3}, good)
+    with zipfile.ZipFile(good) as source, zipfile.ZipFile(bad, "w") as target:
+        for member in source.infolist():  # a new archive: every CRC matches, the pickle is cut and padded
+            data = source.read(member)
+            target.writestr(member, data[: len(data) // 2] + b"garbage!" if member.filename.endswith(".pkl") else data)
+    assert checkpoint_problem(bad).startswith("corrupt: its pickle good/data.pkl does not parse (")
+    with pytest.raises(SettingsError, match=rf"^checkpoint {bad} cannot be loaded \(.*\); it is damaged: move it aside"):
+        AtomicCheckpointIO().load_checkpoint(bad)
+    assert AtomicCheckpointIO().load_checkpoint(good)["global_step"] == 3
 
 
 def test_batches_with_nothing_to_train_take_no_step_and_stop_the_run(tmp_path):
@@ -420,3 +553,144 @@ def test_a_hub_id_that_is_not_cached_needs_a_reachable_hub(monkeypatch, capsys):
     assert main(args) == 2
     assert "HF_HUB_OFFLINE is set" in capsys.readouterr().err
     assert main([*args, "--offline"]) == 0
+
+
+# -- incomplete model folders ----------------------------------------------------------------------
+def _model_folder(tmp_path: Path, tiny_model_path: Path, *names: str) -> Path:
+    import shutil
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in names:
+        shutil.copy(tiny_model_path / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (["config.json"], "has no tokenizer (tokenizer.json, tokenizer.model, vocab.json, tokenizer_config.json)"),
+        (["config.json", "tokenizer.json", "tokenizer_config.json"], "has no weights (*.safetensors, pytorch_model*.bin"),
+        (["config.json", "tokenizer.json", "model.safetensors.index.json"],
+         "lacks 1 of the 2 weight shards model.safetensors.index.json names: model-00002-of-00002.safetensors"),
+    ],
+)
+def test_an_incomplete_model_folder_is_named_before_any_model_loads(tmp_path, tiny_model_path, files, expected, capsys):
+    import json
+    import shutil
+
+    if "model.safetensors.index.json" in files:  # a sharded checkpoint whose second shard never arrived
+        index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                 "b": "model-00002-of-00002.safetensors"}}
+        folder = _model_folder(tmp_path, tiny_model_path, "config.json", "tokenizer.json")
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        shutil.copy(tiny_model_path / "model.safetensors", folder / "model-00001-of-00002.safetensors")
+    else:
+        folder = _model_folder(tmp_path, tiny_model_path, *files)
+    assert main(["validate", "--config", "configs/smoke.yaml", f"--model.path={folder}", "--offline"]) == 2
+    assert error_line(capsys.readouterr().err).startswith(f"error: model.path: {folder} {expected}")
+
+
+def test_a_complete_model_folder_passes_and_vllm_needs_safetensors(tmp_path, tiny_model_path, capsys):
+    args = ["validate", "--config", "configs/smoke.yaml", "--offline"]
+    assert main([*args, f"--model.path={tiny_model_path}"]) == 0
+    assert main([*args, f"--model.path={tiny_model_path}", "--engine.kind=vllm"]) == 0
+    capsys.readouterr()
+    folder = _model_folder(tmp_path, tiny_model_path, "config.json", "tokenizer.json", "tokenizer_config.json")
+    (folder / "pytorch_model.bin").write_bytes(b"")  # the name is what counts here
+    assert main([*args, f"--model.path={folder}"]) == 0
+    assert main([*args, f"--model.path={folder}", "--engine.kind=vllm"]) == 2
+    assert error_line(capsys.readouterr().err).startswith(
+        f"error: model.path: {folder} has .bin weights only; engine.kind=vllm needs safetensors")
+
+
+# -- a frozen sandbox service ----------------------------------------------------------------------
+@pytest.fixture
+def frozen_url():
+    """A socket that takes connections (the kernel's backlog) and never answers: a frozen service."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_call_to_a_frozen_service_ends_within_call_timeout_whatever_the_retries(frozen_url):
+    import asyncio
+
+    from sandbox_client import SandboxClient, SandboxInfraError
+
+    async def create() -> None:
+        async with SandboxClient(frozen_url, "x", timeout_s=0.5, call_timeout_s=1.5, max_retries=4) as client:
+            await client.create({"a.py": ""})
+
+    start = time.monotonic()
+    with pytest.raises(SandboxInfraError, match=r"unreachable after \d attempts within call_timeout_s=1.5 s: ReadTimeout"):
+        asyncio.run(create())
+    assert 1.4 <= time.monotonic() - start < 3  # not (max_retries + 1) x timeout_s and backoffs
+
+
+def test_with_default_settings_a_frozen_service_ends_an_episode_within_a_minute():
+    from lightning_agentrl.settings import Settings
+
+    settings = Settings()
+    s, env = settings.sandbox, settings.env
+    # the pending call (a command's timeout on top), then the cleanup delete (one attempt): sandbox.call_timeout_s
+    worst_episode_s = s.call_timeout_s + env.tool_timeout_s + s.request_timeout_s
+    assert worst_episode_s <= 60, worst_episode_s
+    with pytest.raises(Exception, match=r"sandbox.call_timeout_s \(5\) must be >= sandbox.request_timeout_s \(10\)"):
+        Settings(sandbox={"call_timeout_s": 5})
+
+
+def test_a_sandbox_service_frozen_mid_run_trips_the_breaker_within_its_timeouts(tmp_path):
+    from sandbox_server.launch import start_local_server
+
+    run = tmp_path / "run"
+    with start_local_server() as server:
+        process = start_fit(run, f"--sandbox.url={server.url}", f"--sandbox.token={server.token}",
+                            "--trainer.max_steps=4", "--sandbox.request_timeout_s=3", "--sandbox.call_timeout_s=5",
+                            "--env.tool_timeout_s=5")
+        wait_for(run / "trajectories" / "step_000000.jsonl", process)
+        os.kill(server.process.pid, signal.SIGSTOP)  # it keeps its socket: connections queue, nothing answers
+        frozen_at = time.monotonic()
+        try:
+            output, _ = process.communicate(timeout=300)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+    seconds = time.monotonic() - frozen_at
+    assert process.returncode == 3, output[-3000:]
+    line = error_line(output)
+    assert line.startswith("error: the sandbox service failed: every episode of the step (8) ended with sandbox_error;")
+    assert "within call_timeout_s=" in line and "ReadTimeout" in line
+    assert "Checkpoint: " in line and not (run / "summary.json").exists()
+    # one step of episodes, each ending within call + tool timeouts (10 s) and a 3 s delete; the rest is the
+    # training step and the checkpoint on a loaded machine. Before: 5 attempts x 60 s per call.
+    assert seconds < 90, seconds
+
+
+def test_with_on_infra_failure_wait_a_sigterm_ends_the_wait_with_a_checkpoint(tmp_path):
+    from sandbox_server.launch import start_local_server
+
+    run = tmp_path / "run"
+    with start_local_server() as server:
+        process = start_fit(run, f"--sandbox.url={server.url}", f"--sandbox.token={server.token}",
+                            "--trainer.max_steps=3", "--rollout.on_infra_failure=wait", "--rollout.infra_wait_s=600")
+        wait_for(run / "trajectories" / "step_000000.jsonl", process)
+        server.stop()
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "waiting up to 600 s for it to answer" in line:
+            break
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    output = "".join(lines) + output
+    assert process.returncode == 143, output[-3000:]
+    assert time.monotonic() - start < 30  # the wait ends at once, not after trainer.stop_grace_s (120 s)
+    last = run / "checkpoints" / "last.ckpt"
+    assert f"stopped by SIGTERM at step 1, checkpoint {last}; continue with --resume last" in output
+    import torch
+
+    assert torch.load(last, weights_only=False)["global_step"] == 1

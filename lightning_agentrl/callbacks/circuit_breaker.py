@@ -8,8 +8,9 @@ service does not crash a run: it silently trains on nothing, step after step. Tw
   seen ``window`` groups), or when every episode of a step failed, it trips: with ``stop`` it writes
   a checkpoint and raises :class:`SandboxOutage` (exit status 3) naming the share and the last
   error; with ``wait`` it polls the service's health with exponential backoff (1 s to 60 s) for up
-  to ``wait_s`` and goes on once it answers. A fleet that loses one server of several behind its
-  URL keeps the share low (it routes around the dead one), so the breaker stays closed.
+  to ``wait_s`` and goes on once it answers; a SIGTERM or SIGINT ends the wait at once (the run
+  checkpoints and exits with 143 / 130, ``shutdown.py``). A fleet that loses one server of several
+  behind its URL keeps the share low (it routes around the dead one), so the breaker stays closed.
 - :class:`EmptyStepGuard`: a batch with no trainable token takes no optimizer step
   (``AgentRLModule.skipped_step``); the guard lets the rollout service start the next step's groups
   at the current weights (its staleness gate otherwise opens only on new weights) and stops the
@@ -33,6 +34,9 @@ from typing_extensions import override
 from lightning_agentrl.distributed import all_gather
 from lightning_agentrl.shutdown import RunStopped
 from lightning_agentrl.trajectory import RolloutBatch, TerminationReason
+
+HEALTH_TIMEOUT_S = 5.0
+"""Deadline of one health call while waiting for the service (a frozen service must not stall the wait)."""
 
 
 class SandboxOutage(RunStopped):
@@ -113,7 +117,7 @@ class InfraCircuitBreaker(L.Callback):
         last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
         what = f"the sandbox service failed: {why} with sandbox_error; last error: {last_error}"
         self.num_trips += 1
-        if self.on_failure == "wait" and self._service_came_back(what):
+        if self.on_failure == "wait" and self._service_came_back(trainer, what):
             self.window.clear()
             return
         if self._saved_step != trainer.global_step:
@@ -125,17 +129,21 @@ class InfraCircuitBreaker(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         self._saved_step = trainer.global_step
 
-    def _service_came_back(self, what: str) -> bool:
+    def _service_came_back(self, trainer: L.Trainer, what: str) -> bool:
         rank_zero_warn(f"{what}; waiting up to {self.wait_s:g} s for it to answer (rollout.on_infra_failure=wait)")
-        return all(all_gather(self._wait_for_health()))
+        return all(all_gather(self._wait_for_health(lambda: trainer.received_sigterm)))
 
-    def _wait_for_health(self) -> bool:
+    def _wait_for_health(self, stopping) -> bool:
+        """Poll the health call with backoff until it answers (True), ``wait_s`` passes or ``stopping()``
+        (a SIGTERM or SIGINT: the run checkpoints and exits at once) (False)."""
         deadline = time.monotonic() + self.wait_s
         delay = 1.0
-        while time.monotonic() < deadline:
-            if _healthy(self.sandbox):
+        while time.monotonic() < deadline and not stopping():
+            if _healthy(self.sandbox, timeout_s=min(HEALTH_TIMEOUT_S, self.wait_s)):
                 return True
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            pause_until = min(time.monotonic() + delay, deadline)
+            while time.monotonic() < pause_until and not stopping():
+                time.sleep(min(0.2, max(0.0, pause_until - time.monotonic())))
             delay = min(delay * 2, 60.0)
         return False
 
@@ -201,9 +209,9 @@ def _last_error(batch: RolloutBatch) -> str | None:
     return errors[-1] if errors else None
 
 
-def _healthy(sandbox) -> bool:
+def _healthy(sandbox, timeout_s: float) -> bool:
     async def health() -> bool:
-        client = sandbox.make_client()
+        client = sandbox.make_client(timeout_s=timeout_s, max_retries=0, call_timeout_s=None)
         try:
             return (await client.health()).get("status") == "ok"
         finally:

@@ -11,6 +11,7 @@ last observation. Two episodes that read the same file from the same start are i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 
@@ -124,7 +125,7 @@ class CodingEnv:
     async def close(self) -> None:
         if self.sandbox_id is not None:
             sandbox_id, self.sandbox_id = self.sandbox_id, None
-            try:
-                await self.client.delete(sandbox_id)
+            try:  # one attempt's time at most: after a frozen service's timeout, do not wait for it again
+                await asyncio.wait_for(self.client.delete(sandbox_id), timeout=self.client.timeout_s)
             except Exception:  # the TTL reaper collects it; never fail an episode on cleanup
                 pass
