@@ -84,6 +84,10 @@ class ExecRequest(BaseModel):
     command: str | list[str] = Field(description="shell string (run by /bin/sh -c) or argv list")
     stdin: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
+    peer_command: list[str] | None = Field(
+        default=None, description="argv of a second process run as the sandbox's uid, while `command` runs as the "
+        "sandbox's judge uid; the command's fds 3, 4 and 5 are pipes to the peer's stdin, from its stdout and "
+        "from its stderr (scoring: docs/sandbox.md)")
     timeout_s: float = 30.0
     idempotency_key: str | None = Field(default=None, max_length=200)
 
@@ -480,6 +484,9 @@ def create_app(options: ServerOptions) -> FastAPI:
         argv = _argv(body.command)
         env = _env(body.env)
         _check_exec_size(argv, env)
+        peer = _argv(body.peer_command) if body.peer_command is not None else None
+        if peer is not None:
+            _check_exec_size(peer, {})
         if not 0 < body.timeout_s <= options.max_timeout_s:
             raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {options.max_timeout_s}], got {body.timeout_s}")
         stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
@@ -490,7 +497,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             box.tasks.add(task)
             try:
                 result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env, slot=box.slot,
-                                             cgroup=box.id,
+                                             cgroup=box.id, peer=peer,
                                              timeout_s=body.timeout_s, network=box.network)
             finally:
                 box.tasks.discard(task)

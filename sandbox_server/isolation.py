@@ -67,6 +67,7 @@ _DRAIN_GRACE_S = 0.5
 # Starting commands gets its own threads: a long file operation (a fork's copy) on the default
 # executor must not delay every command start behind it.
 _SPAWN_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sandbox-spawn")
+_PAIR_LAUNCH_SOURCE = (Path(__file__).resolve().parent / "pair_launch.py").read_text(encoding="utf-8")
 _ARGS_FD_SLOT = "<args-fd>"  # placeholder (compared by identity) for the memfd number
 _PR_SET_PDEATHSIG = 1
 try:
@@ -291,6 +292,8 @@ class Isolation:
             "tmp_per_command": (f"private tmpfs /tmp of {options.tmp_bytes} bytes" if self.backend == "bwrap"
                                 else "inside the sandbox folder (TMPDIR)" if self.disk_quota else None),
             "uid_per_sandbox": f"uids {uid}..{uid + options.max_sandboxes - 1}" if per_uid else None,
+            "judge_uid_per_sandbox": (f"uids {uid + options.max_sandboxes}..{uid + 2 * options.max_sandboxes - 1} "
+                                      "(exec command when peer_command is set)" if per_uid else None),
             "address_space_per_process": f"RLIMIT_AS={options.address_space_bytes}",
             "cpu_time_per_process": f"RLIMIT_CPU={options.cpu_time_s}",
             "file_size": f"RLIMIT_FSIZE={options.file_size_bytes}",
@@ -386,6 +389,8 @@ class Isolation:
         for d in python_dirs:
             cmd += ["--ro-bind", d, d]
         cmd += ["--bind", str(workspace), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+        if uid is None and self._bwrap_mode == "setpriv":  # the pair launcher switches uids itself
+            return cmd, argv
         if uid is not None and self._bwrap_mode == "setpriv":
             assert self._setpriv is not None and self._env_bin is not None
             # setpriv runs as root inside the mount namespace: it starts with an empty environment
@@ -401,13 +406,35 @@ class Isolation:
             cmd += ["--setenv", name, value]
         return cmd, argv
 
+    def judge_uid(self, slot: int) -> int | None:
+        """uid of an exec's command when it has a ``peer_command`` (the peer gets ``command_uid``):
+        one no sandbox runs as, so the peer cannot signal, trace or read it. None: no uid switch."""
+        if not self.per_sandbox_uids:
+            return None
+        assert self.uid is not None
+        return self.uid + self.options.max_sandboxes + slot
+
+    def pair_argv(self, argv: list[str], peer: list[str], env: dict[str, str], slot: int) -> list[str]:
+        """The launcher (``pair_launch``) that starts ``argv`` as the judge uid and ``peer`` as the sandbox's."""
+        spec = {"command": argv, "peer": peer, "env": env, "judge_uid": self.judge_uid(slot),
+                "peer_uid": self.command_uid(slot) if self.per_sandbox_uids else None}
+        return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, json.dumps(spec)]
+
     def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool,
-               uid: int | None) -> Launch:
-        """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file."""
+               uid: int | None, peer: list[str] | None = None, slot: int = 0) -> Launch:
+        """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file.
+        With ``peer``, the pair launcher runs as the server's uid (root) and switches each process's uid."""
+        if peer is not None:
+            argv = self.pair_argv(argv, peer, env, slot)
+            if self.per_sandbox_uids:
+                uid = None
         if self.backend == "bwrap":
             assert self._bwrap is not None
             options, command = self._bwrap_args(workspace, argv, env, network, uid)
             return Launch([self._bwrap, "--args", _ARGS_FD_SLOT, "--", *command], dict(HOST_ENV), options)
+        if peer is not None:  # the launcher itself starts with the fixed host environment
+            return Launch(argv, dict(HOST_ENV), None) if network or not self._process_netns else \
+                Launch([self._unshare or "unshare", "--net", "--", *argv], dict(HOST_ENV), None)
         if self._process_netns and not network:
             # unshare runs as the server's uid; the rlimits and the uid drop happen before it execs.
             return Launch([self._unshare or "unshare", "--net", "--", *argv], env, None)
@@ -423,14 +450,16 @@ class Isolation:
     # ---- running -------------------------------------------------------------------------------
     async def run(self, workspace: Path, home: Path, argv: list[str], *, stdin: bytes | None,
                   env: dict[str, str], timeout_s: float, network: bool, slot: int = 0,
-                  cgroup: str | None = None) -> RunResult:
+                  cgroup: str | None = None, peer: list[str] | None = None) -> RunResult:
         marker = uuid.uuid4().hex
         full_env = {**self.base_env(workspace, home), **env}
         if self.backend == "process":
             full_env[_MARKER_VAR] = marker
         command_uid = self.command_uid(slot)
-        launch = self.launch(workspace, argv, full_env, network, command_uid)
+        launch = self.launch(workspace, argv, full_env, network, command_uid, peer, slot)
         uid = command_uid if self.backend == "process" else None  # bwrap drops the uid itself
+        if peer is not None and self.per_sandbox_uids:
+            uid = None  # the pair launcher switches uids
         procs = self.cgroups.procs_files(cgroup) if self.cgroups is not None and cgroup else []
         start = time.monotonic()
 
