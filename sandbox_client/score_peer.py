@@ -72,6 +72,8 @@ def encode(value):
         return {"$t": "fraction", "v": str(value)}
     if kind is complex:
         return {"$t": "complex", "v": [value.real, value.imag]}
+    if kind is range:
+        return {"$t": "range", "v": [value.start, value.stop, value.step]}
     if kind in (datetime.date, datetime.datetime, datetime.time):
         return {"$t": kind.__name__, "v": value.isoformat()}
     if kind is datetime.timedelta:
@@ -99,6 +101,8 @@ def decode(data):
         return fractions.Fraction(v)
     if tag == "complex":
         return complex(*v)
+    if tag == "range":
+        return range(*v)
     if tag in ("date", "datetime", "time"):
         return getattr(datetime, tag).fromisoformat(v)
     if tag == "timedelta":

@@ -175,6 +175,8 @@ def encode(value):
         return {"$t": kind.__name__.lower(), "v": str(value)}
     if kind is complex:
         return {"$t": "complex", "v": [value.real, value.imag]}
+    if kind is range:
+        return {"$t": "range", "v": [value.start, value.stop, value.step]}
     if kind in (datetime.date, datetime.datetime, datetime.time):
         return {"$t": kind.__name__, "v": value.isoformat()}
     if kind is datetime.timedelta:
@@ -195,6 +197,7 @@ _DECODERS = {
     "set": lambda v: {decode(x) for x in v}, "frozenset": lambda v: frozenset(decode(x) for x in v),
     "dict": lambda v: {decode(k): decode(x) for k, x in v}, "bytes": base64.b64decode,
     "decimal": decimal.Decimal, "fraction": fractions.Fraction, "complex": lambda v: complex(*v),
+    "range": lambda v: range(*(int(x) for x in v)),
     "date": datetime.date.fromisoformat, "datetime": datetime.datetime.fromisoformat,
     "time": datetime.time.fromisoformat, "timedelta": lambda v: datetime.timedelta(*v),
 }
