@@ -28,6 +28,7 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandbox_server import PROTOCOL_VERSION
 from sandbox_server.isolation import Isolation, refused_env_name
@@ -378,6 +379,13 @@ def create_app(options: ServerOptions) -> FastAPI:
         log.exception("unexpected error", exc_info=exc)
         metrics.inc("errors_total", code="internal")
         return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        # The router's own answers (unknown path, wrong method) in the same typed shape as every other error.
+        code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        metrics.inc("errors_total", code=code)
+        return _error(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):

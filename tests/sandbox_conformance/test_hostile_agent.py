@@ -399,3 +399,12 @@ def test_arguments_and_env_too_big_to_exec_get_a_typed_4xx(endpoint, sandbox):
                  {"command": ["echo", *(["y" * 100_000] * 25)]}):
         response = _raw(endpoint, "POST", exec_path, body)
         assert 400 <= response.status_code < 500 and response.json()["error"]["code"], response.text[:300]
+
+
+def test_unknown_routes_and_methods_get_the_typed_error_shape(endpoint, sandbox):
+    for method, path, status in (("GET", "/v1/no-such-route", 404), ("DELETE", "/v1/health", 405),
+                                 ("PUT", f"/v1/sandboxes/{sandbox}/exec", 405)):
+        response = _raw(endpoint, method, path)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert isinstance(error["code"], str) and error["code"] and isinstance(error["message"], str), response.text
