@@ -195,7 +195,10 @@ async def _snapshot(client: SandboxClient, agent_sandbox_id: str, task_files: di
             if snapshot == "fork" or not no_fork:
                 return None, [f"fork of the agent's sandbox refused: {exc}"], "fork"
     changed = await _changed_files(client, agent_sandbox_id, task_files)
-    return await client.create({**task_files, **changed}), sorted(changed), "fresh"
+    try:
+        return await client.create({**task_files, **changed}), sorted(changed), "fresh"
+    except SandboxRequestError as exc:  # the agent's files do not fit a sandbox (over the disk quota, too big)
+        return None, [f"a fresh sandbox of the agent's files was refused: {exc}"], "fresh"
 
 
 def _judge(stdout: str, stderr: str, nonce: str, required_passed: int | None, timeout_reward: float,

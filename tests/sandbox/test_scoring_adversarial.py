@@ -230,3 +230,35 @@ def test_a_hidden_script_counts_its_own_exit_not_the_modules(server):
                          command="python hidden_check/check.py", required=None)
     assert {name: r.reward for name, r in results.items()} == {
         "exit_zero": 0.0, "exit_zero_at_call": 0.0, "always_equal": 0.0, "fix": 1.0}, results
+
+
+def test_a_workspace_filled_to_its_quota_gets_a_typed_score_not_an_exception():
+    """A full disk is the agent's doing, and the hidden files never go through the workspace: the
+    tests decide (the fix still scores 1, the bug 0); a snapshot refused for space scores 0 with
+    the reason. Never an exception (that would mark the episode as an infrastructure error)."""
+    with start_local_server(disk_bytes=4 << 20) as small:
+        async def main():
+            async with SandboxClient(small.url, small.token) as client:
+                health = await client.health()
+                results = {}
+                for name, module in (("fix", FIXED), ("bug", BUGGY)):
+                    agent = await client.create({**TASK, "utils.py": module})
+                    try:
+                        fill = await client.exec(agent, "for i in $(seq 40); do head -c 200000 /dev/zero > f$i.py "
+                                                 "|| break; done; dd if=/dev/zero of=rest bs=64k 2>&1 | tail -1")
+                        for snapshot in ("fork", "fresh"):
+                            results[name, snapshot] = await score_submission(
+                                client, task_files=TASK, hidden_files=HIDDEN, agent_sandbox_id=agent,
+                                test_command=COMMAND, timeout_s=60, required_passed=REQUIRED, snapshot=snapshot)
+                    finally:
+                        await client.delete(agent)
+                return health, fill, results
+
+        health, fill, results = asyncio.run(main())
+    if health["isolation"]["enforced"]["disk_per_sandbox"] is not None:
+        assert "No space left" in fill.stdout + fill.stderr, fill
+    for (name, snapshot), result in results.items():
+        refused = "workspace could not be snapshotted" in result.problems or any(
+            "refused" in p for p in result.problems)
+        want = 1.0 if name == "fix" and not refused else 0.0
+        assert result.reward == want and (want == 1.0 or result.problems), (name, snapshot, result)
