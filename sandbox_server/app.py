@@ -260,7 +260,8 @@ def create_app(options: ServerOptions) -> FastAPI:
     root.chmod(0o711)  # the sandbox uids may traverse, not list
     probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
     probe_dir.chmod(0o755)
-    cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes)
+    cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes,
+                                          options.total_memory_bytes)
     disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
     try:
         isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)

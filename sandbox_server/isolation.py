@@ -288,6 +288,9 @@ class Isolation:
                                       f"RLIMIT_NPROC={options.max_processes} of the sandbox's own uid" if per_uid
                                       else None),
             "memory_per_sandbox": f"{cgroup} memory limit {options.memory_bytes} bytes" if cgroup else None,
+            "memory_all_sandboxes": (f"{cgroup} memory limit {self.cgroups.total_memory_bytes} bytes on the parent "
+                                     "group of every sandbox" if self.cgroups is not None else None),
+            "sandboxes": f"at most {options.max_sandboxes} at once (scoring sandboxes included)",
             "disk_per_sandbox": f"tmpfs of {options.disk_bytes} bytes on the sandbox folder" if self.disk_quota else None,
             "tmp_per_command": (f"private tmpfs /tmp of {options.tmp_bytes} bytes" if self.backend == "bwrap"
                                 else "inside the sandbox folder (TMPDIR)" if self.disk_quota else None),
