@@ -20,6 +20,7 @@ and waits for its reply. Arguments that are lists, dicts or sets come back after
 
 import base64
 import builtins
+import collections
 import datetime
 import decimal
 import fractions
@@ -78,7 +79,25 @@ def encode(value):
         return {"$t": kind.__name__, "v": value.isoformat()}
     if kind is datetime.timedelta:
         return {"$t": "timedelta", "v": [value.days, value.seconds, value.microseconds]}
-    return _ref(value)
+    plain = _plain(value)
+    return _ref(value) if plain is None else encode(plain)
+
+
+def _plain(value):
+    """A standard-library container (Counter, OrderedDict, defaultdict, deque) or a named tuple as the
+    builtin value it stands for, so an honest fix that returns one compares by value; None otherwise
+    (a class of the agent's stays a reference)."""
+    kind = type(value)
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):
+        return tuple(value)
+    if kind.__module__.split(".")[0] not in sys.stdlib_module_names:
+        return None
+    if isinstance(value, collections.deque):
+        return list(value)
+    for base in (bool, int, float, str, bytes, list, tuple, dict, set, frozenset):
+        if isinstance(value, base):
+            return base(value)
+    return None
 
 
 def decode(data):
