@@ -382,9 +382,12 @@ def create_app(options: ServerOptions) -> FastAPI:
         return _error(500, "internal", f"{type(exc).__name__}: {exc}")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         # The router's own answers (unknown path, wrong method) in the same typed shape as every other error.
         code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        parts = request.url.path.split("/")
+        if exc.status_code == 404 and parts[1:3] == ["v1", "sandboxes"] and len(parts) > 3 and not _ID.match(parts[3]):
+            code = "sandbox_not_found"  # no sandbox has that id (it does not even route)
         metrics.inc("errors_total", code=code)
         return _error(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
 
