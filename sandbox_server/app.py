@@ -417,6 +417,8 @@ def create_app(options: ServerOptions) -> FastAPI:
                 "file_size_bytes": options.file_size_bytes,
                 "open_files": options.open_files,
                 "memory_bytes": options.memory_bytes,
+                "total_memory_bytes": cgroups.total_memory_bytes if cgroups is not None else None,
+                "max_sandboxes": options.max_sandboxes,
                 "disk_bytes": options.disk_bytes,
                 "tmp_bytes": options.tmp_bytes,
             },
