@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 
+_PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -61,6 +62,9 @@ def _start(argv, env, uid, fds, libc):
 def main():
     spec = json.loads(sys.argv[1])
     libc = ctypes.CDLL(None, use_errno=True)
+    # Where both run as one uid: no /proc/PID/fd of this launcher (it holds the exec's stdin/stdout)
+    # for the peer; and the launcher lets go of them once the command has its copies.
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     env = spec["env"]
     to_peer_r, to_peer_w = os.pipe()
     from_peer_r, from_peer_w = os.pipe()
@@ -70,6 +74,9 @@ def main():
                      {0: 0, 1: 1, 2: 2, 3: to_peer_w, 4: from_peer_r, 5: err_r}, libc)
     for fd in (to_peer_r, to_peer_w, from_peer_r, from_peer_w, err_r, err_w):
         os.close(fd)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
     _, status = os.waitpid(command, 0)
     try:
         os.kill(peer, signal.SIGKILL)
