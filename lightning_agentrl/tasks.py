@@ -1,11 +1,12 @@
 """Task suites: load bug-fix tasks from disk and check that each one is sound.
 
 A task is a small repository with one genuine bug. The agent's sandbox starts from the
-``workspace/`` snapshot; after ``submit`` a snapshot of the agent's work (a fork of its sandbox)
-gets the ``hidden/`` files under a folder the agent never saw, and ``sandbox_client.scoring``
-runs them with its hardened runner: the reward is 1 when ``hidden_test_count`` hidden tests
-passed and none failed, never the test command's exit code. Hidden tests never enter the
-agent's sandbox.
+``workspace/`` snapshot; after ``submit`` ``sandbox_client.scoring`` runs the ``hidden/`` files
+on a snapshot of the agent's work (a fork of its sandbox) in a judge process of their own, which
+reaches the agent's modules only as proxies to another process (plain values cross, nothing
+else; docs/sandbox.md): the reward is 1 when ``hidden_test_count`` hidden tests passed and none
+failed, never the test command's exit code. Hidden tests never enter the agent's workspace, and
+address the module under test as usual (``from lru import LRUCache``).
 
 On-disk layout of a suite (one folder per task)::
 

@@ -29,7 +29,7 @@ peer (``score_peer``) as the sandbox's own uid, connected by three pipes. The ju
 - counts each test's phases from its own in-memory records (no file, no fd);
 - at the deadline writes a timed-out report and exits, whatever the peer or a test is doing.
 
-``--script`` tasks run the hidden script here with ``runpy`` (cwd: the workspace, agent modules as
+Script tasks (``python HIDDEN_SCRIPT``) run the hidden script here with ``runpy`` (cwd: the workspace, agent modules as
 proxies); its exit status (``SystemExit``) is its one result.
 
 Without a second uid (a server that is not root) the judge runs as the sandbox's uid: the agent's
