@@ -432,6 +432,12 @@ class Judge:
         os.dup2(output, 2)
         os.close(output)
         write_fd, read_fd, err_fd = self.payload["fds"]
+        for fd in (write_fd, read_fd, err_fd):
+            try:
+                os.fstat(fd)
+            except OSError:  # a server that ignored peer_command: no agent's process to talk to
+                self.finish({"passed": [], "failed": [], "errors": [], "finished": False, "exitstatus": None},
+                            False, infra_error=f"no pipe to the agent's process on fd {fd} (peer_command unsupported?)")
         global _channel
         _channel = Channel(write_fd, read_fd, self.deadline)
         threading.Thread(target=self._drain, args=(err_fd,), daemon=True).start()
@@ -481,7 +487,7 @@ class Judge:
         return {"passed": ["script"] if ok else [], "failed": [] if ok else ["script"], "errors": [],
                 "finished": True, "exitstatus": code}
 
-    def finish(self, result: dict, timed_out: bool) -> None:
+    def finish(self, result: dict, timed_out: bool, infra_error: str | None = None) -> None:
         if not self.reported.acquire(blocking=False):
             return
         with contextlib.suppress(OSError):
@@ -491,7 +497,7 @@ class Judge:
                   "finished": result["finished"], "worker_exitstatus": result["exitstatus"],
                   "exit_code": result["exitstatus"] if result["exitstatus"] is not None else -9,
                   "timed_out": timed_out, "duration_s": round(time.monotonic() - self.start, 3),
-                  "output": self._tail()}
+                  "output": self._tail(), "infra_error": infra_error}
         line = f"{REPORT_PREFIX} {self.payload['nonce']} {json.dumps(report)}\n".encode()
         while line:
             line = line[os.write(self.report_fd, line):]

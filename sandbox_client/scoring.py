@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from sandbox_client.client import SandboxClient
-from sandbox_client.errors import CommandTimeout, SandboxError, SandboxRequestError
+from sandbox_client.errors import CommandTimeout, SandboxError, SandboxInfraError, SandboxRequestError
 from sandbox_client.score_runner import REPORT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,8 @@ def _judge(stdout: str, stderr: str, nonce: str, required_passed: int | None, ti
     if report is None:
         return ScoreResult(reward=0.0, passed=False, timed_out=False, output=_output(stdout, stderr),
                            carried_files=carried, snapshot=used, problems=["no single runner report in the output"])
+    if report.get("infra_error"):  # the service could not give the judge its peer: not the agent's doing
+        raise SandboxInfraError(f"scoring could not run: {report['infra_error']}")
     output = _output(report.get("output", ""), stderr)
     passed, failed = report["passed"], report["failed"]
     if report["timed_out"]:
