@@ -1,11 +1,12 @@
 """Task suites: load bug-fix tasks from disk and check that each one is sound.
 
 A task is a small repository with one genuine bug. The agent's sandbox starts from the
-``workspace/`` snapshot; after ``submit`` a snapshot of the agent's work (a fork of its sandbox)
-gets the ``hidden/`` files under a folder the agent never saw, and ``sandbox_client.scoring``
-runs them with its hardened runner: the reward is 1 when ``hidden_test_count`` hidden tests
-passed and none failed, never the test command's exit code. Hidden tests never enter the
-agent's sandbox.
+``workspace/`` snapshot; after ``submit`` ``sandbox_client.scoring`` runs the ``hidden/`` files
+on a snapshot of the agent's work (a fork of its sandbox) in a judge process of their own, which
+reaches the agent's modules only as proxies to another process (plain values cross, nothing
+else; docs/sandbox.md): the reward is 1 when ``hidden_test_count`` hidden tests passed and none
+failed, never the test command's exit code. Hidden tests never enter the agent's workspace, and
+address the module under test as usual (``from lru import LRUCache``).
 
 On-disk layout of a suite (one folder per task)::
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shlex
 import subprocess
 import sys
@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from sandbox_client.scoring import HiddenCommand, parse_report, report_problems, runner_files
+from sandbox_client.scoring import HiddenCommand, report_problems, run_locally
 
 SPLITS = ("train", "test")
 TASK_FILE = "task.json"
@@ -362,22 +362,15 @@ def _hidden_problems(run: _RunResult, hidden_test_count: int | None) -> list[str
 def _run_hidden(files: dict[str, str], hidden_files: dict[str, str], command: HiddenCommand, python: str,
                 timeout_s: float) -> _RunResult:
     """Run the hidden tests exactly as scoring does: the runner, hidden files under a fresh folder."""
-    root = f".score-{secrets.token_hex(8)}"
-    nonce = secrets.token_hex(8)
-    argv = command.runner_command(root, timeout_s)
-    argv[0] = python
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "PYTEST_"))}
     with tempfile.TemporaryDirectory(prefix="agentrl-task-") as workdir:
-        for path, text in {**files, **runner_files(hidden_files, root)}.items():
+        for path, text in files.items():
             target = Path(workdir, path)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text, encoding="utf-8")
-        try:
-            completed = subprocess.run(argv, cwd=workdir, env=env, input=nonce + "\n", capture_output=True,
-                                       text=True, timeout=timeout_s + 30, check=False)
-        except subprocess.TimeoutExpired:
-            return _RunResult(returncode=-1, timed_out=True, tail="")
-    report = parse_report(completed.stdout, nonce)
+        report, completed = run_locally(workdir, hidden_files, command, python, timeout_s, env)
+    if completed is None:
+        return _RunResult(returncode=-1, timed_out=True, tail="")
     if report is None:
         tail = " | ".join((completed.stdout + completed.stderr).strip().splitlines()[-3:])
         return _RunResult(returncode=completed.returncode or -1, timed_out=False, tail=f"no runner report: {tail}")

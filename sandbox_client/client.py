@@ -150,12 +150,16 @@ class SandboxClient:
         return (await self._call("POST", "/v1/sandboxes", ok=201, json=body)).json()["id"]
 
     async def exec(self, sandbox_id: str, command: str | list[str], *, stdin: str | None = None,
-                   timeout_s: float = 30.0, env: dict | None = None) -> ExecResult:
-        """Run a command. Returns the result whatever the exit code; raises CommandTimeout past ``timeout_s``."""
+                   timeout_s: float = 30.0, env: dict | None = None,
+                   peer_command: list[str] | None = None) -> ExecResult:
+        """Run a command. Returns the result whatever the exit code; raises CommandTimeout past ``timeout_s``.
+        ``peer_command``: a second process as the sandbox's uid, piped to ``command`` (see docs/sandbox.md)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         body = {"command": command, "stdin": stdin, "env": env or {}, "timeout_s": timeout_s,
                 "idempotency_key": uuid.uuid4().hex}
+        if peer_command is not None:
+            body["peer_command"] = peer_command
         # Both deadlines cover the command's own timeout plus the usual request budget.
         response = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, extra_s=timeout_s)
         result = ExecResult.from_json(response.json())

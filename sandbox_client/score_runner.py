@@ -1,242 +1,534 @@
-"""The hidden-test runner that scoring copies into the scoring sandbox: standard library only.
+"""The judge of a scoring run: runs the hidden tests and writes the report; never runs the agent's code.
 
-Why it exists: a test command's exit code is not evidence. The agent's code runs inside the test
-process, and an exit code of 0 comes from ``os._exit(0)`` on import as easily as from passing tests;
-a ``pytest.ini``, ``conftest.py``, ``__init__.py`` or plugin the agent left in its workspace can
-change how tests are collected and reported. So the reward comes from a count of passed hidden
-tests in a report that only this runner writes.
+Why it exists: a test command's exit code is not evidence, and neither is any result computed in a
+process the agent's code runs in: a module under test that runs inside pytest can register hooks,
+rewrite the report writer, read the test's expected values off the caller's frame or return an
+object equal to everything. So the agent's code never runs here.
 
-Two processes, both started with ``python -I -B``: isolated mode ignores every ``PYTHON*``
-variable, user site-packages and the script's and working directory on ``sys.path`` (so no
-``sitecustomize.py``/``usercustomize.py`` of the agent's runs); no bytecode is written. (A
-``__pycache__`` file the agent left for its own module is code it wrote, like the module itself;
-ignoring all caches with ``-X pycache_prefix`` would recompile pytest on every run, +1.2 s.)
+The scorer starts two processes in the scoring sandbox with one exec (the server's
+``peer_command``): this judge (``python -I -B -c SOURCE``) as the sandbox's *judge uid*, and the
+peer (``score_peer``) as the sandbox's own uid, connected by three pipes. The judge:
 
-- The *supervisor* (``python -I score_runner.py --nonce-from-stdin ...``) never imports anything of
-  the agent's. It reads a nonce from stdin, makes itself non-dumpable (its memory and file
-  descriptors are closed to processes of the same uid), starts the worker in a new session with its
-  own output file and results file, waits (killing the worker's whole process group at the end or
-  at the deadline), counts the results and prints the only report line on its stdout:
-  ``SCORE-REPORT <nonce> <json>``. The worker never holds the supervisor's stdout.
-- The *worker* runs pytest in-process with: ``-c`` an empty ini file the scorer wrote (the agent's
-  ``pytest.ini``/``pyproject.toml``/``setup.cfg``/``tox.ini`` are never read), ``--rootdir`` and
-  ``--confcutdir`` at the hidden-test folder (no ``conftest.py`` of the agent's is loaded), plugin
-  autoload off and ``PYTEST_*`` variables cleared (no entry-point or ``-p`` plugins), no cache
-  provider. The workspace joins ``sys.path`` only once the session starts. A recorder plugin writes
-  one line per test outcome to the results file and checks that no function or class of pytest,
-  pluggy, ``builtins``, ``os`` or ``json`` was replaced meanwhile, and that each test still runs the code it was
-  collected with (both reported as ``tampered``).
-- ``--script`` mode runs one hidden script (``python -I SCRIPT``) in the workspace instead; its exit
-  code is its one result, decided by the supervisor.
+- reads its payload (nonce, hidden files, test command, deadline) from stdin and writes the hidden
+  files into a fresh ``0700`` folder of its own under ``/tmp``: the agent's uid cannot read them,
+  nor this process's memory, file descriptors or frames (another uid; non-dumpable);
+- sends its own stdout and stderr (pytest's output, which shows values the agent chose) to a file
+  in that folder, and writes the one report line ``SCORE-REPORT <nonce> <json>`` on a saved copy of
+  the original stdout, which no other process holds;
+- runs pytest in-process with ``-c`` an empty ini, ``--rootdir``/``--confcutdir`` at its folder,
+  plugin autoload off and ``PYTEST_*`` cleared: nothing in the workspace is read;
+- imports the agent's modules as *proxies*: a hidden test's ``from lru import LRUCache`` finds no
+  ``lru`` on the judge's path (the workspace is not on it; the standard library and installed
+  packages always win), so a last-resort finder asks the peer to import it. Calls, attribute reads,
+  ``len``/``in``/iteration/indexing go to the peer as JSON; results come back as plain values
+  (``list``, ``dict``, ``Decimal``, ``date``...) or as references to objects that stay in the peer,
+  which compare equal only to themselves. Exceptions come back as the builtin exception class they
+  derive from. Lists, dicts and sets passed as arguments are updated in place with the state the
+  call left them in; functions passed as arguments (``key=``) are called back here. ``os.environ``
+  changes (``monkeypatch.setenv``) are sent with each call;
+- counts each test's phases from its own in-memory records (no file, no fd);
+- at the deadline writes a timed-out report and exits, whatever the peer or a test is doing.
 
-What it cannot do: the agent's module executes in the worker, with the worker's uid. Code written
-for this runner (forging result lines, rewriting a hidden test file before pytest reads it, undoing
-its patches before the end) can still win; the checks above close the generic tricks a policy finds
-by trial. docs/sandbox.md lists what is and is not covered.
+Script tasks (``python HIDDEN_SCRIPT``) run the hidden script here with ``runpy`` (cwd: the workspace, agent modules as
+proxies); its exit status (``SystemExit``) is its one result.
+
+Without a second uid (a server that is not root) the judge runs as the sandbox's uid: the agent's
+process could then read the hidden files while they exist. docs/sandbox.md lists what is and is
+not covered.
 """
 
 from __future__ import annotations
 
-import argparse
+import base64
+import builtins
+import collections
 import contextlib
 import ctypes
+import datetime
+import decimal
+import fractions
 import json
 import os
-import signal
-import subprocess
+import select
+import shutil
 import sys
 import tempfile
+import threading
 import time
 
 REPORT_PREFIX = "SCORE-REPORT"
-# Bound before any of the agent's code can run: patching json.dumps or os.write later changes nothing here.
-_dumps, _write = json.dumps, os.write
+_MAX_MESSAGE_BYTES = 16 << 20
 _OUTPUT_TAIL_BYTES = 16_000
 _PR_SET_DUMPABLE = 4
+_VALUES = (type(None), bool, int, float, str)
 
 
-# ---- worker: pytest in-process, results as JSON lines on an inherited fd --------------------------
-def _public_callables() -> dict[tuple[str, str], int]:
-    """id() of every function and class (and class attribute) of pytest, pluggy and builtins."""
-    import builtins
-
-    snapshot: dict[tuple[str, str], int] = {}
-    modules = {"builtins": builtins, "os": os, "json": json}
-    modules.update((name, mod) for name, mod in list(sys.modules.items())
-                   if mod is not None and name.split(".")[0] in ("_pytest", "pytest", "pluggy"))
-    for mod_name, module in modules.items():
-        for name, value in list(vars(module).items()):
-            if isinstance(value, type) or callable(value):
-                snapshot[(mod_name, name)] = id(value)
-            if isinstance(value, type) and value.__module__ == getattr(module, "__name__", None):
-                for attr, member in list(vars(value).items()):
-                    if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
-                        snapshot[(mod_name, f"{name}.{attr}")] = id(member)
-    return snapshot
+class PeerError(Exception):
+    """The agent's process broke the protocol, died or sent something that is not a value."""
 
 
+# ---- the channel to the peer ---------------------------------------------------------------------
+class Channel:
+    """Requests to the peer and its replies, one JSON line each, bounded by the run's deadline."""
+
+    def __init__(self, write_fd: int, read_fd: int, deadline: float) -> None:
+        self.write_fd, self.read_fd, self.deadline = write_fd, read_fd, deadline
+        self.buffer = b""
+        self.callbacks: dict[int, object] = {}
+        self.sent_env: dict[str, str] | None = None
+        os.set_blocking(write_fd, False)
+
+    def _send(self, message: dict) -> None:
+        data = memoryview(json.dumps(message).encode() + b"\n")
+        while data:
+            if not select.select([], [self.write_fd], [], self._left())[1]:
+                raise PeerError("the agent's process stopped reading")
+            try:
+                data = data[os.write(self.write_fd, data):]
+            except (BrokenPipeError, BlockingIOError) as exc:
+                if isinstance(exc, BrokenPipeError):
+                    raise PeerError("the agent's process exited") from None
+
+    def _receive(self) -> dict:
+        while b"\n" not in self.buffer:
+            if not select.select([self.read_fd], [], [], self._left())[0]:
+                raise PeerError("no answer from the agent's process before the deadline")
+            chunk = os.read(self.read_fd, 1 << 16)
+            if not chunk:
+                raise PeerError("the agent's process exited")
+            self.buffer += chunk
+            if len(self.buffer) > _MAX_MESSAGE_BYTES:
+                raise PeerError("the agent's process sent a message over 16 MiB")
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            raise PeerError("the agent's process sent something that is not JSON") from None
+        if not isinstance(message, dict):
+            raise PeerError("the agent's process sent something that is not a message")
+        return message
+
+    def _left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def request(self, message: dict, mutable_args: dict | None = None):
+        if message["op"] == "call":
+            env = dict(os.environ)
+            if env != self.sent_env:
+                message["env"] = self.sent_env = env
+        self._send(message)
+        while True:
+            reply = self._receive()
+            if "callback" in reply:
+                self._send(self._run_callback(reply))
+                continue
+            if reply.get("stop"):
+                raise StopIteration
+            if "error" in reply:
+                raise _remote_exception(reply["error"])
+            if "ok" not in reply:
+                raise PeerError("the agent's process sent a reply without a value")
+            for key, state in reply.get("mutated", []):
+                _update_in_place((mutable_args or {}).get(key), decode(state))
+            return decode(reply["ok"])
+
+    def _run_callback(self, message: dict) -> dict:
+        function = self.callbacks.get(message.get("callback"))
+        if function is None:
+            raise PeerError("the agent's process called back a function it was never given")
+        try:
+            args = [decode(a) for a in message.get("args", [])]
+            kwargs = {str(k): decode(v) for k, v in dict(message.get("kwargs", {})).items()}
+            return {"ok": encode(function(*args, **kwargs))}
+        except Exception as exc:
+            return {"error": {"name": type(exc).__name__, "message": str(exc),
+                              "bases": [c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"]}}
+
+
+_channel: Channel | None = None
+
+
+def _update_in_place(target, state) -> None:
+    """Give a list/dict/set the test passed the contents the agent's function left in its copy."""
+    if isinstance(target, list) and isinstance(state, list):
+        target[:] = state
+    elif isinstance(target, dict) and isinstance(state, dict):
+        target.clear()
+        target.update(state)
+    elif isinstance(target, set) and isinstance(state, set):
+        target.clear()
+        target.update(state)
+
+
+# ---- values: what crosses the pipe -----------------------------------------------------------------
+def encode(value):
+    kind = type(value)
+    if kind in _VALUES:
+        return value
+    if kind in (list, tuple, set, frozenset):
+        return {"$t": kind.__name__, "v": [encode(v) for v in value]}
+    if kind is dict:
+        return {"$t": "dict", "v": [[encode(k), encode(v)] for k, v in value.items()]}
+    if kind is bytes:
+        return {"$t": "bytes", "v": base64.b64encode(value).decode()}
+    if kind in (decimal.Decimal, fractions.Fraction):
+        return {"$t": kind.__name__.lower(), "v": str(value)}
+    if kind is complex:
+        return {"$t": "complex", "v": [value.real, value.imag]}
+    if kind is range:
+        return {"$t": "range", "v": [value.start, value.stop, value.step]}
+    if kind in (datetime.date, datetime.datetime, datetime.time):
+        return {"$t": kind.__name__, "v": value.isoformat()}
+    if kind is datetime.timedelta:
+        return {"$t": "timedelta", "v": [value.days, value.seconds, value.microseconds]}
+    if isinstance(value, Remote):
+        return {"$t": "ref", "id": object.__getattribute__(value, "_id")}
+    if isinstance(value, type) and value in _exception_ids:
+        return {"$t": "ref", "id": _exception_ids[value]}
+    if callable(value):
+        assert _channel is not None
+        _channel.callbacks[id(value)] = value
+        return {"$t": "cb", "id": id(value)}
+    raise TypeError(f"a {kind.__name__} cannot be passed to the module under test (plain values only)")
+
+
+_DECODERS = {
+    "list": lambda v: [decode(x) for x in v], "tuple": lambda v: tuple(decode(x) for x in v),
+    "set": lambda v: {decode(x) for x in v}, "frozenset": lambda v: frozenset(decode(x) for x in v),
+    "dict": lambda v: {decode(k): decode(x) for k, x in v}, "bytes": base64.b64decode,
+    "decimal": decimal.Decimal, "fraction": fractions.Fraction, "complex": lambda v: complex(*v),
+    "range": lambda v: range(*(int(x) for x in v)),
+    "date": datetime.date.fromisoformat, "datetime": datetime.datetime.fromisoformat,
+    "time": datetime.time.fromisoformat, "timedelta": lambda v: datetime.timedelta(*v),
+}
+
+
+def decode(data):
+    """A plain value, a Remote, or a local exception class; PeerError for anything else."""
+    if isinstance(data, _VALUES):
+        return data
+    if not isinstance(data, dict):
+        raise PeerError(f"the agent's process sent a bare {type(data).__name__}")
+    tag = data.get("$t")
+    try:
+        if tag == "ref":
+            if data.get("kind") == "exception_class":
+                return _exception_class(data.get("name"), data.get("bases"), data.get("id"))
+            return Remote(int(data["id"]), str(data.get("kind")), str(data.get("name"))[:200])
+        return _DECODERS[tag](data["v"])
+    except PeerError:
+        raise
+    except (KeyError, TypeError, ValueError, ArithmeticError, RecursionError):
+        raise PeerError(f"the agent's process sent an invalid {str(tag)[:40]!r} value") from None
+
+
+_exception_classes: dict[tuple, type] = {}
+_exception_ids: dict[type, int] = {}
+
+
+def _exception_class(name, bases, remote_id) -> type:
+    """A local class standing for an exception class of the agent's, under its builtin bases."""
+    builtin_bases = [getattr(builtins, str(b), None) for b in (bases or [])]
+    base = next((b for b in builtin_bases if isinstance(b, type) and issubclass(b, Exception)), Exception)
+    key = (str(name)[:200], base, remote_id)
+    if key not in _exception_classes:
+        cls = type(str(name)[:200] if str(name).isidentifier() else "RemoteError", (base,), {})
+        _exception_classes[key] = cls
+        if isinstance(remote_id, int):
+            _exception_ids[cls] = remote_id
+    return _exception_classes[key]
+
+
+def _remote_exception(info) -> Exception:
+    if not isinstance(info, dict):
+        return PeerError("the agent's process sent an invalid error")
+    cls = _exception_class(info.get("name"), info.get("bases"), info.get("id"))
+    return cls(str(info.get("message", ""))[:4000])
+
+
+# ---- proxies -------------------------------------------------------------------------------------
+class Remote:
+    """An object that lives in the agent's process. Equal only to itself; everything else is a request."""
+
+    __slots__ = ("_id", "_kind", "_name")
+
+    def __init__(self, number: int, kind: str, name: str) -> None:
+        object.__setattr__(self, "_id", number)
+        object.__setattr__(self, "_kind", kind)
+        object.__setattr__(self, "_name", name)
+
+    def _ask(self, op: str, mutable: dict | None = None, **fields):
+        assert _channel is not None
+        return _channel.request({"op": op, "target": {"$t": "ref", "id": object.__getattribute__(self, "_id")},
+                                 **fields}, mutable)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):  # introspection (pytest, inspect): not the agent's
+            raise AttributeError(name)
+        return self._ask("getattr", name=name)
+
+    def __setattr__(self, name: str, value) -> None:
+        self._ask("setattr", name=name, value=encode(value))
+
+    def __call__(self, *args, **kwargs):
+        mutable = {i: a for i, a in enumerate(args) if type(a) in (list, dict, set)}
+        mutable.update((k, v) for k, v in kwargs.items() if type(v) in (list, dict, set))
+        return self._ask("call", mutable, args=[encode(a) for a in args],
+                         kwargs={k: encode(v) for k, v in kwargs.items()})
+
+    def _op(self, name: str, *args):
+        return self._ask("op", name=name, args=[encode(a) for a in args])
+
+    def __len__(self):
+        return _checked(self._op("len"), int)
+
+    def __iter__(self):
+        return self._op("iter")
+
+    def __next__(self):
+        return self._op("next")
+
+    def __contains__(self, item):
+        return _checked(self._op("contains", item), bool)
+
+    def __getitem__(self, key):
+        return self._op("getitem", key)
+
+    def __setitem__(self, key, value):
+        self._op("setitem", key, value)
+
+    def __delitem__(self, key):
+        self._op("delitem", key)
+
+    def __bool__(self):
+        return _checked(self._op("bool"), bool)
+
+    def __repr__(self):
+        try:
+            return f"<remote {self._name}: {_checked(self._op('repr'), str)[:2000]}>"
+        except Exception:
+            return f"<remote {object.__getattribute__(self, '_name')}>"
+
+    def __str__(self):
+        return _checked(self._op("str"), str)
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+    def __hash__(self):
+        return hash(object.__getattribute__(self, "_id"))
+
+
+def _checked(value, kind: type):
+    if type(value) is not kind:
+        raise TypeError(f"the module under test returned {type(value).__name__} where {kind.__name__} is required")
+    return value
+
+
+class _Finder:
+    """Last on ``sys.meta_path``: a module nothing else finds, imported by a hidden file, is the agent's."""
+
+    def __init__(self, hidden_root: str) -> None:
+        self.hidden_root = hidden_root + os.sep
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.machinery
+
+        if not self._from_hidden_code() or (path is None and "." in name):
+            return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def _from_hidden_code(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith("<frozen"):
+            frame = frame.f_back
+        filename = frame.f_code.co_filename if frame is not None else ""
+        return filename.startswith(self.hidden_root)
+
+    def create_module(self, spec):
+        assert _channel is not None
+        try:
+            remote = _channel.request({"op": "import", "name": spec.name})
+        except ImportError:
+            raise
+        except Exception as exc:
+            raise ImportError(f"the agent's module {spec.name} failed to import: {exc}") from None
+        if not isinstance(remote, Remote):
+            raise ImportError(f"the agent's module {spec.name} is not a module")
+        return _ProxyModule(spec.name, remote)
+
+    def exec_module(self, module) -> None:
+        module.__path__ = []
+
+
+class _ProxyModule(type(sys)):
+    def __init__(self, name: str, remote: Remote) -> None:
+        super().__init__(name)
+        self.__remote = remote
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        try:
+            return getattr(self.__remote, name)
+        except Exception as exc:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r} ({exc})") from None
+
+
+# ---- the run -------------------------------------------------------------------------------------
 class _Recorder:
-    """pytest plugin: one JSON line per test phase result, written with os.write to ``fd``."""
+    """pytest plugin: each test phase's outcome, kept in this process's memory."""
 
-    def __init__(self, fd: int, workspace: str) -> None:
-        self.fd = fd
-        self.workspace = workspace
-        self.before: dict[tuple[str, str], int] = {}
-        self.code: dict[str, object] = {}  # nodeid -> the test function's code object at collection
-        self.replaced: list[str] = []
-
-    def _emit(self, record: dict) -> None:
-        _write(self.fd, (_dumps(record) + "\n").encode())
-
-    def pytest_configure(self, config) -> None:
-        self.before = _public_callables()
-
-    def pytest_sessionstart(self, session) -> None:
-        # Only now, with pytest configured and the snapshot taken, may the agent's modules be found.
-        sys.path.insert(0, self.workspace)
-
-    def pytest_collection_finish(self, session) -> None:
-        for item in session.items:
-            self.code[item.nodeid] = getattr(getattr(item, "obj", None), "__code__", None)
-
-    def pytest_runtest_call(self, item) -> None:
-        # A test whose code object was swapped after collection (``f.__code__ = ...``) is not the test.
-        if getattr(getattr(item, "obj", None), "__code__", None) is not self.code.get(item.nodeid):
-            self.replaced.append(item.nodeid)
+    def __init__(self) -> None:
+        self.phases: dict[str, list[dict]] = {}
+        self.errors: list[str] = []
 
     def pytest_collectreport(self, report) -> None:
         if report.failed:
-            self._emit({"event": "collect_error", "nodeid": report.nodeid})
+            self.errors.append(report.nodeid)
 
     def pytest_runtest_logreport(self, report) -> None:
-        self._emit({"event": "phase", "nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                    "xfail": hasattr(report, "wasxfail")})
+        self.phases.setdefault(report.nodeid, []).append(
+            {"when": report.when, "outcome": report.outcome, "xfail": hasattr(report, "wasxfail")})
 
-    def pytest_sessionfinish(self, session, exitstatus) -> None:
-        after = _public_callables()
-        changed = sorted(f"{mod}.{name}" for key, value in self.before.items()
-                         if after.get(key, value) != value for mod, name in [key])
-        changed += [f"code of {nodeid}" for nodeid in self.replaced]
-        self._emit({"event": "finish", "exitstatus": int(exitstatus), "tampered": changed[:50]})
-
-
-def _worker(results_fd: int, workspace: str, root: str, pytest_args: list[str]) -> int:
-    for name in list(os.environ):
-        if name.startswith("PYTEST_") or name.startswith("PY_COLORS"):
-            del os.environ[name]
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    import pytest  # before the workspace is on sys.path: the agent cannot shadow it
-
-    ini = os.path.join(root, "pytest.ini")
-    args = ["-c", ini, "--rootdir", root, "--confcutdir", root, "-p", "no:cacheprovider",
-            "-p", "no:stepwise", *pytest_args]
-    return int(pytest.main(args, plugins=[_Recorder(results_fd, workspace)]))
+    def counts(self) -> tuple[list[str], list[str]]:
+        passed, failed = [], []
+        for nodeid, records in self.phases.items():
+            by_phase = {r["when"]: r for r in records}
+            call = by_phase.get("call", {})
+            ok = (call.get("outcome") == "passed" and not call.get("xfail") and len(records) == len(by_phase)
+                  and all(r["outcome"] == "passed" for r in records))
+            (passed if ok else failed).append(nodeid)
+        return sorted(passed), sorted(failed)
 
 
-# ---- supervisor ----------------------------------------------------------------------------------
-def _count(results_path: str, script_exit: int | None) -> dict:
-    if script_exit is not None:
-        passed = ["script"] if script_exit == 0 else []
-        return {"passed": passed, "failed": [] if passed else ["script"], "errors": [], "tampered": [],
-                "worker_exitstatus": script_exit, "finished": True}
-    phases: dict[str, list[dict]] = {}
-    errors: list[str] = []
-    finish: dict | None = None
-    with open(results_path, "rb") as f:
-        for line in f.read().splitlines():
+class Judge:
+    """One scoring run: hidden files in a private folder, the tests, one report line."""
+
+    def __init__(self, payload: dict) -> None:
+        self.payload = payload
+        self.start = time.monotonic()
+        self.deadline = self.start + float(payload["timeout_s"])
+        self.report_fd = os.dup(1)
+        self.reported = threading.Lock()
+        self.peer_output: collections.deque[bytes] = collections.deque(maxlen=64)
+        self.root = tempfile.mkdtemp(prefix="judge-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        os.chmod(self.root, 0o700)
+        self.output_path = os.path.join(self.root, "output.txt")
+
+    def prepare(self) -> None:
+        for path, text in self.payload["files"].items():
+            target = os.path.join(self.root, path)
+            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(text)
+        with open(os.path.join(self.root, "pytest.ini"), "w") as f:
+            f.write("[pytest]\n")
+        output = os.open(self.output_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        write_fd, read_fd, err_fd = self.payload["fds"]
+        for fd in (write_fd, read_fd, err_fd):
             try:
-                record = json.loads(line)
-            except ValueError:
-                errors.append("unreadable result line")
-                continue
-            if not isinstance(record, dict):
-                errors.append("unreadable result line")
-            elif record.get("event") == "phase":
-                phases.setdefault(str(record.get("nodeid")), []).append(record)
-            elif record.get("event") == "collect_error":
-                errors.append(str(record.get("nodeid")))
-            elif record.get("event") == "finish":
-                finish = record
-    passed, failed = [], []
-    for nodeid, records in phases.items():
-        by_phase = {r.get("when"): r for r in records}
-        ok = (by_phase.get("call", {}).get("outcome") == "passed" and not by_phase["call"].get("xfail")
-              and all(r.get("outcome") == "passed" for r in records) and len(records) == len(by_phase))
-        (passed if ok else failed).append(nodeid)
-    return {"passed": sorted(passed), "failed": sorted(failed), "errors": errors,
-            "tampered": list(finish.get("tampered", [])) if finish else [],
-            "worker_exitstatus": finish.get("exitstatus") if finish else None, "finished": finish is not None}
+                os.fstat(fd)
+            except OSError:  # a server that ignored peer_command: no agent's process to talk to
+                self.finish({"passed": [], "failed": [], "errors": [], "finished": False, "exitstatus": None},
+                            False, infra_error=f"no pipe to the agent's process on fd {fd} (peer_command unsupported?)")
+        global _channel
+        _channel = Channel(write_fd, read_fd, self.deadline)
+        threading.Thread(target=self._drain, args=(err_fd,), daemon=True).start()
+        threading.Thread(target=self._watchdog, daemon=True).start()
+        sys.meta_path.append(_Finder(self.root))
 
+    def _drain(self, fd: int) -> None:
+        while chunk := os.read(fd, 1 << 16):
+            self.peer_output.append(chunk[-_OUTPUT_TAIL_BYTES:])
 
-def _python_flags() -> list[str]:
-    return [sys.executable, "-I", "-B"]
+    def _watchdog(self) -> None:
+        time.sleep(max(0.0, self.deadline - time.monotonic()))
+        self.finish({"passed": [], "failed": [], "errors": [], "finished": False, "exitstatus": None}, True)
 
+    def run_pytest(self) -> dict:
+        for name in list(os.environ):
+            if name.startswith(("PYTEST_", "PY_COLORS")):
+                del os.environ[name]
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        import pytest
 
-def _supervise(args: argparse.Namespace) -> int:
-    nonce = sys.stdin.readline().strip()
-    if _libc := _load_libc():
-        _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-    workspace = os.getcwd()
-    private_dir = tempfile.mkdtemp(prefix="score-")
-    os.chmod(private_dir, 0o700)
-    results_path = os.path.join(private_dir, "results.jsonl")
-    output_path = os.path.join(private_dir, "output.txt")
-    results_fd = os.open(results_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    if args.script:
-        argv = [*_python_flags(), args.script, *args.rest]
-        pass_fds: tuple[int, ...] = ()
-    else:
-        argv = [*_python_flags(), os.path.abspath(__file__), "--worker", str(results_fd),
-                "--root", args.root, "--", *args.rest]
-        pass_fds = (results_fd,)
-    start = time.monotonic()
-    timed_out = False
-    with open(output_path, "wb") as output:
-        worker = subprocess.Popen(argv, cwd=workspace, stdin=subprocess.DEVNULL, stdout=output,
-                                  stderr=subprocess.STDOUT, pass_fds=pass_fds, start_new_session=True)
+        recorder = _Recorder()
+        args = [a if a.startswith("-") else os.path.join(self.root, a.strip("/")) for a in self.payload["args"]]
+        status = pytest.main(["-c", os.path.join(self.root, "pytest.ini"), "--rootdir", self.root,
+                              "--confcutdir", self.root, "-p", "no:cacheprovider", "-p", "no:stepwise", *args],
+                             plugins=[recorder])
+        passed, failed = recorder.counts()
+        return {"passed": passed, "failed": failed, "errors": recorder.errors, "finished": True,
+                "exitstatus": int(status)}
+
+    def run_script(self) -> dict:
+        import runpy
+
+        script, *args = self.payload["args"]
+        sys.argv = [os.path.join(self.root, script), *args]
         try:
-            exit_code = worker.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            exit_code = -signal.SIGKILL
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(worker.pid, signal.SIGKILL)  # daemons it left behind too
-        worker.wait()
-    os.close(results_fd)
-    report = _count(results_path, exit_code if args.script else None)
-    report.update(exit_code=exit_code, timed_out=timed_out, duration_s=round(time.monotonic() - start, 3),
-                  output=_tail(output_path))
-    sys.stdout.write(f"{REPORT_PREFIX} {nonce} {json.dumps(report)}\n")
-    sys.stdout.flush()
-    return 0
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # the check failed (or the agent's module made it raise)
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        ok = code == 0
+        return {"passed": ["script"] if ok else [], "failed": [] if ok else ["script"], "errors": [],
+                "finished": True, "exitstatus": code}
+
+    def finish(self, result: dict, timed_out: bool, infra_error: str | None = None) -> None:
+        if not self.reported.acquire(blocking=False):
+            return
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        report = {"passed": result["passed"], "failed": result["failed"], "errors": result["errors"],
+                  "finished": result["finished"], "worker_exitstatus": result["exitstatus"],
+                  "exit_code": result["exitstatus"] if result["exitstatus"] is not None else -9,
+                  "timed_out": timed_out, "duration_s": round(time.monotonic() - self.start, 3),
+                  "output": self._tail(), "infra_error": infra_error}
+        line = f"{REPORT_PREFIX} {self.payload['nonce']} {json.dumps(report)}\n".encode()
+        while line:
+            line = line[os.write(self.report_fd, line):]
+        shutil.rmtree(self.root, ignore_errors=True)
+        os._exit(0)  # no atexit or finalizer of anyone else's runs after the report
+
+    def _tail(self) -> str:
+        with open(self.output_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - _OUTPUT_TAIL_BYTES))
+            text = f.read()
+        peer = b"".join(self.peer_output)[-_OUTPUT_TAIL_BYTES // 2:]
+        if peer:
+            text += b"\n--- output of the module under test ---\n" + peer
+        return text.decode("utf-8", errors="replace")
 
 
-def _tail(path: str) -> str:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        f.seek(max(0, size - _OUTPUT_TAIL_BYTES))
-        return f.read().decode("utf-8", errors="replace")
-
-
-def _load_libc():
+def main() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, /proc/PID/mem or /proc/PID/fd for anyone else
+    payload = json.loads(sys.stdin.buffer.readline())
+    judge = Judge(payload)
+    judge.prepare()
     try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="hidden-test runner (see the module docstring)")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--root", required=True, help="folder holding the hidden files and pytest.ini")
-    parser.add_argument("--script", default=None, help="run this hidden script instead of pytest")
-    parser.add_argument("--timeout-s", type=float, default=60.0)
-    parser.add_argument("rest", nargs="*", help="pytest arguments (or the script's) after --")
-    args = parser.parse_args(argv)
-    if args.worker is not None:
-        return _worker(args.worker, os.getcwd(), args.root, args.rest)
-    return _supervise(args)
+        result = judge.run_script() if payload["kind"] == "script" else judge.run_pytest()
+    except BaseException as exc:  # noqa: BLE001 - any failure is a failed run, reported as such
+        print(f"judge error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        result = {"passed": [], "failed": [], "errors": [f"judge error: {type(exc).__name__}"], "finished": False,
+                  "exitstatus": None}
+    judge.finish(result, False)
+    return 0
 
 
 if __name__ == "__main__":

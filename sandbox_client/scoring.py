@@ -1,16 +1,20 @@
 """Score a submission with hidden tests, without letting the agent touch them or game them.
 
-The hidden tests never enter the agent's sandbox. Scoring takes a snapshot of the agent's work: a
-fork of its sandbox where the service supports fork (SPEC §6: the original is undisturbed), else a
-fresh sandbox of the task snapshot plus the agent's changed source files. It writes the hidden
-files and the runner (``score_runner.py``) into a folder with a fresh random name, which the agent
-never had, and runs the runner with a nonce on stdin. The reward comes from the runner's report
-line (``SCORE-REPORT <nonce> {...}``): 1.0 when at least ``required_passed`` hidden tests passed
-and none failed, errored or found pytest patched; else 0.0. The exit code of the test command is
-never evidence; nothing the agent wrote (``pytest.ini``, ``conftest.py``, plugins, ``__init__.py``,
-``sitecustomize.py``) changes how the hidden tests are collected or run.
-A timeout gives ``timeout_reward`` (decided up front; DeepSWE uses 0). The scoring sandbox is
-always deleted.
+The hidden tests never enter the agent's sandbox, and the agent's code never runs in the process
+that runs them. Scoring takes a snapshot of the agent's work: a fork of its sandbox where the
+service supports fork (SPEC §6: the original is undisturbed), else a fresh sandbox of the task
+snapshot plus the agent's changed source files. In it, one exec starts two processes
+(``peer_command``, see docs/sandbox.md): the judge (``score_runner``), as a uid of its own, gets
+the hidden files and a nonce on stdin, runs the tests and prints the only report line
+(``SCORE-REPORT <nonce> {...}``); the peer (``score_peer``), as the sandbox's uid, imports the
+agent's modules and answers the tests' calls with plain values over a pipe. The reward is 1.0 when
+at least ``required_passed`` hidden tests passed and none failed or errored; else 0.0. The exit
+code of the test command is never evidence; nothing the agent wrote (``pytest.ini``,
+``conftest.py``, plugins, ``__init__.py``, ``sitecustomize.py``, hooks registered on import)
+changes how the hidden tests are collected, run or counted.
+A timeout gives ``timeout_reward`` (decided up front; DeepSWE uses 0). A workspace that cannot be
+copied (over the disk quota, too many files) scores 0 with the reason in ``problems``: the agent
+filled it. The scoring sandbox is always deleted.
 
 Test commands understood (the task's ``hidden_test_command``): ``python -m pytest [flags] PATH...``
 with every PATH a hidden file or folder, and ``python SCRIPT [args]`` with SCRIPT a hidden file
@@ -23,13 +27,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import shlex
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from sandbox_client.client import SandboxClient
-from sandbox_client.errors import CommandTimeout, SandboxError, SandboxRequestError
+from sandbox_client.errors import CommandTimeout, SandboxError, SandboxInfraError, SandboxRequestError
 from sandbox_client.score_runner import REPORT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -37,6 +43,9 @@ _CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache", ".git", ".mypy_cache", 
 _MAX_OUTPUT_CHARS = 20_000
 _READ_CONCURRENCY = 16
 _RUNNER_SOURCE = (Path(__file__).resolve().parent / "score_runner.py").read_text(encoding="utf-8")
+_PEER_SOURCE = (Path(__file__).resolve().parent / "score_peer.py").read_text(encoding="utf-8")
+JUDGE_ARGV = ["python", "-I", "-B", "-c", _RUNNER_SOURCE]
+PEER_ARGV = ["python", "-I", "-B", "-c", _PEER_SOURCE]
 # The runner stops the tests this long before the exec timeout, so a slow run still reports.
 _RUNNER_MARGIN_S = 2.0
 
@@ -84,12 +93,11 @@ class HiddenCommand:
         raise ValueError(f"hidden test command {command!r}: expected 'python -m pytest [flags] HIDDEN_PATH...' "
                          "or 'python HIDDEN_SCRIPT [args]'")
 
-    def runner_command(self, root: str, timeout_s: float) -> list[str]:
-        runner = ["python", "-I", "-B", f"{root}/score_runner.py", "--root", root, "--timeout-s", f"{timeout_s:g}"]
-        if self.kind == "script":
-            return [*runner, "--script", f"{root}/{self.args[0]}", "--", *self.args[1:]]
-        mapped = [a if a.startswith("-") else f"{root}/{a.strip('/')}" for a in self.args]
-        return [*runner, "--", *mapped]
+    def payload(self, hidden_files: dict[str, str], nonce: str, timeout_s: float,
+                fds: tuple[int, int, int] = (3, 4, 5)) -> str:
+        """The judge's stdin: one JSON line (the hidden files travel here, never through the workspace)."""
+        return json.dumps({"nonce": nonce, "files": hidden_files, "kind": self.kind, "args": self.args,
+                           "timeout_s": timeout_s, "fds": list(fds)}) + "\n"
 
 
 def _is_hidden_path(path: str, hidden: list[str]) -> bool:
@@ -160,14 +168,11 @@ async def score_submission(client: SandboxClient, *, task_files: dict[str, str],
         return ScoreResult(reward=0.0, passed=False, timed_out=False, output=carried[0], snapshot=used,
                            problems=["workspace could not be snapshotted"])
     try:
-        root = f".score-{secrets.token_hex(16)}"  # a name the agent never had
         nonce = secrets.token_hex(16)
-        for path, content in runner_files(hidden_files, root).items():
-            await client.write_file(scoring_id, path, content)
         runner_timeout = max(timeout_s - _RUNNER_MARGIN_S, timeout_s / 2)
         try:
-            result = await client.exec(scoring_id, command.runner_command(root, runner_timeout),
-                                       stdin=nonce + "\n", timeout_s=timeout_s)
+            result = await client.exec(scoring_id, JUDGE_ARGV, peer_command=PEER_ARGV,
+                                       stdin=command.payload(hidden_files, nonce, runner_timeout), timeout_s=timeout_s)
         except CommandTimeout as exc:
             output = _output(exc.result.stdout, exc.result.stderr)
             return ScoreResult(reward=timeout_reward, passed=False, timed_out=True, output=output,
@@ -190,7 +195,10 @@ async def _snapshot(client: SandboxClient, agent_sandbox_id: str, task_files: di
             if snapshot == "fork" or not no_fork:
                 return None, [f"fork of the agent's sandbox refused: {exc}"], "fork"
     changed = await _changed_files(client, agent_sandbox_id, task_files)
-    return await client.create({**task_files, **changed}), sorted(changed), "fresh"
+    try:
+        return await client.create({**task_files, **changed}), sorted(changed), "fresh"
+    except SandboxRequestError as exc:  # the agent's files do not fit a sandbox (over the disk quota, too big)
+        return None, [f"a fresh sandbox of the agent's files was refused: {exc}"], "fresh"
 
 
 def _judge(stdout: str, stderr: str, nonce: str, required_passed: int | None, timeout_reward: float,
@@ -199,6 +207,8 @@ def _judge(stdout: str, stderr: str, nonce: str, required_passed: int | None, ti
     if report is None:
         return ScoreResult(reward=0.0, passed=False, timed_out=False, output=_output(stdout, stderr),
                            carried_files=carried, snapshot=used, problems=["no single runner report in the output"])
+    if report.get("infra_error"):  # the service could not give the judge its peer: not the agent's doing
+        raise SandboxInfraError(f"scoring could not run: {report['infra_error']}")
     output = _output(report.get("output", ""), stderr)
     passed, failed = report["passed"], report["failed"]
     if report["timed_out"]:
@@ -210,12 +220,34 @@ def _judge(stdout: str, stderr: str, nonce: str, required_passed: int | None, ti
                        num_passed=len(passed), num_failed=len(failed), snapshot=used, problems=problems)
 
 
-def runner_files(hidden_files: dict[str, str], root: str) -> dict[str, str]:
-    """What a scoring run writes under ``root``: the hidden files, the runner and an empty ini file."""
-    files = {f"{root}/{path}": content for path, content in hidden_files.items()}
-    files[f"{root}/score_runner.py"] = _RUNNER_SOURCE
-    files[f"{root}/pytest.ini"] = "[pytest]\n"
-    return files
+def run_locally(workdir: str, hidden_files: dict[str, str], command: HiddenCommand, python: str,
+                timeout_s: float, env: dict[str, str]) -> tuple[dict | None, subprocess.CompletedProcess | None]:
+    """Judge and peer as plain local subprocesses of one uid (task validation; no server, no uid
+    boundary): (the report or None, the judge's completed process or None on a timeout)."""
+    nonce = secrets.token_hex(8)
+    to_peer_r, to_peer_w = os.pipe()
+    from_peer_r, from_peer_w = os.pipe()
+    err_r, err_w = os.pipe()
+    judge_fds = (to_peer_w, from_peer_r, err_r)
+    try:
+        peer = subprocess.Popen([python, *PEER_ARGV[1:]], cwd=workdir, env=env, stdin=to_peer_r, stdout=from_peer_w,
+                                stderr=err_w, start_new_session=True)
+    finally:
+        for fd in (to_peer_r, from_peer_w, err_w):
+            os.close(fd)
+    try:
+        completed = subprocess.run([python, *JUDGE_ARGV[1:]], cwd=workdir, env=env, pass_fds=judge_fds,
+                                   input=command.payload(hidden_files, nonce, timeout_s, judge_fds),
+                                   capture_output=True, text=True, timeout=timeout_s + 30, check=False)
+    except subprocess.TimeoutExpired:
+        return None, None
+    finally:
+        for fd in judge_fds:
+            os.close(fd)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(peer.pid, 9)
+        peer.wait()
+    return parse_report(completed.stdout, nonce), completed
 
 
 def parse_report(stdout: str, nonce: str) -> dict | None:
@@ -241,8 +273,6 @@ def report_problems(report: dict, required_passed: int | None) -> list[str]:
         problems.append(f"{len(failed)} hidden tests failed: {', '.join(failed[:5])}")
     if report["errors"]:
         problems.append(f"collection errors: {', '.join(report['errors'][:5])}")
-    if report["tampered"]:
-        problems.append(f"the test process tampered with the run: {', '.join(report['tampered'][:5])}")
     if not report["finished"] or report["worker_exitstatus"] != 0:
         problems.append(f"the test run did not finish cleanly (exit {report['exit_code']})")
     return problems

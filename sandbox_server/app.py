@@ -28,6 +28,7 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandbox_server import PROTOCOL_VERSION
 from sandbox_server.isolation import Isolation, refused_env_name
@@ -84,6 +85,10 @@ class ExecRequest(BaseModel):
     command: str | list[str] = Field(description="shell string (run by /bin/sh -c) or argv list")
     stdin: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
+    peer_command: list[str] | None = Field(
+        default=None, description="argv of a second process run as the sandbox's uid, while `command` runs as the "
+        "sandbox's judge uid; the command's fds 3, 4 and 5 are pipes to the peer's stdin, from its stdout and "
+        "from its stderr (scoring: docs/sandbox.md)")
     timeout_s: float = 30.0
     idempotency_key: str | None = Field(default=None, max_length=200)
 
@@ -255,7 +260,8 @@ def create_app(options: ServerOptions) -> FastAPI:
     root.chmod(0o711)  # the sandbox uids may traverse, not list
     probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
     probe_dir.chmod(0o755)
-    cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes)
+    cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes,
+                                          options.total_memory_bytes)
     disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
     try:
         isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)
@@ -375,6 +381,16 @@ def create_app(options: ServerOptions) -> FastAPI:
         metrics.inc("errors_total", code="internal")
         return _error(500, "internal", f"{type(exc).__name__}: {exc}")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # The router's own answers (unknown path, wrong method) in the same typed shape as every other error.
+        code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        parts = request.url.path.split("/")
+        if exc.status_code == 404 and parts[1:3] == ["v1", "sandboxes"] and len(parts) > 3 and not _ID.match(parts[3]):
+            code = "sandbox_not_found"  # no sandbox has that id (it does not even route)
+        metrics.inc("errors_total", code=code)
+        return _error(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError):
         metrics.inc("errors_total", code="invalid_request")
@@ -401,6 +417,8 @@ def create_app(options: ServerOptions) -> FastAPI:
                 "file_size_bytes": options.file_size_bytes,
                 "open_files": options.open_files,
                 "memory_bytes": options.memory_bytes,
+                "total_memory_bytes": cgroups.total_memory_bytes if cgroups is not None else None,
+                "max_sandboxes": options.max_sandboxes,
                 "disk_bytes": options.disk_bytes,
                 "tmp_bytes": options.tmp_bytes,
             },
@@ -480,6 +498,9 @@ def create_app(options: ServerOptions) -> FastAPI:
         argv = _argv(body.command)
         env = _env(body.env)
         _check_exec_size(argv, env)
+        peer = _argv(body.peer_command) if body.peer_command is not None else None
+        if peer is not None:
+            _check_exec_size(peer, {})
         if not 0 < body.timeout_s <= options.max_timeout_s:
             raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {options.max_timeout_s}], got {body.timeout_s}")
         stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
@@ -490,7 +511,7 @@ def create_app(options: ServerOptions) -> FastAPI:
             box.tasks.add(task)
             try:
                 result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env, slot=box.slot,
-                                             cgroup=box.id,
+                                             cgroup=box.id, peer=peer,
                                              timeout_s=body.timeout_s, network=box.network)
             finally:
                 box.tasks.discard(task)

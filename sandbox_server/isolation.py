@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import resource
@@ -67,6 +68,7 @@ _DRAIN_GRACE_S = 0.5
 # Starting commands gets its own threads: a long file operation (a fork's copy) on the default
 # executor must not delay every command start behind it.
 _SPAWN_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sandbox-spawn")
+_PAIR_LAUNCH_SOURCE = (Path(__file__).resolve().parent / "pair_launch.py").read_text(encoding="utf-8")
 _ARGS_FD_SLOT = "<args-fd>"  # placeholder (compared by identity) for the memfd number
 _PR_SET_PDEATHSIG = 1
 try:
@@ -287,10 +289,15 @@ class Isolation:
                                       f"RLIMIT_NPROC={options.max_processes} of the sandbox's own uid" if per_uid
                                       else None),
             "memory_per_sandbox": f"{cgroup} memory limit {options.memory_bytes} bytes" if cgroup else None,
+            "memory_all_sandboxes": (f"{cgroup} memory limit {self.cgroups.total_memory_bytes} bytes on the parent "
+                                     "group of every sandbox" if self.cgroups is not None else None),
+            "sandboxes": f"at most {options.max_sandboxes} at once (scoring sandboxes included)",
             "disk_per_sandbox": f"tmpfs of {options.disk_bytes} bytes on the sandbox folder" if self.disk_quota else None,
             "tmp_per_command": (f"private tmpfs /tmp of {options.tmp_bytes} bytes" if self.backend == "bwrap"
                                 else "inside the sandbox folder (TMPDIR)" if self.disk_quota else None),
             "uid_per_sandbox": f"uids {uid}..{uid + options.max_sandboxes - 1}" if per_uid else None,
+            "judge_uid_per_sandbox": (f"uids {uid + options.max_sandboxes}..{uid + 2 * options.max_sandboxes - 1} "
+                                      "(exec command when peer_command is set)" if per_uid else None),
             "address_space_per_process": f"RLIMIT_AS={options.address_space_bytes}",
             "cpu_time_per_process": f"RLIMIT_CPU={options.cpu_time_s}",
             "file_size": f"RLIMIT_FSIZE={options.file_size_bytes}",
@@ -357,15 +364,11 @@ class Isolation:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def _bwrap_args(self, workspace: Path, argv: list[str], env: dict[str, str],
-                    network: bool, uid: int | None) -> tuple[list[str], list[str]]:
-        """bwrap's options and the command it runs. The options travel through ``--args FD``, never
-        argv, so ``/proc/1/cmdline`` inside the sandbox shows ``bwrap --args N -- COMMAND`` and no
-        host path (bwrap refuses the command itself inside the args file)."""
-        cmd = ["--die-with-parent", "--new-session", "--clearenv",
-               "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
-        if not network:
-            cmd.append("--unshare-net")
+    @functools.cache  # noqa: B019 - one Isolation per server; the host's layout does not change under it
+    def _host_mounts(self) -> list[str]:
+        """The read-only host binds, /proc, /dev, /tmp and /etc of every bwrap command: built once (the
+        stat and realpath calls cost ~0.5 ms an exec)."""
+        cmd: list[str] = []
         cmd += ["--ro-bind", "/usr", "/usr"]
         for top in ("lib", "lib64", "lib32", "bin", "sbin"):
             host = Path("/" + top)
@@ -385,7 +388,21 @@ class Isolation:
             cmd += ["--perms", "0755", "--dir", ancestor]
         for d in python_dirs:
             cmd += ["--ro-bind", d, d]
+        return cmd
+
+    def _bwrap_args(self, workspace: Path, argv: list[str], env: dict[str, str],
+                    network: bool, uid: int | None) -> tuple[list[str], list[str]]:
+        """bwrap's options and the command it runs. The options travel through ``--args FD``, never
+        argv, so ``/proc/1/cmdline`` inside the sandbox shows ``bwrap --args N -- COMMAND`` and no
+        host path (bwrap refuses the command itself inside the args file)."""
+        cmd = ["--die-with-parent", "--new-session", "--clearenv",
+               "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        if not network:
+            cmd.append("--unshare-net")
+        cmd += self._host_mounts()
         cmd += ["--bind", str(workspace), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+        if uid is None and self._bwrap_mode == "setpriv":  # the pair launcher switches uids itself
+            return cmd, argv
         if uid is not None and self._bwrap_mode == "setpriv":
             assert self._setpriv is not None and self._env_bin is not None
             # setpriv runs as root inside the mount namespace: it starts with an empty environment
@@ -401,13 +418,35 @@ class Isolation:
             cmd += ["--setenv", name, value]
         return cmd, argv
 
+    def judge_uid(self, slot: int) -> int | None:
+        """uid of an exec's command when it has a ``peer_command`` (the peer gets ``command_uid``):
+        one no sandbox runs as, so the peer cannot signal, trace or read it. None: no uid switch."""
+        if not self.per_sandbox_uids:
+            return None
+        assert self.uid is not None
+        return self.uid + self.options.max_sandboxes + slot
+
+    def pair_argv(self, argv: list[str], peer: list[str], env: dict[str, str], slot: int) -> list[str]:
+        """The launcher (``pair_launch``) that starts ``argv`` as the judge uid and ``peer`` as the sandbox's."""
+        spec = {"command": argv, "peer": peer, "env": env, "judge_uid": self.judge_uid(slot),
+                "peer_uid": self.command_uid(slot) if self.per_sandbox_uids else None}
+        return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, json.dumps(spec)]
+
     def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool,
-               uid: int | None) -> Launch:
-        """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file."""
+               uid: int | None, peer: list[str] | None = None, slot: int = 0) -> Launch:
+        """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file.
+        With ``peer``, the pair launcher runs as the server's uid (root) and switches each process's uid."""
+        if peer is not None:
+            argv = self.pair_argv(argv, peer, env, slot)
+            if self.per_sandbox_uids:
+                uid = None
         if self.backend == "bwrap":
             assert self._bwrap is not None
             options, command = self._bwrap_args(workspace, argv, env, network, uid)
             return Launch([self._bwrap, "--args", _ARGS_FD_SLOT, "--", *command], dict(HOST_ENV), options)
+        if peer is not None:  # the launcher itself starts with the fixed host environment
+            return Launch(argv, dict(HOST_ENV), None) if network or not self._process_netns else \
+                Launch([self._unshare or "unshare", "--net", "--", *argv], dict(HOST_ENV), None)
         if self._process_netns and not network:
             # unshare runs as the server's uid; the rlimits and the uid drop happen before it execs.
             return Launch([self._unshare or "unshare", "--net", "--", *argv], env, None)
@@ -423,14 +462,16 @@ class Isolation:
     # ---- running -------------------------------------------------------------------------------
     async def run(self, workspace: Path, home: Path, argv: list[str], *, stdin: bytes | None,
                   env: dict[str, str], timeout_s: float, network: bool, slot: int = 0,
-                  cgroup: str | None = None) -> RunResult:
+                  cgroup: str | None = None, peer: list[str] | None = None) -> RunResult:
         marker = uuid.uuid4().hex
         full_env = {**self.base_env(workspace, home), **env}
         if self.backend == "process":
             full_env[_MARKER_VAR] = marker
         command_uid = self.command_uid(slot)
-        launch = self.launch(workspace, argv, full_env, network, command_uid)
+        launch = self.launch(workspace, argv, full_env, network, command_uid, peer, slot)
         uid = command_uid if self.backend == "process" else None  # bwrap drops the uid itself
+        if peer is not None and self.per_sandbox_uids:
+            uid = None  # the pair launcher switches uids
         procs = self.cgroups.procs_files(cgroup) if self.cgroups is not None and cgroup else []
         start = time.monotonic()
 

@@ -42,21 +42,24 @@ class Cgroups:
     ``procs_files(name)`` are the ``cgroup.procs`` files a command's first process writes its pid to
     before exec (the whole tree then stays inside)."""
 
-    def __init__(self, version: int, parents: dict[str, Path], pids_max: int, memory_bytes: int) -> None:
+    def __init__(self, version: int, parents: dict[str, Path], pids_max: int, memory_bytes: int,
+                 total_memory_bytes: int = 0) -> None:
         self.version = version
+        self.total_memory_bytes = total_memory_bytes or host_memory_bytes() * 3 // 4
         self.parents = parents  # controller ("pids", "memory"; "unified" on v2) -> parent directory
         self.pids_max = pids_max
         self.memory_bytes = memory_bytes
 
     @classmethod
-    def detect(cls, root_dir: Path, pids_max: int, memory_bytes: int) -> tuple[Cgroups | None, str]:
+    def detect(cls, root_dir: Path, pids_max: int, memory_bytes: int,
+               total_memory_bytes: int = 0) -> tuple[Cgroups | None, str]:
         """(cgroups, how) or (None, why not). Removes the groups a killed server left under the same root."""
         tag = "agentrl-" + hashlib.sha256(str(root_dir).encode()).hexdigest()[:12]
         v1 = {c: _CGROUP_ROOT / c for c in ("pids", "memory")}
         if all((p / "cgroup.procs").exists() for p in v1.values()):
-            made = cls(1, {c: p / tag for c, p in v1.items()}, pids_max, memory_bytes)
+            made = cls(1, {c: p / tag for c, p in v1.items()}, pids_max, memory_bytes, total_memory_bytes)
         elif "pids" in _read(_CGROUP_ROOT / "cgroup.controllers").split():
-            made = cls(2, {"unified": _CGROUP_ROOT / tag}, pids_max, memory_bytes)
+            made = cls(2, {"unified": _CGROUP_ROOT / tag}, pids_max, memory_bytes, total_memory_bytes)
         else:
             return None, "no cgroup v1 pids/memory hierarchy and no cgroup v2 pids controller"
         try:
@@ -76,6 +79,9 @@ class Cgroups:
         if self.version == 2:
             _write(_CGROUP_ROOT / "cgroup.subtree_control", "+pids +memory")
             _write(self.parents["unified"] / "cgroup.subtree_control", "+pids +memory")
+            _write(self.parents["unified"] / "memory.max", str(self.total_memory_bytes))
+        else:  # children count against the parent's limit (memory.use_hierarchy, 1 on every kernel >= 5)
+            _write(self.parents["memory"] / "memory.limit_in_bytes", str(self.total_memory_bytes))
 
     def _dirs(self, name: str) -> list[Path]:
         return [parent / name for parent in self.parents.values()]
@@ -122,6 +128,10 @@ class Cgroups:
                     return
             time.sleep(0.02)
         log.warning("cgroup %s still busy; left behind", directory)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _read(path: Path) -> str:

@@ -74,6 +74,11 @@ class ServerOptions:
     """Memory per sandbox (cgroup ``memory.limit_in_bytes`` / ``memory.max``, swap included), over all
     of its processes and the tmpfs pages they write."""
 
+    total_memory_bytes: int = 0
+    """Memory of all sandboxes together: a limit on the parent cgroup of every sandbox's group, so N
+    sandboxes each under ``memory_bytes`` cannot together starve the host (the kernel reclaims, then
+    OOM-kills inside the sandboxes, never the server). 0: three quarters of the host's RAM."""
+
     disk_bytes: int = 512 << 20
     """Disk per sandbox: its folder (workspace and home) is a tmpfs of this size when the server is
     root (RAM-backed: size max_sandboxes x disk_bytes to the host); writes past it fail with ENOSPC."""
@@ -104,6 +109,8 @@ class ServerOptions:
         for name in ("default_ttl_s", "max_ttl_s", "reap_interval_s", "max_timeout_s", "idempotency_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.total_memory_bytes < 0:
+            raise ValueError(f"total_memory_bytes must be >= 0 (0: 3/4 of the host's RAM), got {self.total_memory_bytes}")
         if self.default_ttl_s > self.max_ttl_s:
             raise ValueError(f"default_ttl_s ({self.default_ttl_s}) exceeds max_ttl_s ({self.max_ttl_s})")
 

@@ -236,12 +236,12 @@ def test_hidden_tests_that_miss_the_bug():
     assert "hidden tests pass on the buggy workspace (they do not detect the bug)" in problems
 
 
-def test_hidden_tests_an_always_equal_object_passes_are_unsound():
-    """The reward hack of returning an object whose __eq__ is always True must not pass the hidden tests."""
+def test_an_always_equal_object_cannot_pass_even_equality_only_hidden_tests():
+    """The reward hack of returning an object whose __eq__ is always True: the module runs in another
+    process and only plain values cross back, so such an object arrives as a reference equal only to
+    itself, and a hidden test that only uses == is sound (the validator's probe finds nothing)."""
     equality_only = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-    problems = validate_task(make_task(hidden_files={HIDDEN_PATH: equality_only}))
-    assert problems == ["hidden tests pass when the fixed module returns objects equal to anything "
-                        "(check types or use `is`/`not`, not only ==)"]
+    assert validate_task(make_task(hidden_files={HIDDEN_PATH: equality_only})) == []
 
 
 def test_hidden_test_count_must_match_the_fix():

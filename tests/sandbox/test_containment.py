@@ -167,3 +167,26 @@ def test_a_sandbox_with_a_1500_level_tree_is_refused_for_listing_and_fork_and_de
         assert codes == [(400, "tree_too_deep"), (400, "tree_too_deep")]
         assert active == 0
         assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == []
+
+
+def test_sandboxes_together_cannot_use_more_than_the_total_memory_limit():
+    """Each sandbox is under its own limit (128 MiB), yet two of them at 80 MiB each exceed the 120 MiB
+    that all sandboxes share: the kernel kills inside a sandbox, and the server keeps serving."""
+    hog = ("import time\nblock = bytearray(80 << 20)\nfor i in range(0, len(block), 4096):\n    block[i] = 1\n"
+           "time.sleep(3)\nprint('survived')\n")
+    with start_local_server(memory_bytes=128 << 20, total_memory_bytes=120 << 20) as server:
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                health = await client.health()
+                boxes = [await client.create({"hog.py": hog}) for _ in range(2)]
+                results = await asyncio.gather(*(client.exec(b, ["python", "hog.py"], timeout_s=30) for b in boxes))
+                alone = await client.exec(boxes[0], ["python", "hog.py"], timeout_s=30)
+                for box in boxes:
+                    await client.delete(box)
+                return health, results, alone
+
+        health, results, alone = asyncio.run(main())
+    if health["isolation"]["enforced"]["memory_all_sandboxes"] is None:
+        pytest.skip("no writable cgroups on this host: the server reports memory_all_sandboxes as not enforced")
+    assert alone.stdout.strip() == "survived", alone  # one sandbox alone fits both limits
+    assert sum(r.stdout.strip() == "survived" for r in results) <= 1, results

@@ -79,3 +79,24 @@ def test_scoring_timeout_gives_the_timeout_reward(server):
 ])
 def test_agent_test_files_are_recognised(path, expected):
     assert is_agent_test_file(path) is expected
+
+
+def test_a_service_without_peer_command_is_an_infrastructure_error_not_a_zero(server):
+    """The judge refuses to score without its pipes to the agent's process (a server that ignores
+    ``peer_command``): the scorer raises SandboxInfraError, so no episode gets a reward of 0 for it."""
+    from sandbox_client.errors import SandboxInfraError
+    from sandbox_client.scoring import JUDGE_ARGV, HiddenCommand, _judge
+
+    command = HiddenCommand.parse("python -m pytest -q hidden_tests", HIDDEN)
+
+    async def main():
+        async with SandboxClient(server.url, server.token) as client:
+            sid = await client.create(TASK)
+            try:
+                return await client.exec(sid, JUDGE_ARGV, stdin=command.payload(HIDDEN, "n0nce", 20), timeout_s=30)
+            finally:
+                await client.delete(sid)
+
+    result = asyncio.run(main())
+    with pytest.raises(SandboxInfraError, match="peer_command"):
+        _judge(result.stdout, result.stderr, "n0nce", 1, 0.0, [], "fork")
