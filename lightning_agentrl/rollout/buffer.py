@@ -51,7 +51,7 @@ class RolloutBuffer:
         self.num_filled = 0  # dynamic sampling: groups without variance trained because the budget ran out
         self.last_take: dict[str, int] = {"discarded": 0, "filled": 0}
         self.on_change: Callable[[], None] | None = None
-        self._num_waiting = 0
+        self._num_wanted = 0  # groups a waiting take still needs (0: no take waits)
         self._closed_error: BaseException | None = None
 
     @property
@@ -61,8 +61,9 @@ class RolloutBuffer:
 
     @property
     def starved(self) -> bool:
-        """A take is waiting for groups that are not ready yet."""
-        return self._num_waiting > 0
+        """A take waits, and the groups ready now are fewer than it still needs."""
+        with self._cond:
+            return self._num_wanted > 0 and len(self._ready) < self._num_wanted
 
     def put(self, group: list[Trajectory]) -> None:
         assert group and len({t.group_id for t in group}) == 1, "a group shares one group_id"
@@ -103,25 +104,25 @@ class RolloutBuffer:
                         self.num_discarded -= num_filled
                         self.num_filled += num_filled
                         break
-                    self._next(taken, discarded, policy_version, timeout_s)
+                    self._next(taken, discarded, policy_version, timeout_s, num_groups - len(taken))
             except BaseException:
                 self._ready.extendleft(reversed(taken))
                 raise
         self.last_take = {"discarded": len(discarded), "filled": num_filled}
         return taken
 
-    def _next(self, taken: list, discarded: list, policy_version: int, timeout_s: float | None) -> None:
+    def _next(self, taken: list, discarded: list, policy_version: int, timeout_s: float | None, wanted: int) -> None:
         """Take one ready group into ``taken`` or ``discarded`` (or drop it), waiting if none is ready."""
         if self._closed_error is not None:
             raise RolloutServiceError("the rollout service stopped") from self._closed_error
         if not self._ready:
-            self._num_waiting += 1
+            self._num_wanted = wanted
             self._changed()
             try:
                 if not self._cond.wait(timeout=timeout_s):
                     raise TimeoutError(f"no rollout group became ready within {timeout_s} s")
             finally:
-                self._num_waiting -= 1
+                self._num_wanted = 0
             return
         group = self._ready.popleft()
         oldest = min((t.min_policy_version for t in group if t.min_policy_version >= 0), default=policy_version)
