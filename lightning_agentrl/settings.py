@@ -70,10 +70,13 @@ class EngineSettings(_Section):
     """Engine replicas; all turns of one episode go to the same replica (sticky routing)."""
     max_batch_size: int = Field(16, ge=1)
     """Most concurrent requests the torch engine decodes in one batch."""
-    temperature: float = Field(1.0, ge=0.0)
-    """Sampling temperature (0 = greedy). Behavior log-probs are of this distribution."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature of training episodes (> 0: the importance ratios need a sampling distribution; greedy
+    evaluation is `eval.temperature: 0`). Every log-prob, the engine's and the trainer's, is of the distribution
+    sampled from: logits / temperature, restricted to the top-p nucleus, renormalized."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass: sample among the most likely tokens whose probability reaches this; the trainer's
+    log-probs use the same nucleus."""
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
