@@ -108,9 +108,10 @@ def _chunk_logprobs(
     if not compute_entropy:
         return logprobs, logprobs.new_empty(0)
     probs = torch.softmax(logits, dim=-1)
-    # H = logsumexp(z) - sum_v p_v z_v, over the kept ids (p_v z_v is 0 * -inf elsewhere)
-    weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(logits))
-    entropy = log_norm - weighted.sum(dim=-1)
+    # H = logsumexp(z) - sum_v p_v z_v over the kept ids; dropped ids (z = -inf, p = 0) count 0, with a
+    # finite stand-in for z so that no 0 * inf reaches the backward pass
+    kept_logits = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
+    entropy = log_norm - (probs * kept_logits).sum(dim=-1)
     return logprobs, entropy
 
 
