@@ -113,3 +113,9 @@ def test_rollout_rules_that_cannot_run_are_refused_before_anything_starts(overri
 def test_weights_pushed_every_k_steps_run_with_a_staleness_of_k_minus_1():
     settings = load_settings(overrides=["--trainer.sync_weights_every=3", "--rollout.max_staleness=2"])
     assert settings.trainer.sync_weights_every == 3
+
+
+def test_training_refuses_greedy_sampling_but_evaluation_may_be_greedy():
+    with pytest.raises(SettingsError, match="engine.temperature: Input should be greater than 0"):
+        load_settings(overrides=["--engine.temperature=0"])
+    assert load_settings(overrides=["--eval.temperature=0"]).eval.temperature == 0
