@@ -141,3 +141,4 @@ def test_dynamic_sampling_trains_only_groups_with_reward_variance_and_logs_its_c
     assert discarded[-1] >= 2  # at least the odd groups 1 and 3 were generated and thrown away
     assert generated[-1] >= 2 * (4 + discarded[-1])  # trained plus discarded episodes
     assert metric(result, "rollout/filled_groups") == [0.0, 0.0]
+    assert len(metric(result, "rollout/dropped_stale_groups")) == 2  # every counter of removed groups is logged
