@@ -13,6 +13,10 @@ training: batch k is generated entirely by the weights of step k. Versions count
 and the engine's version advances only when weights are pushed: with ``sync_weights_every = k`` the
 engine serves weights up to k - 1 versions old, so the settings require ``max_staleness >= k - 1``.
 
+Dynamic sampling (``dynamic_sampling``, DAPO): the buffer discards groups without reward variance
+and the gate lets a replacement start for each, within ``max_sampling_rounds`` (see
+:class:`RolloutBuffer`).
+
 Partial rollouts (``partial_rollout_s``, Kimi-Researcher): an episode that has run that long in
 the current iteration is parked at its next turn boundary, releases its slot, and continues once
 the engine has newer weights; its group is ready when all of its episodes have ended. If every
