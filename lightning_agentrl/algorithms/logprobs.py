@@ -21,7 +21,7 @@ The nucleus is the smallest set of the most likely ids whose mass exceeds ``top_
 ``apply_top_k_top_p``: ascending sort, drop the ids whose cumulative mass is <= 1 - top_p, keep the
 most likely id always). vLLM reports exactly this with ``logprobs_mode="processed_logprobs"``
 (:data:`lightning_agentrl.rollout.engine.VLLM_LOGPROBS_MODE`); the torch engine samples with it;
-the trainer computes behavior-comparable, proximal and current log-probs with it
+the trainer computes current, proximal and reference (KL) log-probs and the entropy with it
 (:func:`token_logprobs` with ``top_p``/``top_k``). With ``top_p = 1`` and ``top_k = 0`` it is
 ``log_softmax(logits / T)``. Temperature 0 (greedy) has no distribution: engines then report
 ``log_softmax(logits)``, and training refuses it.
