@@ -17,7 +17,7 @@ log-probability under the distribution it is sampled from, which :func:`sampling
     z = logits / T;  keep = top-k of z  and  the top-p nucleus of softmax(z) among those;
     log pi(y) = z_y - logsumexp_{v in keep} z_v      (y in keep)
 
-The nucleus is the smallest set of the most likely ids whose mass exceeds ``top_p`` (vLLM's
+The nucleus is the smallest set of the most likely ids whose mass reaches ``top_p`` (vLLM's
 ``apply_top_k_top_p``: ascending sort, drop the ids whose cumulative mass is <= 1 - top_p, keep the
 most likely id always). vLLM reports exactly this with ``logprobs_mode="processed_logprobs"``
 (:data:`lightning_agentrl.rollout.engine.VLLM_LOGPROBS_MODE`); the torch engine samples with it;
