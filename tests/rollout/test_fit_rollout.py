@@ -35,7 +35,7 @@ def test_partial_rollouts_with_two_groups_per_step_and_weights_pushed_every_othe
         tmp_path, tiny_model_path, *SMALL, "--trainer.max_steps=3", "--rollout.groups_per_step=2",
         "--rollout.partial_rollout_s=0", "--rollout.max_staleness=1", "--trainer.sync_weights_every=2",
     )
-    result, engine, capture = recorded_fit(settings)
+    result, _, capture = recorded_fit(settings)
     assert result.global_step == 3
     assert [b.num_episodes for b in capture.batches] == [4, 4, 4]
     for step, batch in enumerate(capture.batches):
