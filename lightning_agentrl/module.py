@@ -192,6 +192,7 @@ class AgentRLModule(L.LightningModule):
             hidden[targets_at - 1],
             input_ids[targets_at],
             temperature=max(self.settings.engine.temperature, 1e-6),
+            top_p=self.settings.engine.top_p,  # the sampling distribution (algorithms/logprobs.py)
             chunk_size=self.settings.trainer.logprob_chunk_tokens,
         )
 
@@ -434,10 +435,10 @@ class OutputLogprobs(torch.nn.Module):
 
                 deepspeed.zero.register_external_parameter(self, parameter)
 
-    def forward(self, hidden, target_ids, *, temperature: float, chunk_size: int):
+    def forward(self, hidden, target_ids, *, temperature: float, chunk_size: int, top_p: float = 1.0):
         (head,) = self._head
         return token_logprobs(
-            hidden, head.weight, target_ids, temperature=temperature, chunk_size=chunk_size,
+            hidden, head.weight, target_ids, temperature=temperature, top_p=top_p, chunk_size=chunk_size,
             lm_head_bias=getattr(head, "bias", None),
         )
 

@@ -70,10 +70,13 @@ class EngineSettings(_Section):
     """Engine replicas; all turns of one episode go to the same replica (sticky routing)."""
     max_batch_size: int = Field(16, ge=1)
     """Most concurrent requests the torch engine decodes in one batch."""
-    temperature: float = Field(1.0, ge=0.0)
-    """Sampling temperature (0 = greedy). Behavior log-probs are of this distribution."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature of training episodes (> 0: the importance ratios need a sampling distribution; greedy
+    evaluation is `eval.temperature: 0`). Every log-prob, the engine's and the trainer's, is of the distribution
+    sampled from: logits / temperature, restricted to the top-p nucleus, renormalized."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass: sample among the most likely tokens whose probability reaches this; the trainer's
+    log-probs use the same nucleus."""
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
@@ -173,6 +176,15 @@ class RolloutSettings(_Section):
     (or stops, if it never answered)."""
     infra_wait_s: float = Field(600.0, gt=0)
     """Longest wait for the sandbox service to answer again, with `rollout.on_infra_failure: wait`."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: a group whose episodes all earned the same reward (no signal for the group
+    baseline) is discarded and another group is generated in its place, until the step holds
+    `rollout.groups_per_step` groups with reward variance. Costs extra generation: logged as
+    `rollout/discarded_groups` and `rollout/episodes_generated`."""
+    max_sampling_rounds: int = Field(4, ge=1)
+    """With `rollout.dynamic_sampling`, the budget: one step looks at most at this many steps' worth of groups (rounds x
+    `rollout.groups_per_step`); past it the step fills up with the newest groups without variance (they train
+    with zero advantage) and logs them as `rollout/filled_groups`."""
     max_empty_steps: int = Field(3, ge=1)
     """Consecutive batches without one trainable token (every episode excluded) before the run stops with an
     error. Such a batch takes no optimizer or scheduler step."""
@@ -251,7 +263,8 @@ class TrainerSettings(_Section):
     checkpoint_every: int = Field(1, ge=1)
     """Save `last.ckpt` every this many steps (and at the end)."""
     sync_weights_every: int = Field(1, ge=1)
-    """Push weights to the engine every this many optimizer steps."""
+    """Push weights to the engine every this many optimizer steps. Between two pushes the engine samples with
+    older weights, so this needs `rollout.max_staleness >= sync_weights_every - 1`."""
     threads: int | None = Field(None, ge=1)
     """torch CPU threads (None = torch's default)."""
     stop_grace_s: float = Field(120.0, gt=0)
@@ -344,9 +357,26 @@ class Settings(BaseSettings):
                 f"sandbox.call_timeout_s ({self.sandbox.call_timeout_s:g}) must be >= sandbox.request_timeout_s "
                 f"({self.sandbox.request_timeout_s:g}): it is the deadline of a call, all its attempts included"
             )
+        self._consistent_rollout()
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
         return self
+
+
+    def _consistent_rollout(self) -> None:
+        r, t = self.rollout, self.trainer
+        if r.partial_rollout_s is not None and r.max_staleness < 1:
+            raise ValueError(
+                "rollout.partial_rollout_s needs rollout.max_staleness >= 1: a parked episode continues with newer "
+                "weights, so its group always mixes two policy versions"
+            )
+        if r.max_staleness < t.sync_weights_every - 1:
+            raise ValueError(
+                f"trainer.sync_weights_every={t.sync_weights_every} lets the engine sample with weights up to "
+                f"{t.sync_weights_every - 1} version(s) behind the trainer (versions count optimizer steps), so "
+                f"rollout.max_staleness ({r.max_staleness}) must be >= {t.sync_weights_every - 1}; otherwise no "
+                "group could be generated for the steps between two syncs"
+            )
 
 
 class SettingsError(ValueError):

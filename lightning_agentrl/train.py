@@ -315,6 +315,8 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
             partial_rollout_s=r.partial_rollout_s,
             forced_truncation_rate=r.forced_truncation_rate,
             forced_truncation_turns=r.forced_truncation_turns,
+            dynamic_sampling=r.dynamic_sampling,
+            max_sampling_rounds=r.max_sampling_rounds,
         ),
         summarizer=make_summarizer(env.summarizer, codec, max_summary_tokens=env.summary_max_tokens),
     )

@@ -32,6 +32,9 @@ class TerminationReason(StrEnum):
     TIMEOUT = "timeout"
     TOOL_ERROR = "tool_error"
     SANDBOX_ERROR = "sandbox_error"
+    SCORING_TIMEOUT = "scoring_timeout"
+    """The agent submitted and the hidden tests ran past the task's scoring time limit: reward 0, decided up
+    front (SPEC §4). Not a truncation: the agent finished, so no filter or bootstrap applies."""
 
     @property
     def truncated(self) -> bool:

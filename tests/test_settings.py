@@ -90,3 +90,32 @@ def test_a_step_must_split_into_whole_groups_per_process():
     with pytest.raises(SettingsError, match=r"groups_per_step \(2\) must be a multiple .*\(4\)"):
         load_settings(overrides=["--trainer.devices=2", "--trainer.num_nodes=2", "--rollout.groups_per_step=2"])
     assert load_settings(overrides=["--trainer.devices=2", "--rollout.groups_per_step=4"]).trainer.num_nodes == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--rollout.partial_rollout_s=0", "--rollout.max_staleness=0"],
+         "rollout.partial_rollout_s needs rollout.max_staleness >= 1"),
+        (["--trainer.sync_weights_every=2", "--rollout.max_staleness=0"],
+         r"trainer.sync_weights_every=2 lets the engine sample with weights up to 1 version\(s\) behind .*"
+         r"rollout.max_staleness \(0\) must be >= 1"),
+        (["--trainer.sync_weights_every=3", "--rollout.max_staleness=1"], r"rollout.max_staleness \(1\) must be >= 2"),
+    ],
+)
+def test_rollout_rules_that_cannot_run_are_refused_before_anything_starts(overrides, message, capsys):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(overrides=overrides)
+    assert main(["validate", *overrides]) == 2
+    assert "rollout.max_staleness" in capsys.readouterr().err
+
+
+def test_weights_pushed_every_k_steps_run_with_a_staleness_of_k_minus_1():
+    settings = load_settings(overrides=["--trainer.sync_weights_every=3", "--rollout.max_staleness=2"])
+    assert settings.trainer.sync_weights_every == 3
+
+
+def test_training_refuses_greedy_sampling_but_evaluation_may_be_greedy():
+    with pytest.raises(SettingsError, match="engine.temperature: Input should be greater than 0"):
+        load_settings(overrides=["--engine.temperature=0"])
+    assert load_settings(overrides=["--eval.temperature=0"]).eval.temperature == 0

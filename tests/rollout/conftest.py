@@ -45,6 +45,7 @@ class ScriptedEngine:
         self._count: dict[str, int] = {}
 
     async def generate(self, prompt_ids, sampling, session_id):
+        version = self.policy_version  # the weights in force when the request is admitted
         index = self._count.get(session_id, 0)
         self._count[session_id] = index + 1
         if self.before_request is not None:
@@ -56,8 +57,8 @@ class ScriptedEngine:
         ids = self.codec.encode(actions[min(index, len(actions) - 1)]) + [self.codec.eos_token_id]
         ids = ids[: sampling.max_new_tokens]
         reason = "stop" if ids[-1] == self.codec.eos_token_id else "length"
-        self.calls.append((session_id, index, self.policy_version))
-        return Generation(ids, [-0.5] * len(ids), reason, self.policy_version)
+        self.calls.append((session_id, index, version))
+        return Generation(ids, [-0.5] * len(ids), reason, version)
 
     async def update_weights(self, named_tensors, version):
         self.policy_version = version

@@ -19,7 +19,8 @@ from tests.rollout.conftest import ScriptedEngine, call
 SCRIPT = {"g0": [call("read_file", path="search.py"), call("submit")], "*": [call("submit")]}
 
 
-def make_service(server, codec, task, engine, *, partial_rollout_s: float | None, max_staleness: int = 2):
+def make_service(server, codec, task, engine, *, partial_rollout_s: float | None, max_staleness: int = 2,
+                 groups_per_step: int = 1):
     return RolloutService(
         engine=engine,
         make_client=lambda: SandboxClient(server.url, server.token),
@@ -28,7 +29,7 @@ def make_service(server, codec, task, engine, *, partial_rollout_s: float | None
         tasks=[task],
         sampling=SamplingParams(max_new_tokens=128, seed=0),
         budget=EpisodeBudget(max_turns=4),
-        plan=RolloutPlan(group_size=2, groups_per_step=1, max_in_flight=8, max_staleness=max_staleness,
+        plan=RolloutPlan(group_size=2, groups_per_step=groups_per_step, max_in_flight=8, max_staleness=max_staleness,
                          partial_rollout_s=partial_rollout_s),
     )
 
@@ -70,6 +71,25 @@ def test_a_parked_episode_resumes_with_newer_weights(sandbox_server, codec, task
         assert [turn.tool for turn in trajectory.turns] == ["read_file", "submit"]
     assert check_token_in_token_out(batch) == 4
     assert service.num_parks == 2 and service.buffer.num_dropped_stale == 0
+
+
+def test_parked_episodes_go_on_when_a_finished_group_leaves_the_trainer_waiting(sandbox_server, codec, task):
+    """Two groups per step: group 0 submits at once but last; the other groups are parked after one
+    turn. When group 0 reaches the buffer the trainer still waits for a second group, the gate is
+    closed and every other episode is parked: they must go on with the current weights."""
+    async def group_zero_last(session_id, index):
+        if session_id.startswith("g0-"):
+            await asyncio.sleep(1.0)
+
+    script = {"g0": [call("submit")], "*": [call("read_file", path="search.py"), call("submit")]}
+    engine = ScriptedEngine(codec, script, before_request=group_zero_last)
+    with make_service(sandbox_server, codec, task, engine, partial_rollout_s=0.0, max_staleness=1,
+                      groups_per_step=2) as service:
+        for step in range(2):
+            batch = service.take_batch(step, timeout_s=20)
+            assert len(batch) == 4 and all(t.termination is TerminationReason.SUBMITTED for t in batch)
+            service.update_weights([], step + 1)
+    assert service.num_parks >= 4
 
 
 def test_partial_rollouts_need_a_staleness_allowance(sandbox_server, codec, task):

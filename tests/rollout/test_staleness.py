@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -46,3 +47,35 @@ def test_every_token_is_within_the_staleness_bound_under_a_slow_trainer(codec, t
         assert most_ahead == 0
     else:  # generation overlapped training: finished groups waited for the trainer
         assert most_ahead >= GROUPS_PER_STEP
+
+
+def test_groups_dropped_as_stale_are_replaced_so_generation_keeps_running_ahead(codec, task):
+    """Groups 0 and 1 finish long after the trainer moved past the bound and are dropped; the service
+    starts a replacement for each, so afterwards it still runs ``max_staleness`` steps ahead."""
+    async def slow_first_groups(session_id, index):
+        if session_id.startswith(("g0-", "g1-")):
+            await asyncio.sleep(2.0)
+
+    engine = ScriptedEngine(codec, {"*": [call("submit")]}, before_request=slow_first_groups)
+    service = RolloutService(
+        engine=engine,
+        make_client=NoClient,
+        make_env=lambda client, task: CountingEnv(submit_at=1),
+        codec=codec,
+        tasks=[task],
+        sampling=SamplingParams(max_new_tokens=64, seed=0),
+        budget=EpisodeBudget(max_turns=4),
+        plan=RolloutPlan(group_size=2, groups_per_step=1, max_in_flight=8, max_staleness=2),
+    )
+    ready_before_take = []
+    with service:
+        for step in range(14):
+            time.sleep(0.25)  # the slow trainer: generation has time to run ahead
+            ready_before_take.append(len(service.buffer))
+            batch = service.take_batch(step, timeout_s=30)
+            assert {t.group_id for t in batch} & {0, 1} == set()
+            service.update_weights([], step + 1)
+    assert service.buffer.num_dropped_stale == 2
+    # After the drops (about 2 s in) the trainer at version v again finds groups v .. v + max_staleness
+    # ready; without replacements the two dropped groups would use up two of those three places.
+    assert ready_before_take[-3:] == [3, 3, 3], ready_before_take

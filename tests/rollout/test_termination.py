@@ -159,3 +159,13 @@ def test_server_killed_mid_episode_ends_with_sandbox_error(codec, task):
 def test_budget_rejects_non_positive_limits(field):
     with pytest.raises(ValueError, match=field):
         EpisodeBudget(**{field: 0})
+
+
+def test_a_submission_whose_tests_run_past_the_scoring_limit_ends_as_scoring_timeout(sandbox_server, codec, task):
+    hang = "def find_first(items, target):\n    while True:\n        pass\n\n\ndef contains(items, target):\n" \
+           "    return find_first(items, target) != -1\n"
+    engine = ScriptedEngine(codec, {"*": [call("write_file", path="search.py", content=hang), call("submit")]})
+    trajectory = play(sandbox_server, codec, task, engine,
+                      on_env=lambda env, client: setattr(env, "scoring_timeout_s", 1.0))
+    assert trajectory.termination is TerminationReason.SCORING_TIMEOUT
+    assert trajectory.reward == 0.0 and not trajectory.termination.truncated
