@@ -164,7 +164,7 @@ class AgentRLModule(L.LightningModule):
         per_turn, stats = adv.gigpo(
             batch.turn_rewards[turn_keep],
             new_index[batch.turn_traj[turn_keep]],
-            [k for k, kept in zip(batch.turn_state_keys, turn_keep.tolist(), strict=True) if kept],
+            [k for k, kept in zip(batch.anchor_states(a.gigpo_similarity), turn_keep.tolist(), strict=True) if kept],
             groups,
             gamma=a.gamma,
             omega=a.gigpo_omega,

@@ -184,8 +184,9 @@ class AlgorithmSettings(_Section):
     """GAE lambda (turn level)."""
     gigpo_omega: float = Field(1.0, ge=0.0)
     """Weight of GiGPO's step-level advantage."""
-    gigpo_similarity: float | None = Field(None, gt=0.0, le=1.0)
-    """Merge anchor states whose LCS similarity exceeds this (None = exact state keys only)."""
+    gigpo_similarity: float | None = Field(None, gt=0.0, lt=1.0)
+    """Merge anchor states whose state texts (what the environment shows the agent) have an LCS similarity
+    above this (None = exact state keys only)."""
     clip_low: float = Field(0.2, ge=0.0)
     """PPO clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.2, ge=0.0)
