@@ -122,9 +122,16 @@ def scripted_fit(settings, script: dict[str, list[str]] | None = None, callbacks
     return result, log
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], log: str | None = None) -> None:
     """``python -m tests.fitting OUT.json ROOT --section.field=value ...``: one scripted ``fit`` (episode 0
-    of each group solves its task), its steps' metrics and turn counts written to OUT.json."""
+    of each group solves its task), its steps' metrics and turn counts written to OUT.json; with ``log``,
+    stdout and stderr go to that file."""
+    if log is not None:
+        import os
+
+        handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(handle, 1)
+        os.dup2(handle, 2)
     out, root, *overrides = argv
     settings = learn_settings(Path(root), *overrides)
     result, log = scripted_fit(settings, {"e0": SOLVE})

@@ -2,12 +2,15 @@
 service for 2 steps on a pairwise covering set of them, and every combination that cannot run is
 refused by the settings validation with a message.
 
-The covering set is built by a small greedy algorithm (seeded, so the table is the same on every
-run; printed with ``-s``): while some pair of values is uncovered, draw random complete rows, keep
-the one that covers most uncovered pairs. A row is valid when ``load_settings`` accepts it, so the
-constraints are the validation's own; a pair no valid row can hold must be one of ``REFUSED``.
+The covering set ``ROWS`` was built by :func:`covering_rows`, a small greedy algorithm (seeded;
+``python -m tests.test_combinations`` prints it again): while some pair of values is uncovered,
+draw random complete rows, keep the one that covers most uncovered pairs. A row is valid when
+``load_settings`` accepts it, so the constraints are the validation's own. The tests check that
+the fixed table still covers every pair that some valid row can hold, and that each pair it leaves
+out is refused by the validation (or deferred, below). The table is printed with ``-s``.
 
-Each row runs in its own process (a timeout that escalates to SIGKILL) with tiny shapes and one
+Each row runs in its own process, forked from a server that imported torch, Lightning and
+transformers once (a timeout that escalates from SIGTERM to SIGKILL), with tiny shapes and one
 torch thread, two rows at a time; episode 0 of each group solves its task so groups have reward
 variance. Each row asserts progress (2 steps), the token check (every action span checked),
 finite losses and the metrics its path must log.
@@ -21,11 +24,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,7 +89,21 @@ def overrides(row: dict) -> list[str]:
     return out
 
 
+# the settings the cross-field rules read: validity is decided (and cached) on these alone
+CONSTRAINED = ("algorithm.advantage", "model.value_head", "rollout.truncation", "rollout.max_staleness",
+               "rollout.partial_rollout_s", "algorithm.staleness_weighting", "trainer.sync_weights_every",
+               "trainer.mini_batches")
+_VALID: dict[tuple, bool] = {}
+
+
 def is_valid(row: dict) -> bool:
+    key = tuple(row[name] for name in CONSTRAINED)
+    if key not in _VALID:
+        _VALID[key] = _validates(row)
+    return _VALID[key]
+
+
+def _validates(row: dict) -> bool:
     if row["rollout.partial_rollout_s"] is not None and row["trainer.mini_batches"] > 1:
         return False  # one group per step (above): nothing to split
     try:
@@ -97,7 +113,7 @@ def is_valid(row: dict) -> bool:
     return True
 
 
-def covering_rows(seed: int = 0, candidates: int = 30) -> tuple[list[dict], set]:
+def covering_rows(seed: int = 0, candidates: int = 60) -> tuple[list[dict], set]:
     """Greedy pairwise cover of FACTORS by valid rows; also the pairs no valid row holds."""
     rng = random.Random(seed)
     names = list(FACTORS)
@@ -125,7 +141,41 @@ def covering_rows(seed: int = 0, candidates: int = 30) -> tuple[list[dict], set]
     return rows, impossible
 
 
-ROWS, IMPOSSIBLE = covering_rows()
+ROWS = [dict(zip(FACTORS, row, strict=True)) for row in [
+    ('gae', 'seq-mean-token-mean', 'bootstrap', 2, None, 'rule', True, 0.1, 1.0, 'inverse', 2, 1, 1, True, 'population', 'k1', 'torch'),
+    ('gae', 'seq-mean-token-sum', 'bootstrap', 0, None, 'policy', True, 0.0, 0.5, 'none', 1, 2, 1, True, 'sample', 'k3', 'torch'),
+    ('gae', 'token-mean', 'filter', 1, 0.0, 'none', True, 0.0, 1.0, 'none', 1, 1, 1, False, 'sample', 'k3', 'torch'),
+    ('gae', 'seq-mean-token-sum', 'zero', 1, None, 'policy', True, 0.1, 1.0, 'exp', 1, 2, 2, True, 'none', 'k3', 'torch'),
+    ('gigpo', 'seq-mean-token-mean', 'zero', 2, None, 'none', False, 0.0, 0.5, 'none', 1, 2, 2, False, 'none', 'k1', 'torch'),
+    ('gigpo', 'seq-mean-token-sum', 'filter', 1, 0.0, 'policy', False, 0.1, 0.5, 'exp', 2, 2, 1, False, 'population', 'k3', 'torch'),
+    ('gigpo', 'token-mean', 'filter', 1, None, 'rule', False, 0.0, 0.5, 'inverse', 2, 2, 1, True, 'none', 'k1', 'torch'),
+    ('gigpo', 'token-mean', 'zero', 0, None, 'rule', False, 0.1, 0.5, 'none', 1, 2, 1, False, 'sample', 'k3', 'torch'),
+    ('gigpo', 'seq-mean-token-mean', 'zero', 2, 0.0, 'none', False, 0.1, 1.0, 'inverse', 2, 1, 1, False, 'none', 'k1', 'torch'),
+    ('gigpo', 'token-mean', 'zero', 2, 0.0, 'rule', True, 0.0, 0.5, 'exp', 2, 2, 1, True, 'population', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'filter', 0, None, 'none', True, 0.1, 1.0, 'none', 1, 1, 2, True, 'sample', 'k1', 'torch'),
+    ('grpo', 'seq-mean-token-sum', 'zero', 2, None, 'policy', True, 0.0, 1.0, 'inverse', 1, 1, 2, False, 'population', 'k1', 'torch'),
+    ('grpo', 'token-mean', 'filter', 2, 0.0, 'policy', False, 0.0, 1.0, 'inverse', 2, 2, 1, False, 'sample', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'zero', 1, None, 'policy', True, 0.0, 0.5, 'exp', 1, 1, 2, True, 'none', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-sum', 'zero', 2, None, 'rule', True, 0.0, 0.5, 'exp', 2, 2, 2, True, 'population', 'k1', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-mean', 'zero', 2, None, 'policy', False, 0.0, 0.5, 'none', 2, 1, 2, False, 'none', 'k1', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-sum', 'filter', 1, 0.0, 'policy', True, 0.1, 1.0, 'exp', 1, 2, 1, True, 'sample', 'k3', 'torch'),
+    ('reinforce_decay', 'token-mean', 'filter', 0, None, 'none', True, 0.0, 1.0, 'none', 1, 2, 1, False, 'population', 'k3', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-mean', 'zero', 1, 0.0, 'rule', False, 0.0, 0.5, 'inverse', 2, 2, 1, False, 'population', 'k1', 'torch'),
+    ('rloo', 'seq-mean-token-mean', 'filter', 2, None, 'none', True, 0.0, 0.5, 'exp', 2, 1, 1, False, 'sample', 'k1', 'torch'),
+    ('rloo', 'seq-mean-token-sum', 'zero', 1, 0.0, 'rule', False, 0.1, 1.0, 'none', 1, 1, 1, True, 'sample', 'k1', 'torch'),
+    ('rloo', 'token-mean', 'filter', 0, None, 'rule', True, 0.0, 1.0, 'none', 1, 1, 2, False, 'none', 'k3', 'torch'),
+    ('rloo', 'seq-mean-token-sum', 'zero', 2, None, 'policy', True, 0.1, 1.0, 'inverse', 1, 2, 1, True, 'population', 'k1', 'torch'),
+    ('gae', 'seq-mean-token-sum', 'bootstrap', 1, None, 'none', True, 0.1, 1.0, 'exp', 1, 1, 2, False, 'none', 'k3', 'torch'),
+    ('gae', 'token-mean', 'bootstrap', 2, 0.0, 'none', True, 0.0, 1.0, 'inverse', 2, 2, 1, False, 'none', 'k1', 'torch'),
+]]
+
+
+def covered_pairs(rows: list[dict]) -> set:
+    return {pair for row in rows for pair in itertools.combinations(row.items(), 2)}
+
+
+def all_pairs() -> set:
+    return {((a, va), (b, vb)) for a, b in itertools.combinations(FACTORS, 2) for va in FACTORS[a] for vb in FACTORS[b]}
 
 
 def test_print_the_covering_table():
@@ -133,21 +183,19 @@ def test_print_the_covering_table():
     print("\n" + " | ".join(["#", *short.values()]))
     for index, row in enumerate(ROWS):
         print(" | ".join([str(index), *(str(row[name]) for name in FACTORS)]))
-    print("pairs no valid row holds:", sorted(IMPOSSIBLE, key=repr))
-    assert len(ROWS) <= 30
+    print("pairs left out:", sorted(all_pairs() - covered_pairs(ROWS), key=repr))
 
 
-def test_every_pair_no_row_holds_is_a_refused_or_deferred_combination():
-    for (a, va), (b, vb) in IMPOSSIBLE:
+def test_every_row_validates_and_every_pair_left_out_is_refused_or_deferred():
+    assert all(is_valid(row) for row in ROWS)
+    for (a, va), (b, vb) in all_pairs() - covered_pairs(ROWS):
         pair = {a: va, b: vb}
         deferred = a == "rollout.partial_rollout_s" and b == "trainer.mini_batches"
-        refused = any(all(pair.get(k, v) == v for k, v in rule.items()) and set(pair) <= set(rule)
-                      for rule, _ in REFUSED)
-        assert refused or deferred or _refused_on_its_own(pair), pair
+        assert deferred or _refused_on_its_own(pair), pair
 
 
 def _refused_on_its_own(pair: dict) -> bool:
-    """A pair whose every completion the validation refuses (e.g. gae without a value head)."""
+    """No completion of the pair validates (e.g. gae without a value head)."""
     base = {name: values[0] for name, values in FACTORS.items()}
     for advantage, value_head, staleness in itertools.product(FACTORS["algorithm.advantage"], [False, True], [0, 1, 2]):
         row = {**base, "algorithm.advantage": advantage, "model.value_head": value_head,
@@ -165,25 +213,37 @@ def test_combinations_that_cannot_run_are_refused_with_a_message(rule, message):
 
 
 def run_row(index: int, root: Path) -> tuple[dict | None, str, float]:
-    """One row's ``fit`` in its own process: (its result, the tail of its output, seconds)."""
-    out = root / f"row{index}.json"
-    command = [sys.executable, "-m", "tests.fitting", str(out), str(root / f"row{index}"), *overrides(ROWS[index]),
-               "--env.max_context_tokens=400", "--env.summary_max_tokens=32"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    """One row's ``fit`` in its own process: (its result, the tail of its log, seconds)."""
+    from tests.fitting import main
+
+    out, log = root / f"row{index}.json", root / f"row{index}.log"
+    argv = [str(out), str(root / f"row{index}"), *overrides(ROWS[index]),
+            "--env.max_context_tokens=400", "--env.summary_max_tokens=32"]
     start = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)  # the run checkpoints and exits; past a grace, SIGKILL
-        try:
-            output, _ = process.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
+    process = _forkserver().Process(target=main, args=(argv, str(log)))
+    process.start()
+    process.join(RUN_TIMEOUT_S)
+    timed_out = process.is_alive()
+    if timed_out:
+        os.kill(process.pid, signal.SIGTERM)  # the run checkpoints and exits; past a grace, SIGKILL
+        process.join(15)
+        if process.is_alive():
             process.kill()
-            output, _ = process.communicate()
-        return None, f"timed out after {RUN_TIMEOUT_S} s\n{output[-3000:]}", time.monotonic() - start
-    result = json.loads(out.read_text()) if process.returncode == 0 and out.exists() else None
-    return result, output[-3000:], time.monotonic() - start
+            process.join()
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    if timed_out:
+        return None, f"timed out after {RUN_TIMEOUT_S} s\n{tail}", time.monotonic() - start
+    result = json.loads(out.read_text()) if process.exitcode == 0 and out.exists() else None
+    return result, tail, time.monotonic() - start
+
+
+def _forkserver():
+    context = multiprocessing.get_context("forkserver")
+    # imported once in the server, not once per row (most of a tiny row's cost)
+    context.set_forkserver_preload(["torch", "lightning", "transformers", "lightning_agentrl.module", "tests.fitting"])
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return context
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +289,11 @@ def test_every_row_trains_two_steps(results, index):
         assert all(math.isfinite(step[key]) for key in step if key.startswith("loss/"))
         assert step["train/optimizer_updates"] >= 1
         assert step["train/optimizer_updates"] <= row["trainer.ppo_epochs"] * row["trainer.mini_batches"]
+
+
+if __name__ == "__main__":
+    rows, impossible = covering_rows()
+    print("ROWS = [")
+    for row in rows:
+        print(f"    {tuple(row.values())!r},")
+    print("]")
