@@ -134,9 +134,15 @@ def main(argv: list[str], log: str | None = None) -> None:
         os.dup2(handle, 2)
     out, root, *overrides = argv
     settings = learn_settings(Path(root), *overrides)
-    result, log = scripted_fit(settings, {"e0": SOLVE})
+    # the teacher-forced solver reads the torch engine's model; vLLM rows sample every episode
+    result, log = scripted_fit(settings, {"e0": SOLVE} if settings.engine.kind == "torch" else None)
     turns = [int(batch.turn_traj.numel()) for batch in log.batches]
-    Path(out).write_text(json.dumps({"global_step": result.global_step, "metrics": log.metrics, "turns": turns}))
+    import resource
+
+    cpu_s = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+    Path(out).write_text(json.dumps({"global_step": result.global_step, "metrics": log.metrics, "turns": turns,
+                                     "cpu_s": cpu_s}))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ torch thread, two rows at a time; episode 0 of each group solves its task so gro
 variance. Each row asserts progress (2 steps), the token check (every action span checked),
 finite losses and the metrics its path must log.
 
-Not yet combined (the rollout service's partial-rollout deadlock with ``groups_per_step >= 2``):
-rows with partial rollouts run one group per step, so they never meet ``mini_batches=2``.
+Not yet combined, until the rollout service's fixes land: rows with partial rollouts run one group
+per step (partial rollouts deadlock with ``groups_per_step >= 2``), so they never meet
+``mini_batches=2``; and partial rollouts never meet ``sync_weights_every=2`` (a parked episode waits
+for a weights push that comes only every other step, and the run makes no step: it hung at step 1
+in this matrix).
 """
 
 from __future__ import annotations
@@ -104,8 +107,9 @@ def is_valid(row: dict) -> bool:
 
 
 def _validates(row: dict) -> bool:
-    if row["rollout.partial_rollout_s"] is not None and row["trainer.mini_batches"] > 1:
-        return False  # one group per step (above): nothing to split
+    if row["rollout.partial_rollout_s"] is not None and (row["trainer.mini_batches"] > 1
+                                                         or row["trainer.sync_weights_every"] > 1):
+        return False  # deferred until the rollout service's fixes (module docstring)
     try:
         load_settings(overrides=overrides(row))
     except SettingsError:
@@ -147,26 +151,26 @@ ROWS = [dict(zip(FACTORS, row, strict=True)) for row in [
     ('gae', 'token-mean', 'filter', 1, 0.0, 'none', True, 0.0, 1.0, 'none', 1, 1, 1, False, 'sample', 'k3', 'torch'),
     ('gae', 'seq-mean-token-sum', 'zero', 1, None, 'policy', True, 0.1, 1.0, 'exp', 1, 2, 2, True, 'none', 'k3', 'torch'),
     ('gigpo', 'seq-mean-token-mean', 'zero', 2, None, 'none', False, 0.0, 0.5, 'none', 1, 2, 2, False, 'none', 'k1', 'torch'),
-    ('gigpo', 'seq-mean-token-sum', 'filter', 1, 0.0, 'policy', False, 0.1, 0.5, 'exp', 2, 2, 1, False, 'population', 'k3', 'torch'),
-    ('gigpo', 'token-mean', 'filter', 1, None, 'rule', False, 0.0, 0.5, 'inverse', 2, 2, 1, True, 'none', 'k1', 'torch'),
-    ('gigpo', 'token-mean', 'zero', 0, None, 'rule', False, 0.1, 0.5, 'none', 1, 2, 1, False, 'sample', 'k3', 'torch'),
-    ('gigpo', 'seq-mean-token-mean', 'zero', 2, 0.0, 'none', False, 0.1, 1.0, 'inverse', 2, 1, 1, False, 'none', 'k1', 'torch'),
-    ('gigpo', 'token-mean', 'zero', 2, 0.0, 'rule', True, 0.0, 0.5, 'exp', 2, 2, 1, True, 'population', 'k3', 'torch'),
-    ('grpo', 'seq-mean-token-mean', 'filter', 0, None, 'none', True, 0.1, 1.0, 'none', 1, 1, 2, True, 'sample', 'k1', 'torch'),
-    ('grpo', 'seq-mean-token-sum', 'zero', 2, None, 'policy', True, 0.0, 1.0, 'inverse', 1, 1, 2, False, 'population', 'k1', 'torch'),
-    ('grpo', 'token-mean', 'filter', 2, 0.0, 'policy', False, 0.0, 1.0, 'inverse', 2, 2, 1, False, 'sample', 'k3', 'torch'),
-    ('grpo', 'seq-mean-token-mean', 'zero', 1, None, 'policy', True, 0.0, 0.5, 'exp', 1, 1, 2, True, 'none', 'k3', 'torch'),
-    ('grpo', 'seq-mean-token-sum', 'zero', 2, None, 'rule', True, 0.0, 0.5, 'exp', 2, 2, 2, True, 'population', 'k1', 'torch'),
-    ('reinforce_decay', 'seq-mean-token-mean', 'zero', 2, None, 'policy', False, 0.0, 0.5, 'none', 2, 1, 2, False, 'none', 'k1', 'torch'),
-    ('reinforce_decay', 'seq-mean-token-sum', 'filter', 1, 0.0, 'policy', True, 0.1, 1.0, 'exp', 1, 2, 1, True, 'sample', 'k3', 'torch'),
-    ('reinforce_decay', 'token-mean', 'filter', 0, None, 'none', True, 0.0, 1.0, 'none', 1, 2, 1, False, 'population', 'k3', 'torch'),
-    ('reinforce_decay', 'seq-mean-token-mean', 'zero', 1, 0.0, 'rule', False, 0.0, 0.5, 'inverse', 2, 2, 1, False, 'population', 'k1', 'torch'),
-    ('rloo', 'seq-mean-token-mean', 'filter', 2, None, 'none', True, 0.0, 0.5, 'exp', 2, 1, 1, False, 'sample', 'k1', 'torch'),
-    ('rloo', 'seq-mean-token-sum', 'zero', 1, 0.0, 'rule', False, 0.1, 1.0, 'none', 1, 1, 1, True, 'sample', 'k1', 'torch'),
-    ('rloo', 'token-mean', 'filter', 0, None, 'rule', True, 0.0, 1.0, 'none', 1, 1, 2, False, 'none', 'k3', 'torch'),
-    ('rloo', 'seq-mean-token-sum', 'zero', 2, None, 'policy', True, 0.1, 1.0, 'inverse', 1, 2, 1, True, 'population', 'k1', 'torch'),
-    ('gae', 'seq-mean-token-sum', 'bootstrap', 1, None, 'none', True, 0.1, 1.0, 'exp', 1, 1, 2, False, 'none', 'k3', 'torch'),
-    ('gae', 'token-mean', 'bootstrap', 2, 0.0, 'none', True, 0.0, 1.0, 'inverse', 2, 2, 1, False, 'none', 'k1', 'torch'),
+    ('gigpo', 'seq-mean-token-sum', 'zero', 1, 0.0, 'rule', False, 0.1, 0.5, 'inverse', 1, 2, 1, True, 'sample', 'k3', 'torch'),
+    ('gigpo', 'token-mean', 'filter', 2, None, 'rule', True, 0.1, 0.5, 'exp', 2, 2, 2, False, 'population', 'k3', 'torch'),
+    ('gigpo', 'token-mean', 'filter', 1, None, 'policy', False, 0.1, 1.0, 'inverse', 1, 1, 1, True, 'none', 'k3', 'torch'),
+    ('gigpo', 'seq-mean-token-mean', 'filter', 0, None, 'policy', True, 0.1, 1.0, 'none', 1, 1, 1, False, 'population', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'filter', 1, None, 'none', False, 0.1, 1.0, 'exp', 2, 1, 1, True, 'population', 'k1', 'torch'),
+    ('grpo', 'seq-mean-token-sum', 'zero', 1, None, 'policy', True, 0.0, 0.5, 'inverse', 2, 1, 2, True, 'population', 'k1', 'torch'),
+    ('grpo', 'token-mean', 'zero', 0, None, 'rule', False, 0.0, 1.0, 'none', 1, 1, 1, True, 'none', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'zero', 2, 0.0, 'policy', False, 0.0, 1.0, 'exp', 1, 2, 1, True, 'sample', 'k1', 'torch'),
+    ('grpo', 'seq-mean-token-sum', 'zero', 1, None, 'none', True, 0.1, 0.5, 'inverse', 2, 1, 2, False, 'sample', 'k3', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-mean', 'zero', 0, None, 'none', False, 0.0, 0.5, 'none', 1, 1, 1, True, 'population', 'k1', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-sum', 'filter', 2, None, 'policy', True, 0.0, 1.0, 'exp', 2, 1, 2, False, 'population', 'k3', 'torch'),
+    ('reinforce_decay', 'token-mean', 'filter', 1, 0.0, 'rule', False, 0.1, 1.0, 'inverse', 1, 2, 1, False, 'sample', 'k1', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-sum', 'zero', 1, None, 'none', True, 0.0, 0.5, 'none', 2, 2, 2, True, 'none', 'k1', 'torch'),
+    ('rloo', 'seq-mean-token-mean', 'zero', 1, 0.0, 'none', True, 0.1, 1.0, 'exp', 1, 1, 1, True, 'population', 'k3', 'torch'),
+    ('rloo', 'seq-mean-token-sum', 'filter', 2, None, 'rule', False, 0.0, 0.5, 'exp', 2, 2, 2, True, 'sample', 'k3', 'torch'),
+    ('rloo', 'token-mean', 'filter', 1, 0.0, 'policy', True, 0.0, 1.0, 'none', 1, 2, 1, False, 'none', 'k3', 'torch'),
+    ('rloo', 'seq-mean-token-mean', 'filter', 0, None, 'rule', True, 0.0, 1.0, 'none', 1, 1, 2, False, 'none', 'k1', 'torch'),
+    ('rloo', 'seq-mean-token-mean', 'filter', 1, 0.0, 'policy', True, 0.0, 0.5, 'inverse', 1, 1, 1, False, 'sample', 'k1', 'torch'),
+    ('gae', 'token-mean', 'bootstrap', 1, None, 'policy', True, 0.1, 1.0, 'exp', 1, 1, 2, False, 'none', 'k3', 'torch'),
+    ('gae', 'token-mean', 'bootstrap', 1, 0.0, 'none', True, 0.1, 0.5, 'inverse', 1, 2, 1, False, 'sample', 'k3', 'torch'),
 ]]
 
 
@@ -190,7 +194,7 @@ def test_every_row_validates_and_every_pair_left_out_is_refused_or_deferred():
     assert all(is_valid(row) for row in ROWS)
     for (a, va), (b, vb) in all_pairs() - covered_pairs(ROWS):
         pair = {a: va, b: vb}
-        deferred = a == "rollout.partial_rollout_s" and b == "trainer.mini_batches"
+        deferred = a == "rollout.partial_rollout_s" and b in ("trainer.mini_batches", "trainer.sync_weights_every")
         assert deferred or _refused_on_its_own(pair), pair
 
 
@@ -212,13 +216,13 @@ def test_combinations_that_cannot_run_are_refused_with_a_message(rule, message):
         load_settings(overrides=args)
 
 
-def run_row(index: int, root: Path) -> tuple[dict | None, str, float]:
+def run_row(index: int, root: Path, row: dict | None = None) -> tuple[dict | None, str, float]:
     """One row's ``fit`` in its own process: (its result, the tail of its log, seconds)."""
     from tests.fitting import main
 
     out, log = root / f"row{index}.json", root / f"row{index}.log"
-    argv = [str(out), str(root / f"row{index}"), *overrides(ROWS[index]),
-            "--env.max_context_tokens=400", "--env.summary_max_tokens=32"]
+    argv = [str(out), str(root / f"row{index}"), *overrides(row or ROWS[index]),
+            "--env.max_context_tokens=512", "--env.summary_max_tokens=32"]
     start = time.monotonic()
     process = _forkserver().Process(target=main, args=(argv, str(log)))
     process.start()
@@ -252,7 +256,8 @@ def results(tmp_path_factory):
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = list(pool.map(lambda i: run_row(i, root), range(len(ROWS))))
-    print(f"\n{len(ROWS)} rows in {time.monotonic() - start:.0f} s:",
+    cpu_s = sum(result["cpu_s"] for result, _, _ in done if result is not None)
+    print(f"\n{len(ROWS)} rows in {time.monotonic() - start:.0f} s ({cpu_s:.0f} CPU seconds in the rows):",
           ", ".join(f"{i}: {seconds:.0f} s" for i, (_, _, seconds) in enumerate(done)))
     return done
 
@@ -276,8 +281,20 @@ def expected_metrics(row: dict) -> set[str]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("index", range(len(ROWS)))
 def test_every_row_trains_two_steps(results, index):
-    row = ROWS[index]
-    result, output, _ = results[index]
+    check_row(ROWS[index], *results[index][:2], index)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(400)
+def test_a_row_with_the_vllm_engine(tmp_path):
+    """One row of the table (GAE, KL, several updates, staleness 1) with vLLM generating every episode."""
+    pytest.importorskip("vllm")
+    row = {**ROWS[3], "engine.kind": "vllm"}
+    result, output, _ = run_row(0, tmp_path, row)
+    check_row(row, result, output, "vllm")
+
+
+def check_row(row: dict, result: dict | None, output: str, index) -> None:
     assert result is not None, f"row {index} {row} failed:\n{output}"
     assert result["global_step"] == 2
     steps = [m for m in result["metrics"] if "loss/total" in m]  # a step every episode was excluded from logs none
