@@ -1,10 +1,24 @@
-"""AgentRLModule: the policy, the credit assignment and the loss of one optimizer step.
+"""AgentRLModule: the policy, the credit assignment and the loss of one training step.
 
 One training step consumes one :class:`RolloutBatch` (whole groups). It computes advantages over
-the episodes that callbacks left included (excluded ones leave the group baseline too), splits
-the packed tokens into micro-batches of about ``trainer.micro_batch_tokens`` tokens (whole
-episodes, so per-sequence aggregation stays exact), accumulates gradients with global
-denominators (the loss equals the loss of the whole batch in one pass), clips and steps.
+the episodes that callbacks left included (excluded ones leave the group baseline too), then takes
+``trainer.ppo_epochs x trainer.mini_batches`` optimizer updates (PPO's epochs over mini-batches of
+whole groups; 1 x 1 by default). Each update splits its mini-batch's packed tokens into
+micro-batches of about ``trainer.micro_batch_tokens`` tokens (whole episodes, so per-sequence
+aggregation stays exact), accumulates gradients with the mini-batch's global denominators (the
+loss equals the loss of the whole mini-batch in one pass), clips and steps.
+
+With more than one update per batch, the log-probs of the weights the step started from (the
+proximal policy of decoupled PPO) and the critic's values (the old values of value clipping, and
+the values GAE is computed from) are recorded once, before the first update, without gradients.
+With one update they are the current weights' own outputs, detached: the same numbers, no extra pass.
+
+Counters: a training step is one rollout batch. Lightning counts an optimizer step each time the
+module's ``LightningOptimizer.step`` runs, so the step calls it once, for its last update; the
+updates before it go through the strategy's ``optimizer_step`` (the same path, DeepSpeed's engine
+step included, without the count). ``global_step`` (the policy version), ``max_steps``,
+checkpoints, weight syncs and the learning-rate schedule all advance once per batch; the updates
+are logged as ``train/optimizer_updates``.
 
 Log-probs are computed on packed sequences (positions restart per segment, each segment
 attending only to itself) and only at positions that carry a loss, chunk by chunk, so the
@@ -12,6 +26,8 @@ attending only to itself) and only at positions that carry a loss, chunk by chun
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import lightning as L
 import torch
@@ -148,7 +164,7 @@ class AgentRLModule(L.LightningModule):
         per_turn, stats = adv.gigpo(
             batch.turn_rewards[turn_keep],
             new_index[batch.turn_traj[turn_keep]],
-            [k for k, kept in zip(batch.turn_state_keys, turn_keep.tolist(), strict=True) if kept],
+            [k for k, kept in zip(batch.anchor_states(a.gigpo_similarity), turn_keep.tolist(), strict=True) if kept],
             groups,
             gamma=a.gamma,
             omega=a.gigpo_omega,
@@ -197,30 +213,56 @@ class AgentRLModule(L.LightningModule):
         )
 
     # -- the step ----------------------------------------------------------------------------
+    @property
+    def num_updates_per_step(self) -> int:
+        return self.settings.trainer.ppo_epochs * self.settings.trainer.mini_batches
+
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        log = self.accumulate_gradients(batch)
-        self.skipped_step = log["tokens/train"] == 0  # summed over ranks: every rank agrees
+        t = self.settings.trainer
+        spans = _mini_batches(batch, t.mini_batches)
+        train_mask = self.train_mask(batch)
+        span_tokens = global_sum(*(float(train_mask[span].sum()) for span in spans))  # every rank agrees
+        self.skipped_step = sum(span_tokens) == 0
         if self.skipped_step:
-            return self._skip_step(batch, log)
-        engine = self._deepspeed_engine()
-        if engine is None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.settings.trainer.grad_clip))
-            optimizer.step()
-        else:  # ZeRO partitions the gradients: DeepSpeed clips (config) and reports the norm
-            optimizer.step()
-            grad_norm = float(engine.get_global_grad_norm() or 0.0)
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        log["policy/grad_norm"] = grad_norm
+            return self._skip_step(batch)
+        prepared = self.prepare(batch, train_mask, record_old=self.num_updates_per_step > 1)
+        # mini-batches without a trainable token (all their groups excluded) take no update
+        spans = [span for span, tokens in zip(spans, span_tokens, strict=True) if tokens > 0]
+        updates = [span for _ in range(t.ppo_epochs) for span in spans]
+        logs = []
+        for index, span in enumerate(updates):
+            log = self.accumulate_gradients(batch, prepared=prepared, span=span)
+            log["policy/grad_norm"] = self._optimizer_update(counted=index == len(updates) - 1)
+            logs.append(log)
+        scheduler = self.lr_schedulers()
+        scheduler.step()  # once per training step: warmup_steps counts rollout batches
+        log = {**prepared.log, **_mean_over_updates(logs)}
+        log["tokens/train"] = sum(span_tokens)
+        log["train/optimizer_updates"] = float(len(updates))
         log["policy/lr"] = scheduler.get_last_lr()[0]
         self.log_dict(log, on_step=True, prog_bar=False, batch_size=batch.num_episodes)
         self.log("loss", log["loss/total"], prog_bar=True, batch_size=batch.num_episodes)
         return torch.tensor(log["loss/total"])
 
-    def _skip_step(self, batch: RolloutBatch, log: dict[str, float]) -> torch.Tensor:
+    def _optimizer_update(self, *, counted: bool) -> float:
+        """Clip and step on the accumulated gradients, zero them; the global gradient norm before
+        clipping. ``counted``: through the ``LightningOptimizer``, which advances ``global_step``."""
+        optimizer = self.optimizers()
+        engine = self._deepspeed_engine()
+        grad_norm = None
+        if engine is None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.settings.trainer.grad_clip))
+        if counted:
+            optimizer.step()
+        else:
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None)
+        if engine is not None:  # ZeRO partitions the gradients: DeepSpeed clips (config) and reports the norm
+            grad_norm = float(engine.get_global_grad_norm() or 0.0)
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _skip_step(self, batch: RolloutBatch) -> torch.Tensor:
         """No trainable token in the whole step (every episode excluded): an optimizer step would only
         decay the weights and advance the schedule on nothing, so neither steps."""
         from lightning.pytorch.utilities import rank_zero_warn
@@ -236,7 +278,7 @@ class AgentRLModule(L.LightningModule):
         return torch.tensor(0.0)
 
     def _policy_version(self) -> int:
-        """Optimizer steps behind the current weights (``offline_policy_version`` outside a Trainer)."""
+        """Training steps behind the current weights (``offline_policy_version`` outside a Trainer)."""
         return self.global_step if self._trainer is not None else self.offline_policy_version
 
     def _deepspeed_engine(self):
@@ -251,82 +293,126 @@ class AgentRLModule(L.LightningModule):
             return
         engine = self._deepspeed_engine()
         if engine is not None:
-            # A step's micro-batches vary in number: tell ZeRO which backward ends the accumulation.
+            # An update's micro-batches vary in number: tell ZeRO which backward ends the accumulation.
             engine.set_gradient_accumulation_boundary(last)
         self.manual_backward(loss)
 
-    def accumulate_gradients(self, batch: RolloutBatch) -> dict[str, float]:
-        """Forward and backward over micro-batches; gradients add up to those of the whole step.
+    def prepare(self, batch: RolloutBatch, train_mask: torch.Tensor, *, record_old: bool) -> _Prepared:
+        """What every update of the step shares: the loss region, the group-based advantages and,
+        with ``record_old``, the proximal log-probs and old values of the weights the step starts from."""
+        token_adv, log = self.episode_advantages(batch, train_mask)
+        prepared = _Prepared(train_mask=train_mask, token_adv=token_adv, log=log)
+        if record_old:
+            with torch.no_grad():
+                self._record_old_outputs(batch, prepared)
+        return prepared
 
-        With several training processes the step is the union of every rank's batch: the loss's
+    def _record_old_outputs(self, batch: RolloutBatch, prepared: _Prepared) -> None:
+        """One forward pass over the batch without gradients: log-probs at every trainable token
+        (NaN elsewhere), the critic's value of every turn and its bootstrap value of every episode.
+        Every rank runs the same number of forwards (ZeRO-3 gathers the weights in each)."""
+        n = batch.num_tokens
+        prepared.proximal = torch.full((n,), float("nan"), device=batch.input_ids.device)
+        if self.value_head is not None:
+            prepared.old_values = torch.zeros(batch.turn_traj.numel(), device=batch.input_ids.device)
+            prepared.old_bootstrap = torch.zeros(batch.num_episodes, device=batch.input_ids.device)
+        micro = _micro_batches(batch.seq_ids, self.settings.trainer.micro_batch_tokens)
+        for index in range(int(global_max(len(micro)))):
+            if index >= len(micro):
+                self._zero_loss(batch)
+                continue
+            sl = micro[index]
+            input_ids = batch.input_ids[sl]
+            hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+            targets_at = _targets_at(prepared.train_mask[sl])
+            if targets_at.numel():
+                logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
+                prepared.proximal[sl.start + targets_at] = logprobs.float()
+            if self.value_head is not None:
+                turns, episodes = _turns_and_episodes(batch, sl)
+                prepared.old_values[turns] = self._turn_values(batch, sl, hidden, turns)
+                prepared.old_bootstrap[episodes] = self._bootstrap_values(batch, sl, hidden, episodes)
+
+    def accumulate_gradients(
+        self, batch: RolloutBatch, *, prepared: _Prepared | None = None, span: slice | None = None
+    ) -> dict[str, float]:
+        """Forward and backward over the micro-batches of ``span`` (a mini-batch of whole groups;
+        the whole batch by default); gradients add up to those of the whole mini-batch.
+
+        With several training processes the mini-batch is the union of every rank's: the loss's
         denominators (action tokens, included episodes, turns) are summed over ranks first and each
         rank's loss is scaled by the world size, since DDP and ZeRO average gradients over ranks.
         Every rank runs the same number of backward passes (a rank with fewer micro-batches runs
-        zero-loss ones), because each backward is a collective. Returns the step's metrics, reduced
+        zero-loss ones), because each backward is a collective. Returns the metrics, reduced
         over ranks. Does not step the optimizer."""
-        train_mask = self.train_mask(batch)
-        token_adv, log = self.episode_advantages(batch, train_mask)
-        num_turns_local = float(batch.include[batch.turn_traj].sum()) if batch.turn_traj.numel() else 0.0
+        if prepared is None:
+            prepared = self.prepare(batch, self.train_mask(batch), record_old=False)
+        span = span if span is not None else slice(0, batch.num_tokens)
+        train_mask = prepared.train_mask
+        first, last = int(batch.seq_ids[span.start]), int(batch.seq_ids[span.stop - 1])
+        in_span = (batch.turn_traj >= first) & (batch.turn_traj <= last)
+        num_turns_local = float(batch.include[batch.turn_traj[in_span]].sum()) if in_span.any() else 0.0
         num_tokens, num_seqs, num_turns_kept = global_sum(
-            float(train_mask.sum()), float(batch.include.sum()), num_turns_local
+            float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns_local
         )
         totals = _StepTotals()
         micro = [
-            sl
-            for sl in _micro_batches(batch.seq_ids, self.settings.trainer.micro_batch_tokens)
-            if bool((train_mask[sl][1:] > 0).any())
+            slice(span.start + sl.start, span.start + sl.stop)
+            for sl in _micro_batches(batch.seq_ids[span], self.settings.trainer.micro_batch_tokens)
+            if bool((train_mask[span][sl][1:] > 0).any())
         ]
         num_micro = int(global_max(len(micro)))
         for index in range(num_micro):
-            last = index == num_micro - 1
+            is_last = index == num_micro - 1
             if index >= len(micro):
-                self._backward(self._zero_loss(batch), last=last)
+                self._backward(self._zero_loss(batch), last=is_last)
                 continue
             loss = self._micro_loss(
-                batch, micro[index], train_mask, token_adv, totals,
+                batch, micro[index], prepared, totals,
                 num_tokens=num_tokens, num_seqs=int(num_seqs), num_turns_kept=num_turns_kept,
             )
-            self._backward(loss * world_size(), last=last)
-        log.update(totals.reduced())
+            self._backward(loss * world_size(), last=is_last)
+        log = {**prepared.log, **totals.reduced()}
         log["tokens/train"] = num_tokens
         return log
 
     def _micro_loss(
-        self, batch: RolloutBatch, sl: slice, train_mask, token_adv, totals: _StepTotals, *,
+        self, batch: RolloutBatch, sl: slice, prepared: _Prepared, totals: _StepTotals, *,
         num_tokens: float, num_seqs: int, num_turns_kept: float,
     ) -> torch.Tensor:
-        """The loss of micro-batch ``sl`` with the step's global denominators; adds its metrics to ``totals``."""
+        """The loss of micro-batch ``sl`` with the mini-batch's global denominators; adds its metrics to ``totals``."""
         a = self.settings.algorithm
-        mask = train_mask[sl]
-        targets_at = torch.nonzero(mask > 0).squeeze(-1)
-        targets_at = targets_at[targets_at > 0]
+        mask = prepared.train_mask[sl]
+        targets_at = _targets_at(mask)
         input_ids, seq_ids = batch.input_ids[sl], batch.seq_ids[sl]
         hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
         dense_lp = torch.zeros(mask.shape, dtype=logprobs.dtype, device=mask.device).index_put((targets_at,), logprobs)
         loss = torch.zeros((), device=self.device)
 
-        micro_adv = token_adv[sl] if token_adv is not None else None
+        micro_adv = prepared.token_adv[sl] if prepared.token_adv is not None else None
         if self.value_head is not None:
-            value_loss, micro_adv_gae, value_stats = self._critic(batch, sl, hidden, mask, num_turns_kept)
+            value_loss, micro_adv_gae = self._critic(batch, sl, hidden, mask, prepared, num_turns_kept, totals)
             loss = loss + a.value_coef * value_loss
-            totals.add("loss/value", float(value_loss.detach()))
             if micro_adv is None:
                 micro_adv = micro_adv_gae
-            totals.values.append(value_stats[0])
-            totals.returns.append(value_stats[1])
         assert micro_adv is not None
 
         behavior = batch.behavior_logprobs[sl]
         # Tokens without a behavior log-prob (observations in the no-mask ablation) are on-policy.
         behavior = torch.where(torch.isnan(behavior), dense_lp.detach(), behavior)
         lag = (self._policy_version() - batch.policy_versions[sl]).clamp(min=0)
-        # Decoupled PPO: one update per batch, so the weights before it are the proximal policy.
-        stale = bool((lag[targets_at] > 0).any())
+        if prepared.proximal is not None:  # several updates: the weights the step started from
+            proximal = _masked_nan(prepared.proximal[sl], dense_lp.detach())
+            recomputed = proximal[targets_at]
+        else:  # one update: the weights before it are the current ones
+            stale = bool((lag[targets_at] > 0).any())
+            proximal = dense_lp.detach() if stale else None
+            recomputed = logprobs.detach()
         policy_loss, step_metrics = losses.policy_loss(
             dense_lp, behavior, micro_adv, mask, seq_ids,
             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, agg=a.aggregation,
-            proximal_logprobs=dense_lp.detach() if stale else None,
+            proximal_logprobs=proximal,
             is_weights=batch.token_weights[sl], is_cap=a.importance_cap,
             num_seqs=num_seqs, num_tokens=num_tokens,
         )
@@ -337,14 +423,8 @@ class AgentRLModule(L.LightningModule):
                 dense_entropy, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens
             )
         if self.reference is not None:
-            with torch.no_grad():
-                ref_hidden = self.hidden_states(self.reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
-                ref_lp, _ = self.token_logprobs_at(self.reference, ref_hidden, input_ids, targets_at)
-            dense_ref = torch.zeros_like(dense_lp).index_put((targets_at,), ref_lp)
-            kl = losses.kl_penalty(dense_lp, dense_ref, kind=a.kl_estimator)
-            kl_loss = losses.aggregate(kl, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens)
-            loss = loss + a.kl_coef * kl_loss
-            totals.add("loss/kl", float(kl_loss.detach()))
+            loss = loss + a.kl_coef * self._kl_loss(batch, sl, dense_lp, targets_at, mask, totals,
+                                                    num_seqs=num_seqs, num_tokens=num_tokens)
 
         share = float(mask.sum())
         totals.add("loss/total", float(loss.detach()))
@@ -357,14 +437,27 @@ class AgentRLModule(L.LightningModule):
                 totals.add(key, float(value) * share)
         if entropy is not None:
             totals.add("policy/entropy", float(entropy.detach().sum()))
-        # train/inference mismatch on tokens sampled by the current weights (lag 0)
+        # train/inference mismatch on tokens sampled by the weights the step started from (lag 0)
         on_policy = (lag[targets_at] == 0) & (batch.loss_mask[sl][targets_at] > 0)
         if on_policy.any():
-            diff = (logprobs.detach()[on_policy] - batch.behavior_logprobs[sl][targets_at][on_policy]).abs()
+            diff = (recomputed[on_policy] - batch.behavior_logprobs[sl][targets_at][on_policy]).abs()
             totals.maxima["mismatch/logprob_max"] = max(totals.maxima["mismatch/logprob_max"], float(diff.max()))
             totals.add("mismatch_sum", float(diff.sum()))
             totals.add("mismatch_n", float(on_policy.sum()))
         return loss
+
+    def _kl_loss(self, batch, sl, dense_lp, targets_at, mask, totals, *, num_seqs, num_tokens) -> torch.Tensor:
+        """KL(pi || pi_ref) of micro-batch ``sl``, aggregated like the policy loss (before ``kl_coef``)."""
+        a = self.settings.algorithm
+        input_ids = batch.input_ids[sl]
+        with torch.no_grad():
+            ref_hidden = self.hidden_states(self.reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+            ref_lp, _ = self.token_logprobs_at(self.reference, ref_hidden, input_ids, targets_at)
+        dense_ref = torch.zeros_like(dense_lp).index_put((targets_at,), ref_lp)
+        kl = losses.kl_penalty(dense_lp, dense_ref, kind=a.kl_estimator)
+        kl_loss = losses.aggregate(kl, mask, batch.seq_ids[sl], a.aggregation, num_seqs, num_tokens=num_tokens)
+        totals.add("loss/kl", float(kl_loss.detach()))
+        return kl_loss
 
     def _zero_loss(self, batch: RolloutBatch) -> torch.Tensor:
         """A loss of exactly 0 that still reaches every trainable parameter: the backward pass of a
@@ -378,41 +471,70 @@ class AgentRLModule(L.LightningModule):
             loss = loss + self.value_head(hidden).sum()
         return loss * 0.0
 
-    def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, num_turns_kept: float):
+    def _turn_values(self, batch: RolloutBatch, sl: slice, hidden, turns) -> torch.Tensor:
+        """V of each turn: the value head at the token just before its action (the state it starts from)."""
+        return self.value_head(hidden[batch.turn_starts[turns] - sl.start - 1]).squeeze(-1).float()
+
+    def _bootstrap_values(self, batch: RolloutBatch, sl: slice, hidden, episodes) -> torch.Tensor:
+        """V at each episode's last token: what a truncated episode's return bootstraps from."""
+        return self.value_head(hidden[batch.episode_last[episodes] - sl.start]).squeeze(-1).float().detach()
+
+    def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, prepared: _Prepared, num_turns_kept: float,
+                totals: _StepTotals):
         """Value loss and (for ``gae``) token advantages of the episodes in micro-batch ``sl``.
 
-        V of a turn = value head at the token just before the action (the state it starts from).
-        A truncated episode bootstraps from V at its last token when ``rollout.truncation`` is
-        ``bootstrap``. A segment boundary is not an end: turns of all segments of an episode form
-        one chain.
+        GAE and the value clip use the old values: recorded before the step's first update, or (one
+        update per step) the current ones, detached. A truncated episode bootstraps from V at its
+        last token when ``rollout.truncation`` is ``bootstrap``. A segment boundary is not an end:
+        turns of all segments of an episode form one chain.
         """
         a = self.settings.algorithm
-        first, last = int(batch.seq_ids[sl.start]), int(batch.seq_ids[sl.stop - 1])
-        turns = torch.nonzero((batch.turn_traj >= first) & (batch.turn_traj <= last)).squeeze(-1)
-        local_traj = batch.turn_traj[turns] - first
-        values = self.value_head(hidden[batch.turn_starts[turns] - sl.start - 1]).squeeze(-1).float()
-        episodes = torch.arange(first, last + 1, device=values.device)
+        turns, episodes = _turns_and_episodes(batch, sl)
+        local_traj = batch.turn_traj[turns] - int(batch.seq_ids[sl.start])
+        values = self._turn_values(batch, sl, hidden, turns)
+        old_values = prepared.old_values[turns] if prepared.old_values is not None else values.detach()
         truncated = torch.tensor(
             [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
         )
         bootstrap = None
         if self.settings.rollout.truncation == "bootstrap":
-            bootstrap = self.value_head(hidden[batch.episode_last[episodes] - sl.start]).squeeze(-1).float().detach()
+            bootstrap = (prepared.old_bootstrap[episodes] if prepared.old_bootstrap is not None
+                         else self._bootstrap_values(batch, sl, hidden, episodes))
         turn_adv, returns = adv.gae(
-            batch.turn_rewards[turns], values.detach(), local_traj, a.gamma, a.gae_lambda,
+            batch.turn_rewards[turns], old_values, local_traj, a.gamma, a.gae_lambda,
             bootstrap_values=bootstrap, truncated=truncated if bootstrap is not None else None,
         )
         keep = batch.include[batch.turn_traj[turns]].to(values.dtype)
-        value_loss, _ = losses.value_loss(values, values.detach(), returns, keep, clip=a.value_clip)
-        # value_loss is a mean over this micro-batch's turns; rescale to the batch's turn count
-        value_loss = value_loss * float(keep.sum()) / max(num_turns_kept, 1.0)
+        value_loss, value_metrics = losses.value_loss(values, old_values, returns, keep, clip=a.value_clip)
+        # value_loss is a mean over this micro-batch's turns; rescale to the mini-batch's turn count
+        num_kept = float(keep.sum())
+        value_loss = value_loss * num_kept / max(num_turns_kept, 1.0)
+        totals.add("loss/value", float(value_loss.detach()))
+        for key, value in value_metrics.items():
+            if key != "loss/value":
+                totals.add(key, float(value) * num_kept)
+        totals.add("value_weight", num_kept)
+        totals.values.append(old_values[keep > 0])
+        totals.returns.append(returns[keep > 0])
         if turns.numel() == 0:
             micro_adv = torch.zeros_like(mask)
         else:  # turn indices of this micro-batch, counted from its first turn
             token_turn = self._token_turn(batch)[sl]
             local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
             micro_adv = adv.expand_to_tokens(turn_adv.to(values.dtype), local_turn, mask)
-        return value_loss, micro_adv, (values.detach()[keep > 0], returns[keep > 0])
+        return value_loss, micro_adv
+
+
+@dataclass
+class _Prepared:
+    """What the updates of one training step share (see :meth:`AgentRLModule.prepare`)."""
+
+    train_mask: torch.Tensor  # [N]
+    token_adv: torch.Tensor | None  # [N]; None for gae (from the critic, per micro-batch)
+    log: dict
+    proximal: torch.Tensor | None = None  # [N] log-probs before the first update; NaN where no loss
+    old_values: torch.Tensor | None = None  # [K] critic values before the first update
+    old_bootstrap: torch.Tensor | None = None  # [B] V at each episode's last token, before the first update
 
 
 class OutputLogprobs(torch.nn.Module):
@@ -496,13 +618,58 @@ def _carry_forward(token_turn: torch.Tensor, segment_ids: torch.Tensor) -> torch
     return out
 
 
+def _targets_at(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of a micro-batch that carry a loss (never its first token: nothing predicts it)."""
+    targets_at = torch.nonzero(mask > 0).squeeze(-1)
+    return targets_at[targets_at > 0]
+
+
+def _turns_and_episodes(batch: RolloutBatch, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global indices of the turns [k] and the episodes [b] of a slice of whole episodes."""
+    first, last = int(batch.seq_ids[sl.start]), int(batch.seq_ids[sl.stop - 1])
+    turns = torch.nonzero((batch.turn_traj >= first) & (batch.turn_traj <= last)).squeeze(-1)
+    return turns, torch.arange(first, last + 1, device=batch.seq_ids.device)
+
+
+def _masked_nan(values: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(values), fallback, values)
+
+
+def _mini_batches(batch: RolloutBatch, num_mini_batches: int) -> list[slice]:
+    """Token spans of ``num_mini_batches`` equal runs of whole groups (a batch packs each group's
+    episodes together, groups in order)."""
+    groups = torch.unique_consecutive(batch.group_ids)
+    if groups.numel() % num_mini_batches:
+        raise ValueError(
+            f"trainer.mini_batches ({num_mini_batches}) must divide the {groups.numel()} groups of a batch"
+        )
+    assert groups.numel() == torch.unique(batch.group_ids).numel(), "a group's episodes are packed together"
+    per_mini = groups.numel() // num_mini_batches
+    episode_start = torch.cat([batch.episode_last.new_zeros(1), batch.episode_last[:-1] + 1])
+    spans = []
+    for index in range(num_mini_batches):
+        chosen = torch.isin(batch.group_ids, groups[index * per_mini : (index + 1) * per_mini])
+        episodes = torch.nonzero(chosen).squeeze(-1)
+        spans.append(slice(int(episode_start[episodes[0]]), int(batch.episode_last[episodes[-1]]) + 1))
+    return spans
+
+
+def _mean_over_updates(logs: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of a step's updates: maxima are maxima, everything else the mean over updates."""
+    keys = {key for log in logs for key in log}
+    out = {}
+    for key in keys:
+        values = [log[key] for log in logs if key in log]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out
+
 
 class _StepTotals:
     """The metrics of one step, summed over micro-batches, then over ranks by :meth:`reduced`.
 
     ``loss/*`` are sums (each micro-batch's loss carries the step's denominators already);
-    ``maxima`` are maxima; every other key is a sum of value x action tokens, divided by the step's
-    action tokens at the end."""
+    ``maxima`` are maxima; ``value/*`` are sums of value x kept turns, divided by the kept turns;
+    every other key is a sum of value x action tokens, divided by the step's action tokens at the end."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
@@ -523,8 +690,13 @@ class _StepTotals:
         maxima = {key for key in local if key.endswith("_max")}  # the same names on every rank
         step = reduce_metrics(local, sums=lambda key: key not in averaged and key not in maxima, maxima=maxima)
         weight, mismatch_sum, mismatch_n = step.pop("weight"), step.pop("mismatch_sum"), step.pop("mismatch_n")
+        value_weight = step.pop("value_weight", 0.0)
         out = {"mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else 0.0}
         for key, value in step.items():
-            keep = key.startswith("loss/") or key in averaged or key in maxima
-            out[key] = value if keep else value / max(weight, 1.0)
+            if key.startswith("loss/") or key in averaged or key in maxima:
+                out[key] = value
+            elif key.startswith("value/"):  # turn-weighted: the critic's metrics are per turn
+                out[key] = value / max(value_weight, 1.0)
+            else:
+                out[key] = value / max(weight, 1.0)
         return out

@@ -201,8 +201,9 @@ class AlgorithmSettings(_Section):
     """GAE lambda (turn level)."""
     gigpo_omega: float = Field(1.0, ge=0.0)
     """Weight of GiGPO's step-level advantage."""
-    gigpo_similarity: float | None = Field(None, gt=0.0, le=1.0)
-    """Merge anchor states whose LCS similarity exceeds this (None = exact state keys only)."""
+    gigpo_similarity: float | None = Field(None, gt=0.0, lt=1.0)
+    """Merge anchor states whose state texts (what the environment shows the agent) have an LCS similarity
+    above this (None = exact state keys only)."""
     clip_low: float = Field(0.2, ge=0.0)
     """PPO clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.2, ge=0.0)
@@ -235,13 +236,25 @@ class AlgorithmSettings(_Section):
 
 class TrainerSettings(_Section):
     max_steps: int = Field(2, ge=1)
-    """Optimizer steps to run."""
+    """Training steps to run. A training step is one rollout batch (`rollout.groups_per_step` groups); it is
+    what `max_steps`, `checkpoint_every`, `sync_weights_every`, `warmup_steps` and the policy version count,
+    whatever number of optimizer updates (`ppo_epochs` x `mini_batches`) it takes."""
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up steps."""
+    """Linear learning-rate warm-up over this many training steps (the schedule advances once per step, not
+    per optimizer update)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch, each pass one optimizer update per mini-batch (PPO's epochs). With more
+    than one update per batch the proximal policy's log-probs and the critic's old values are recorded once,
+    before the first update, and the PPO clip is taken around them (SPEC §2 decoupled PPO: behavior policy
+    from the engine, proximal policy from the trainer)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer updates per pass over a rollout batch: each process's share of the batch is cut into this many
+    mini-batches of whole groups, each with its own global loss denominators (summed over processes).
+    `rollout.groups_per_step / (trainer.devices x trainer.num_nodes)` must be a multiple of it."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this value."""
     micro_batch_tokens: int = Field(4096, ge=64)
@@ -263,8 +276,8 @@ class TrainerSettings(_Section):
     checkpoint_every: int = Field(1, ge=1)
     """Save `last.ckpt` every this many steps (and at the end)."""
     sync_weights_every: int = Field(1, ge=1)
-    """Push weights to the engine every this many optimizer steps. Between two pushes the engine samples with
-    older weights, so this needs `rollout.max_staleness >= sync_weights_every - 1`."""
+    """Push weights to the engine every this many training steps; the engine then lags up to
+    `sync_weights_every - 1` versions, so `rollout.max_staleness` must allow that."""
     threads: int | None = Field(None, ge=1)
     """torch CPU threads (None = torch's default)."""
     stop_grace_s: float = Field(120.0, gt=0)
@@ -352,31 +365,48 @@ class Settings(BaseSettings):
                     f"rollout.groups_per_step ({self.rollout.groups_per_step}) must be a multiple of the training "
                     f"processes, trainer.devices x trainer.num_nodes ({processes}): each trains on whole groups"
                 )
+            per_process = self.rollout.groups_per_step // processes
+            if per_process % self.trainer.mini_batches:
+                raise ValueError(
+                    f"trainer.mini_batches ({self.trainer.mini_batches}) must divide the groups each training process "
+                    f"trains on, rollout.groups_per_step / (trainer.devices x trainer.num_nodes) ({per_process}): "
+                    "a mini-batch holds whole groups"
+                )
+        elif self.rollout.groups_per_step % self.trainer.mini_batches:
+            raise ValueError(
+                f"trainer.mini_batches ({self.trainer.mini_batches}) must divide rollout.groups_per_step "
+                f"({self.rollout.groups_per_step}): a mini-batch holds whole groups"
+            )
+        self._check_rollout_combinations()
         if self.sandbox.call_timeout_s < self.sandbox.request_timeout_s:
             raise ValueError(
                 f"sandbox.call_timeout_s ({self.sandbox.call_timeout_s:g}) must be >= sandbox.request_timeout_s "
                 f"({self.sandbox.request_timeout_s:g}): it is the deadline of a call, all its attempts included"
             )
-        self._consistent_rollout()
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
         return self
 
-
-    def _consistent_rollout(self) -> None:
-        r, t = self.rollout, self.trainer
+    def _check_rollout_combinations(self) -> None:
+        r, a, t = self.rollout, self.algorithm, self.trainer
         if r.partial_rollout_s is not None and r.max_staleness < 1:
             raise ValueError(
                 "rollout.partial_rollout_s needs rollout.max_staleness >= 1: a parked episode continues with newer "
-                "weights, so its group always mixes two policy versions"
+                "weights, so its first actions lag behind"
             )
-        if r.max_staleness < t.sync_weights_every - 1:
+        if t.sync_weights_every - 1 > r.max_staleness:
             raise ValueError(
-                f"trainer.sync_weights_every={t.sync_weights_every} lets the engine sample with weights up to "
-                f"{t.sync_weights_every - 1} version(s) behind the trainer (versions count optimizer steps), so "
-                f"rollout.max_staleness ({r.max_staleness}) must be >= {t.sync_weights_every - 1}; otherwise no "
-                "group could be generated for the steps between two syncs"
+                f"trainer.sync_weights_every ({t.sync_weights_every}) needs rollout.max_staleness >= "
+                f"{t.sync_weights_every - 1} (it is {r.max_staleness}): between two pushes the engine generates "
+                f"with weights up to {t.sync_weights_every - 1} versions old"
             )
+        if a.staleness_weighting != "none" and r.max_staleness == 0:
+            raise ValueError(
+                f"algorithm.staleness_weighting={a.staleness_weighting} needs rollout.max_staleness >= 1: "
+                "with synchronous rollouts no token is stale"
+            )
+        if a.gigpo_similarity is not None and a.advantage != "gigpo":
+            raise ValueError("algorithm.gigpo_similarity applies to algorithm.advantage=gigpo only")
 
 
 class SettingsError(ValueError):

@@ -51,6 +51,8 @@ class Turn(BaseModel):
     action_end: int
     reward: float = 0.0
     state_key: str = ""
+    state_text: str = ""
+    """The environment's state as text (GiGPO similarity mode); empty for environments without one."""
     tool: str | None = None
     timings: dict[str, float] = Field(default_factory=dict)
 
@@ -164,6 +166,7 @@ class RolloutBatch:
     turn_traj: torch.Tensor
     turn_rewards: torch.Tensor
     turn_state_keys: list[str] = field(default_factory=list)
+    turn_state_texts: list[str] = field(default_factory=list)
     trajectories: list[Trajectory] = field(default_factory=list)
     turn_starts: torch.Tensor | None = None  # [K] packed index of each turn's first action token
     episode_last: torch.Tensor | None = None  # [B] packed index of each episode's last token
@@ -177,6 +180,13 @@ class RolloutBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def anchor_states(self, similarity: float | None) -> list[str]:
+        """What GiGPO groups turns by: the state keys (hashes), or with a similarity threshold the
+        state texts, whose similarity means something (that of two hashes does not)."""
+        if similarity is None or not all(self.turn_state_texts):
+            return self.turn_state_keys
+        return self.turn_state_texts
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         moved = {}
@@ -198,7 +208,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
     if not trajectories:
         raise ValueError("cannot pack an empty list of trajectories")
     ids, pos, mask, blp, ver, seq, seg, tturn = ([] for _ in range(8))
-    turn_traj, turn_rewards, state_keys, segment_traj, num_turns = [], [], [], [], []
+    turn_traj, turn_rewards, state_keys, state_texts, segment_traj, num_turns = [], [], [], [], [], []
     turn_starts, episode_last = [], []
     turn_offset = 0
     segment_index = 0
@@ -215,6 +225,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
                 turn_starts.append(len(ids) + turn.action_start)
                 turn_rewards.append(turn.reward)
                 state_keys.append(turn.state_key)
+                state_texts.append(turn.state_text)
             turn_offset += len(segment.turns)
             traj_turns += len(segment.turns)
             ids.extend(segment.token_ids)
@@ -247,6 +258,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         turn_traj=torch.tensor(turn_traj, dtype=long),
         turn_rewards=torch.tensor(turn_rewards, dtype=torch.float32),
         turn_state_keys=state_keys,
+        turn_state_texts=state_texts,
         trajectories=list(trajectories),
         turn_starts=torch.tensor(turn_starts, dtype=long),
         episode_last=torch.tensor(episode_last, dtype=long),

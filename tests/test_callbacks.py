@@ -109,3 +109,27 @@ def test_rollout_metrics_logs_a_credit_table_every_step_for_long_runs(tmp_path, 
     local = client.download_artifacts(logger.run_id, "credit/step_000199.json", str(tmp_path / "down"))
     table = json.loads(open(local).read())
     assert len(table["data"]) == 4 and all(len(row) == len(table["columns"]) for row in table["data"])
+
+
+def test_echo_trap_warning_reports_the_grad_norm_spike_that_follows_the_collapse(tmp_path, tiny_tokenizer):
+    """The trainer's gradient norms reach the Echo Trap check: a collapse of within-group reward std
+    followed by a grad-norm spike is reported with the spike, once."""
+    import warnings
+
+    from lightning_agentrl.callbacks.rollout_metrics import RolloutMetrics
+    from lightning_agentrl.trajectory import pack
+
+    callback = RolloutMetrics(tmp_path / "run", tiny_tokenizer, num_samples=0)
+    batch = pack([episode(i, reward=float(i % 2), version=0) for i in range(4)])
+    stds = [0.5] * 5 + [0.01] * 5
+    norms = [1.0] * 5 + [1.0, 1.0, 1.0, 1.0, 9.0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for std, norm in zip(stds, norms, strict=True):
+            callback._within_group_std.append(std)  # what on_train_batch_start records for the step
+            trainer = SimpleNamespace(callback_metrics={"policy/grad_norm": torch.tensor(norm)})
+            callback.on_train_batch_end(trainer, None, None, batch, 0)
+    messages = [str(w.message) for w in caught if "Echo trap" in str(w.message)]
+    assert len(messages) == 1
+    assert "Grad norm spiked to 9" in messages[0]
+    assert callback.state_dict()["grad_norms"] == norms

@@ -11,6 +11,7 @@ like 1 node x 2 processes, each node with its own sandbox server.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -173,3 +174,17 @@ def test_two_nodes_of_one_process_train_like_one_process(root, one_process):
     assert (run / "sandbox_server.log").exists() and (run / "sandbox_server.node1.log").exists()
     assert groups(run, 0) == [0] * 4 + [1] * 4
     assert metric(run, "loss/total")[0] == pytest.approx(metric(one_process, "loss/total")[0], abs=1e-5)
+
+
+def test_several_updates_per_batch_with_two_processes(root):
+    """PPO epochs over mini-batches under DDP: each rank's share splits into whole-group mini-batches
+    with denominators summed over ranks, every rank takes the same updates (a rank out of step would
+    hang the collectives), and a training step stays one rollout batch."""
+    run = "ppo-epochs"
+    ok(fit(root, run, "--trainer.devices=2", "--trainer.strategy=ddp", "--rollout.groups_per_step=4",
+           "--trainer.ppo_epochs=2", "--trainer.mini_batches=2"))
+    updates = metric(root / run, "train/optimizer_updates")
+    assert updates == {0: 4.0, 1: 4.0}
+    assert all(math.isfinite(v) for v in metric(root / run, "loss/total").values())
+    assert metric(root / run, "mismatch/logprob_max")[0] < 1e-4  # proximal log-probs from before the updates
+    assert sorted(groups(root / run, 0)) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4

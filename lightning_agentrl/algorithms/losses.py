@@ -278,7 +278,8 @@ def value_loss(
     ``loss = 0.5 * mean_m max((V - R)^2, (V_clip - R)^2)``; ``clip=None`` gives ``0.5 * mean (V - R)^2``.
 
     Shapes: values[K] (with grad), old_values[K], returns[K], mask[K] float 0/1 or None -> (scalar,
-    metrics ``loss/value``, ``value/clipfrac``, ``value/mean``, ``value/returns_mean``).
+    metrics ``loss/value``, ``value/clipfrac`` (share of items with ``|V - V_old| > clip``), ``value/mean``,
+    ``value/returns_mean``).
     """
     if values.shape != old_values.shape or values.shape != returns.shape:
         raise ValueError(
@@ -300,7 +301,9 @@ def value_loss(
         values_clipped = old_values + (values - old_values).clamp(-clip, clip)
         clipped = (values_clipped - returns) ** 2
         per_item = torch.maximum(unclipped, clipped)
-        clipped_frac = _token_mean((clipped > unclipped).to(values.dtype), mask)
+        # where the clip binds: |V - V_old| > clip (comparing the two squared errors instead flags
+        # unclipped items whose V_old + (V - V_old) differs from V by one rounding)
+        clipped_frac = _token_mean(((values - old_values).abs() > clip).to(values.dtype), mask)
     m = (mask > 0).to(values.dtype)
     loss = 0.5 * (per_item * m).sum() / m.sum().clamp(min=1.0)
     metrics = {

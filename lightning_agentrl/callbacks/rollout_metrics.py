@@ -31,6 +31,7 @@ class RolloutMetrics(L.Callback):
         self.service = service
         self.num_samples = num_samples
         self._within_group_std: list[float] = []
+        self._grad_norms: list[float] = []
         self._warned = False
 
     @override
@@ -57,12 +58,6 @@ class RolloutMetrics(L.Callback):
         pl_module.log("reward", metrics["reward/mean"], prog_bar=True, on_step=True, batch_size=len(trajectories))
 
         self._within_group_std.append(metrics["reward/within_group_std"])
-        warning = echo_trap_warning(self._within_group_std)
-        if warning and not self._warned:
-            self._warned = True
-            from lightning.pytorch.utilities import rank_zero_warn
-
-            rank_zero_warn(warning)
 
         every_rank = gather_to_zero(trajectories)
         if trainer.is_global_zero:
@@ -78,6 +73,28 @@ class RolloutMetrics(L.Callback):
             "rollout/step_discarded_groups": float(buffer.last_take["discarded"]),
             "rollout/episodes_generated": float(self.service.num_episodes_finished),
         }
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not isinstance(batch, RolloutBatch):
+            return
+        grad_norm = trainer.callback_metrics.get("policy/grad_norm")  # absent on a skipped step
+        warning = self.record_grad_norm(float(grad_norm) if grad_norm is not None else None)
+        if warning:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(warning)
+
+    def record_grad_norm(self, grad_norm: float | None) -> str | None:
+        """Add this step's gradient norm (after its reward std) and return the Echo Trap warning,
+        the first time it fires, with the grad-norm spike that follows the collapse when there is one."""
+        if grad_norm is not None:
+            self._grad_norms.append(grad_norm)
+        warning = echo_trap_warning(self._within_group_std, grad_norm_history=self._grad_norms)
+        if not warning or self._warned:
+            return None
+        self._warned = True
+        return warning
 
     def _save(self, trainer: L.Trainer, trajectories) -> None:
         step = trainer.global_step
@@ -105,9 +122,11 @@ class RolloutMetrics(L.Callback):
 
     @override
     def state_dict(self) -> dict:
-        return {"within_group_std": list(self._within_group_std), "warned": self._warned}
+        return {"within_group_std": list(self._within_group_std), "grad_norms": list(self._grad_norms),
+                "warned": self._warned}
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
         self._within_group_std = list(state_dict["within_group_std"])
+        self._grad_norms = list(state_dict.get("grad_norms", []))  # absent in checkpoints of older runs
         self._warned = state_dict["warned"]

@@ -32,4 +32,10 @@ class Environment(Protocol):
         """A hash of the observable state the next action starts from (GiGPO anchor states)."""
         ...
 
+    @property
+    def state_text(self) -> str:
+        """The same observable state as text, for ``algorithm.gigpo_similarity``: two states whose
+        texts are similar enough share an anchor group. Equal texts must have equal ``state_key``s."""
+        ...
+
     async def close(self) -> None: ...

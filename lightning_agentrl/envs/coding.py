@@ -7,6 +7,7 @@ the task's ``hidden_test_count`` passed tests in the scoring runner's own report
 
 State keys (for GiGPO) hash what the agent can observe: the files it has written so far and the
 last observation. Two episodes that read the same file from the same start are in the same state.
+``state_text`` is that state as text, which GiGPO's similarity mode compares.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 from lightning_agentrl.envs.base import StepResult
 from lightning_agentrl.rollout.tool_calls import CODING_TOOLS, ToolCallError, parse_tool_call
 from lightning_agentrl.tasks import Task
+
+STATE_TEXT_CHARS = 512  # the tail of the state text kept for GiGPO's similarity mode
 
 SYSTEM_PROMPT = """You fix bugs in a Python repository. Reply with a short thought and exactly one tool call.
 Tools:
@@ -61,6 +64,12 @@ class CodingEnv:
     def state_key(self) -> str:
         payload = json.dumps([sorted(self._written.items()), self._last_observation])
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    @property
+    def state_text(self) -> str:
+        # at most STATE_TEXT_CHARS: GiGPO's similarity (an LCS) costs the product of two lengths
+        files = "".join(f"[file {path}]\n{content}\n" for path, content in sorted(self._written.items()))
+        return f"{files}[last observation]\n{self._last_observation}"[-STATE_TEXT_CHARS:]
 
     def _clip(self, text: str) -> str:
         if len(text) <= self.max_observation_chars:

@@ -239,7 +239,8 @@ async def play_episode(
     def append_action(segment: Segment, generation, *, tool: str | None = None) -> Turn:
         start = len(segment.token_ids)
         segment.extend(generation.token_ids, mask=1, logprobs=generation.logprobs, version=generation.policy_version)
-        turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=env.state_key, tool=tool)
+        turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=env.state_key,
+                    state_text=getattr(env, "state_text", ""), tool=tool)
         segment.turns.append(turn)
         return turn
 

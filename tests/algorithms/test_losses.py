@@ -324,12 +324,26 @@ def test_value_loss_clipping_is_pessimistic():
     loss, metrics = losses.value_loss(values, old, returns, None, clip=0.2)
     # clipped values 0.2, -0.2, 0.1 -> per item max((v-R)^2, (vc-R)^2) = 0.64, 2.25, 1.21
     assert loss.item() == pytest.approx(0.5 * (0.64 + 2.25 + 1.21) / 3)
-    assert metrics["value/clipfrac"].item() == pytest.approx(1 / 3)
+    assert metrics["value/clipfrac"].item() == pytest.approx(2 / 3)  # |V - V_old| > 0.2 for items 0 and 1
     loss.backward()
     # item 0 moved past the clip toward the target: its (clipped) term has no gradient
     assert values.grad.tolist() == pytest.approx([0.0, (-0.5 - 1.0) / 3, (0.1 + 1.0) / 3])
     unclipped, _ = losses.value_loss(values, old, returns, torch.tensor([1.0, 1.0, 0.0]), clip=None)
     assert unclipped.item() == pytest.approx(0.5 * (0.25 + 2.25) / 2)
+
+
+def test_value_clipfrac_counts_only_values_past_the_clip():
+    """Values inside the clip are never counted, even where V_old + (V - V_old) rounds away from V."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(10_000, generator=generator) * 3
+    old = values + (torch.rand(10_000, generator=generator) - 0.5) * 0.3  # |V - V_old| <= 0.15 < clip
+    returns = torch.randn(10_000, generator=generator) * 3
+    rounded = old + (values - old).clamp(-0.2, 0.2)
+    assert ((rounded - returns) ** 2 > (values - returns) ** 2).any()  # the rounding the old rule tripped on
+    _, metrics = losses.value_loss(values, old, returns, None, clip=0.2)
+    assert metrics["value/clipfrac"].item() == 0.0
+    _, metrics = losses.value_loss(old + 0.3, old, returns, None, clip=0.2)
+    assert metrics["value/clipfrac"].item() == 1.0
 
 
 @pytest.mark.parametrize("mode", MODES)

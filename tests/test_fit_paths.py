@@ -1,0 +1,180 @@
+"""Paths of the training step that only unit tests reached, now through ``fit``: several PPO updates
+per batch, value clipping, stale tokens, GAE and its truncation bootstrap, the KL term, StarPO-S and
+GiGPO's similarity mode. Tiny shapes (a 1-layer, 64-wide model), 2 steps each, seconds per run."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_agentrl.algorithms import advantages as adv
+from tests.fitting import SOLVE, call, learn_settings, scripted_fit
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_several_updates_per_batch_move_both_clips_and_count_one_training_step(tmp_path):
+    settings = learn_settings(
+        tmp_path, "--trainer.ppo_epochs=3", "--trainer.mini_batches=2", "--model.value_head=true",
+        "--algorithm.advantage=gae", "--algorithm.value_clip=0.01", "--trainer.lr=1e-2",
+    )
+    result, log = scripted_fit(settings, {"e0": SOLVE})
+    assert result.global_step == 2 and len(log.metrics) == 2  # max_steps counts rollout batches
+    checkpoint = torch.load(result.checkpoint, map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] == 2
+    for step in log.metrics:
+        assert step["train/optimizer_updates"] == 6  # 3 epochs x 2 mini-batches
+        # the proximal log-probs were recorded before the first update: they still match the engine's
+        assert step["mismatch/logprob_max"] < 1e-4
+        assert math.isfinite(step["loss/total"]) and math.isfinite(step["loss/value"])
+        assert {"value/mean", "value/returns_mean", "value/explained_variance"} <= set(step)
+    # updates after the first move the policy and the critic past their clips
+    assert max(step["policy/clipfrac"] for step in log.metrics) > 0
+    assert max(step["value/clipfrac"] for step in log.metrics) > 0
+
+
+def test_one_update_per_batch_never_clips(tmp_path):
+    """The reference point of the test above: with one update the ratio is 1 and V = V_old."""
+    settings = learn_settings(tmp_path, "--model.value_head=true", "--algorithm.advantage=gae",
+                              "--algorithm.value_clip=0.01", "--trainer.lr=1e-2")
+    _, log = scripted_fit(settings, {"e0": SOLVE})
+    for step in log.metrics:
+        assert step["train/optimizer_updates"] == 1
+        assert step["policy/clipfrac"] == 0 and step["value/clipfrac"] == 0
+
+
+def test_stale_tokens_take_the_decoupled_path(tmp_path):
+    """With max_staleness=1 some batches hold tokens sampled one version ago: those get the
+    importance weight proximal/behavior (not 1); batches without stale tokens keep weight 1 exactly."""
+    settings = learn_settings(tmp_path, "--rollout.max_staleness=1", "--trainer.max_steps=3", "--trainer.lr=1e-2")
+    _, log = scripted_fit(settings, {"e0": SOLVE})
+    stale = [step for step in log.metrics if step.get("staleness/tokens_lag_1", 0) > 0]
+    fresh = [step for step in log.metrics if step.get("staleness/tokens_lag_1", 0) == 0]
+    assert stale, "no batch held a stale token"
+    for step in stale:
+        assert abs(step["policy/is_weight_mean"] - 1) > 1e-4
+    for step in fresh:
+        assert step["policy/is_weight_mean"] == 1.0
+    for step in log.metrics:
+        assert step["mismatch/logprob_max"] < 1e-4  # measured on lag-0 tokens only
+
+
+class ExpectedGaeLoss(L.Callback):
+    """Before each step: the policy loss the module must log if its advantages are ``gae()``'s on the
+    batch, with V from the value head read episode by episode (not packed), with and without the
+    critic's bootstrap of truncated episodes."""
+
+    def __init__(self, gamma: float, lam: float) -> None:
+        self.gamma, self.lam = gamma, lam
+        self.expected: list[tuple[float, float]] = []
+
+    @torch.no_grad()
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        decoder = pl_module.policy.get_decoder()
+        turn_values, last_values = [], []
+        for trajectory in batch.trajectories:
+            (segment,) = trajectory.segments
+            hidden = decoder(input_ids=torch.tensor([segment.token_ids])).last_hidden_state[0]
+            values = pl_module.value_head(hidden).squeeze(-1).float()
+            turn_values += [values[turn.action_start - 1] for turn in segment.turns]
+            last_values.append(values[-1])
+        truncated = torch.tensor([t.termination.truncated for t in batch.trajectories])
+        losses = []
+        for bootstrap in (torch.stack(last_values), None):
+            turn_adv, _ = adv.gae(batch.turn_rewards, torch.stack(turn_values), batch.turn_traj, self.gamma, self.lam,
+                                  bootstrap_values=bootstrap, truncated=truncated if bootstrap is not None else None)
+            token_adv = torch.where(batch.token_turn >= 0, turn_adv[batch.token_turn.clamp(min=0)], 0.0)
+            losses.append(float(-(token_adv * batch.loss_mask).sum() / batch.loss_mask.sum()))
+        self.expected.append(tuple(losses))
+
+
+def test_gae_advantages_through_the_module_equal_gae_with_the_critic_bootstrap(tmp_path):
+    settings = learn_settings(tmp_path, "--model.value_head=true", "--algorithm.advantage=gae",
+                              "--rollout.truncation=bootstrap", "--trainer.max_steps=3", "--trainer.lr=1e-2")
+    expected = ExpectedGaeLoss(settings.algorithm.gamma, settings.algorithm.gae_lambda)
+    _, log = scripted_fit(settings, {"e0": SOLVE}, callbacks=[expected])
+    assert len(expected.expected) == 3
+    for step, (with_bootstrap, _) in zip(log.metrics, expected.expected, strict=True):
+        # one update at lag 0: ratio 1 (to 1e-6), so the policy loss is minus the token-mean advantage
+        assert step["loss/policy"] == pytest.approx(with_bootstrap, abs=1e-4)
+    # after the critic has trained, the bootstrap of truncated episodes changes the advantages
+    assert any(abs(a - b) > 1e-3 for a, b in expected.expected[1:])
+    assert any(t.termination.truncated for batch in log.batches for t in batch.trajectories)
+
+
+class KlToReference(L.Callback):
+    """Perturbs the policy away from the reference before training; after each step, the exact
+    KL(pi_ref || pi) (full softmax) at the action positions of the first batch, a fixed probe."""
+
+    def __init__(self) -> None:
+        self.kl: list[float] = []
+        self.probe = None
+
+    @torch.no_grad()
+    def on_train_start(self, trainer, pl_module):
+        generator = torch.Generator().manual_seed(0)
+        for parameter in pl_module.policy.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+
+    @torch.no_grad()
+    def measure(self, pl_module) -> float:
+        total, count = 0.0, 0
+        for ids, mask in self.probe:
+            policy = torch.log_softmax(pl_module.policy(ids).logits[0].float(), -1)
+            reference = torch.log_softmax(pl_module.reference(ids).logits[0].float(), -1)
+            kl = (reference.exp() * (reference - policy)).sum(-1)  # KL(pi_ref || pi): what k3's gradient lowers
+            at = mask[1:].nonzero().squeeze(-1)  # logits at t-1 predict token t
+            total, count = total + float(kl[at].sum()), count + at.numel()
+        return total / count
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.probe is None:
+            self.probe = [(torch.tensor([t.segments[0].token_ids]), torch.tensor(t.segments[0].loss_mask))
+                          for t in batch.trajectories]
+            self.kl.append(self.measure(pl_module))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.kl.append(self.measure(pl_module))
+
+
+def test_kl_pulls_a_perturbed_policy_back_to_the_reference(tmp_path):
+    """No episode succeeds, so every advantage is 0: the KL term is the only gradient. Dropping it
+    leaves the policy where it is; flipping its sign pushes it away."""
+    settings = learn_settings(tmp_path, "--algorithm.kl_coef=1.0", "--trainer.max_steps=3", "--trainer.lr=1e-4")
+    probe = KlToReference()
+    _, log = scripted_fit(settings, None, callbacks=[probe])
+    assert all(step["loss/kl"] > 0 for step in log.metrics)
+    assert len(probe.kl) == 4
+    assert all(after < before for before, after in zip(probe.kl, probe.kl[1:], strict=False)), probe.kl
+    assert probe.kl[-1] < probe.kl[0] * 0.998, probe.kl
+
+
+def test_starpo_keeps_the_groups_with_reward_variance_and_counts_the_rest(tmp_path):
+    settings = learn_settings(tmp_path, "--algorithm.starpo_keep_fraction=0.5")
+    # one success in the first group of each step (groups 0 and 2): the other group has std 0
+    _, log = scripted_fit(settings, {"g0-e0": SOLVE, "g2-e0": SOLVE})
+    for batch, step in zip(log.batches, log.metrics, strict=True):
+        assert step["filter/starpo_groups_dropped"] == 1
+        kept = {int(g) for g in batch.group_ids[batch.include]}
+        assert kept == {int(batch.group_ids.min())}  # the group with the success
+        expected_tokens = float(batch.loss_mask[batch.include[batch.seq_ids]].sum())
+        assert step["tokens/train"] == expected_tokens < float(batch.loss_mask.sum())
+        assert step["reward/mean"] == pytest.approx(1 / 4)  # every episode counts in the reward metrics
+
+
+def test_gigpo_similarity_merges_near_identical_states(tmp_path):
+    """Two episodes per group write answers differing in one character: their second turns start
+    from near-identical states. Exact keys see 3 anchor states per group, similarity 0.9 sees 2."""
+    script = {"e0": [call("write_file", path="answer.txt", content="abcdefgh1"), call("submit")],
+              "e1": [call("write_file", path="answer.txt", content="abcdefgh2"), call("submit")]}
+    counts = {}
+    for similarity in (None, 0.9):
+        run = tmp_path / str(similarity)
+        extra = [] if similarity is None else [f"--algorithm.gigpo_similarity={similarity}"]
+        settings = learn_settings(run, "--algorithm.advantage=gigpo", "--trainer.max_steps=1", *extra)
+        _, log = scripted_fit(settings, script)
+        counts[similarity] = log.metrics[0]["gigpo/num_anchor_groups"]
+    assert counts == {None: 6.0, 0.9: 4.0}
