@@ -7,7 +7,8 @@ whose message names the setting (``env.tasks: no such folder: /x``), so the comm
 as one ``error:`` line with exit status 2, like every other settings error.
 
 Local checks (no network): the task suite exists and has tasks of the split (and of the held-out
-split); ``model.path`` is a folder with a ``config.json``, ``tiny``, or a hub id. Network checks,
+split); ``model.path`` is a folder with a ``config.json``, ``tiny``, or a hub id; a local model's
+chat template can hold a tool-calling conversation (``rollout/chat.py``). Network checks,
 each with a deadline of :data:`TIMEOUT_S` and no retries: the sandbox service answers its health
 call with the token; the MLflow tracking server answers ``/health``; a hub id that is not in the
 local cache exists on the hub. ``validate --offline`` runs the local checks only.
@@ -39,6 +40,7 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
     """Run every start-up check; the first failure raises :class:`PreflightError`."""
     check_tasks(settings)
     check_model_path(settings.model.path, network=network)
+    check_chat_template(settings)
     if not network:
         return
     check_sandbox(settings.sandbox)
@@ -83,6 +85,22 @@ def check_model_path(path: str, *, network: bool = True) -> None:
     if _in_hub_cache(path) or not network:
         return
     _check_on_hub(path)
+
+
+def check_chat_template(settings: Settings) -> None:
+    """A local model's chat template can hold the episode's conversation (observation role, end of
+    turn, tools as ``env.tool_format`` asks); a hub model's is checked once loaded, still before training."""
+    folder = Path(settings.model.path).expanduser()
+    if settings.model.path == "tiny" or not (folder / "tokenizer_config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.train import chat_codec
+
+    try:
+        chat_codec(settings, AutoTokenizer.from_pretrained(folder))
+    except SettingsError as err:
+        raise PreflightError(str(err)) from None
 
 
 def _looks_like_a_path(path: str) -> bool:
