@@ -88,7 +88,8 @@ class ChatCodec:
                 messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
             )
         except Exception as err:  # jinja2's TemplateError, or what a template raises itself
-            raise ChatTemplateError(f"the chat template cannot render {what}: {type(err).__name__}: {err}") from None
+            reason = " ".join(str(err).split())  # one line, whatever the template raised
+            raise ChatTemplateError(f"the chat template cannot render {what}: {type(err).__name__}: {reason}") from None
 
     def _probe_observation(self, role: str | None) -> tuple[str, str, str]:
         """The observation role, the text between an action and the observation, and the text after it."""
