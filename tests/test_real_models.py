@@ -26,6 +26,9 @@ TINY_REAL = TinyModelConfig(
 QUICK = [
     "--engine.max_new_tokens=12", "--env.max_turns=2", "--rollout.group_size=2", "--rollout.groups_per_step=1",
     "--rollout.max_in_flight=2", "--trainer.logprob_chunk_tokens=128", "--trainer.lr=1e-2",
+    # a random model earns reward 0 (zero advantages): the entropy bonus makes every step move the weights,
+    # so step 2's log-prob check proves the engine got step 1's weights
+    "--algorithm.entropy_coef=0.01",
 ]
 
 
@@ -74,14 +77,16 @@ def assert_run_metrics(result) -> None:
     assert len(history["mismatch/logprob_max"]) == 2 and all(v < 1e-4 for v in history["mismatch/logprob_max"])
 
 
-def assert_exported_policy_is_the_trained_one(result, tmp_path) -> None:
-    """The policy folder reloads tied, with the checkpoint's weights and logits; so does `export`."""
+def assert_exported_policy_is_the_trained_one(result, tmp_path, model_path) -> None:
+    """The policy folder reloads tied, with the checkpoint's (trained) weights and logits; so does `export`."""
     from transformers import AutoModelForCausalLM
 
     from lightning_agentrl.export import export_policy, load_checkpoint
 
     trained = {k.removeprefix("policy."): v for k, v in load_checkpoint(result.checkpoint)["state_dict"].items()
                if k.startswith("policy.")}
+    initial = AutoModelForCausalLM.from_pretrained(model_path).model.embed_tokens.weight
+    assert not torch.equal(trained["model.embed_tokens.weight"], initial)  # the shared matrix was trained
     ids = torch.tensor([[1, 200, 3000, 40000, 151000]])
     for folder in (result.policy_dir, export_policy(result.checkpoint, tmp_path / "exported")):
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -106,7 +111,7 @@ def opening_text(capture, tokenizer_dir) -> str:
 def test_tied_qwen3_vocabulary_trains_on_the_torch_engine(tmp_path, qwen3_model):
     result, _, capture = fit_real(tmp_path, qwen3_model)
     assert_run_metrics(result)
-    assert_exported_policy_is_the_trained_one(result, tmp_path)
+    assert_exported_policy_is_the_trained_one(result, tmp_path, qwen3_model)
     prompt = opening_text(capture, qwen3_model)
     # tools through the template's own tools= (Qwen's <tools> block), not the built-in text
     assert "<tools>" in prompt and '"name": "write_file"' in prompt and "<tool_call>{" not in prompt

@@ -1,4 +1,4 @@
-"""ChatCodec on real chat templates (Qwen3, Gemma 3 from the npm registry; the tiny model's ChatML):
+"""ChatCodec on real chat templates (Qwen3, Gemma 3, Llama 3 from the npm registry; the tiny model's ChatML):
 the observation role, the end of turn, tools through ``tools=``, and the tool-call formats."""
 
 from __future__ import annotations
@@ -60,6 +60,14 @@ def test_gemma3_has_no_tool_role_so_observations_are_user_turns(gemma3):
     assert observation == "\n<start_of_turn>user\nexit code 0<end_of_turn>\n<start_of_turn>model\n"
     with pytest.raises(ChatTemplateError, match="role 'tool'.*Conversation roles must alternate"):
         ChatCodec(gemma3, observation_role="tool")
+
+
+def test_llama3_turns_end_with_eot_id():
+    llama3 = load("llama3_1")
+    codec = ChatCodec(llama3)
+    assert codec.observation_role == "tool" and llama3.convert_ids_to_tokens(codec.end_of_turn_id) == "<|eot_id|>"
+    observation = llama3.decode(codec.observation_ids("exit code 0").all)
+    assert observation == "<|start_header_id|>tool<|end_header_id|>\n\nexit code 0<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
 def test_tools_go_through_the_template_where_it_renders_them(qwen3, gemma3, tiny_tokenizer):
