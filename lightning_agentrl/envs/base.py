@@ -21,6 +21,10 @@ class Environment(Protocol):
     infrastructure failures raise ``sandbox_client.SandboxInfraError``; a tool command past its
     timeout raises ``sandbox_client.CommandTimeout``."""
 
+    tools: list[dict] | None
+    """The tools as JSON schemas for the chat template's ``tools=`` argument; None when the opening
+    messages describe them."""
+
     async def reset(self) -> list[dict]:
         """Start the episode; return the opening chat messages (system, user)."""
         ...

@@ -25,6 +25,8 @@ STATE_TEXT_CHARS = 512  # the tail of the state text kept for GiGPO's similarity
 SYSTEM_PROMPT = """You fix bugs in a Python repository. Reply with a short thought and exactly one tool call.
 Tools:
 {tools}"""
+NATIVE_TOOLS_NOTE = "read_file, write_file, run and submit, as defined for this conversation."
+"""What ``{tools}`` becomes when the chat template renders the tool definitions itself."""
 
 
 class CodingEnv:
@@ -39,6 +41,7 @@ class CodingEnv:
         max_observation_chars: int = 2000,
         scoring_timeout_s: float | None = None,
         system_prompt: str | None = None,
+        native_tools: bool = False,
     ) -> None:
         self.client = client
         self.task = task
@@ -46,6 +49,9 @@ class CodingEnv:
         self.max_observation_chars = max_observation_chars
         self.scoring_timeout_s = scoring_timeout_s or task.scoring_timeout_s
         self.system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
+        # The chat template's own tool format (``tools=``) where it has one: the model sees tools as
+        # its family was trained to; else the tools are described in the system prompt.
+        self.tools: list[dict] | None = [tool.schema() for tool in CODING_TOOLS] if native_tools else None
         self.sandbox_id: str | None = None
         self._written: dict[str, str] = {}
         self._last_observation = ""
@@ -53,7 +59,7 @@ class CodingEnv:
 
     async def reset(self) -> list[dict]:
         self.sandbox_id = await self.client.create(dict(self.task.files))
-        tools = "\n".join(tool.render() for tool in CODING_TOOLS)
+        tools = NATIVE_TOOLS_NOTE if self.tools else "\n".join(tool.render() for tool in CODING_TOOLS)
         return [
             # replace, not str.format: a custom prompt may contain other braces (JSON examples)
             {"role": "system", "content": self.system_prompt.replace("{tools}", tools)},

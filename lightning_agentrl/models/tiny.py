@@ -100,17 +100,43 @@ def build_tiny_model(cache_dir: str | os.PathLike, config: TinyModelConfig | Non
     The write is atomic (build in a temporary folder, then rename) so a killed build never
     leaves a half-written model behind.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = config or TinyModelConfig()
     target = Path(cache_dir) / f"tiny-llama-{config.fingerprint()}"
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target
+    return _save_random_llama(_build_tokenizer(config), config, target)
+
+
+def build_tiny_model_for_tokenizer(
+    tokenizer_dir: str | os.PathLike, cache_dir: str | os.PathLike, config: TinyModelConfig
+) -> Path:
+    """A tiny random Llama on a real tokenizer (its whole vocabulary, its chat template), built once.
+
+    ``config.vocab_size`` is ignored: the vocabulary is the tokenizer's. With a real vocabulary the
+    embedding dominates the size (151,669 x 32 for Qwen3), so keep ``hidden_size`` small and tie it.
+
+    >>> build_tiny_model_for_tokenizer(".cache/tokenizers/qwen3", ".cache/lightning_agentrl",
+    ...     TinyModelConfig(hidden_size=32, num_hidden_layers=1, tie_word_embeddings=True))  # doctest: +SKIP
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = Path(tokenizer_dir)
+    key = hashlib.sha256(config.fingerprint().encode())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        key.update((tokenizer_dir / name).read_bytes())
+    target = Path(cache_dir) / f"tiny-llama-{tokenizer_dir.name}-{key.hexdigest()[:12]}"
+    if (target / "config.json").exists() and (target / "tokenizer.json").exists():
+        return target
+    return _save_random_llama(AutoTokenizer.from_pretrained(tokenizer_dir), config, target)
+
+
+def _save_random_llama(tokenizer, config: TinyModelConfig, target: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
-
-    tokenizer = _build_tokenizer(config)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -121,15 +147,15 @@ def build_tiny_model(cache_dir: str | os.PathLike, config: TinyModelConfig | Non
         head_dim=config.head_dim,
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=pad_token_id,
         torch_dtype="float32",
     )
     torch.manual_seed(config.seed)
     model = LlamaForCausalLM(model_config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = pad_token_id
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     try:

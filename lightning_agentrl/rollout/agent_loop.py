@@ -212,7 +212,7 @@ async def play_episode(
     )
     state = resume
     run_seed = sampling.seed
-    sampling = replace(sampling, stop_token_ids=tuple({*sampling.stop_token_ids, codec.eos_token_id}))
+    sampling = replace(sampling, stop_token_ids=tuple(dict.fromkeys([*sampling.stop_token_ids, *codec.stop_token_ids])))
     # Room for a full action after each observation when history can be summarized; else the legacy rule.
     reserve = summarizer.reserve_tokens if summarizer is not None else 0
     limit = budget.max_context_tokens - reserve
@@ -258,7 +258,7 @@ async def play_episode(
         message = summarizer.summary_message(
             state.history, policy_summary=policy_summary, pending_observation=pending_observation
         )
-        ids = codec.prompt_ids([*state.messages, message])
+        ids = codec.prompt_ids([*state.messages, message], tools=getattr(env, "tools", None))
         if len(ids) + sampling.max_new_tokens > limit:
             return False
         segment = Segment()
@@ -272,7 +272,7 @@ async def play_episode(
                 messages = await env.reset()
                 state = EpisodeState(trajectory=trajectory, messages=messages)
                 first = Segment()
-                first.extend(codec.prompt_ids(messages), mask=0)
+                first.extend(codec.prompt_ids(messages, tools=getattr(env, "tools", None)), mask=0)
                 trajectory.segments.append(first)
             steps_this_call = 0
             while True:
@@ -289,11 +289,10 @@ async def play_episode(
                     break
                 generation = await generate(segment.token_ids, min(sampling.max_new_tokens, room))
                 turn = append_action(segment, generation)
-                if generation.finish_reason != "stop":
-                    if len(segment.token_ids) >= limit:
-                        termination = TerminationReason.MAX_CONTEXT
-                        break
-                    segment.extend(codec.close_action_ids(), mask=0)
+                if generation.finish_reason != "stop" and len(segment.token_ids) >= limit:
+                    termination = TerminationReason.MAX_CONTEXT
+                    break
+                segment.extend(codec.close_action_ids(generation.token_ids), mask=0)
 
                 phase = "tool"
                 t0 = time.monotonic()

@@ -4,13 +4,41 @@ The prompt is rendered once with the tokenizer's chat template. After that, ids 
 appended: the action ids exactly as the engine sampled them, and for each observation the
 template's scaffolding (encoded once, at construction) around the encoding of only the new
 observation text. Nothing is ever decoded and re-encoded, so the trained ids are the sampled ids.
+
+Everything the codec needs from a template is found by rendering small probe conversations, so
+it works with any template that can hold a tool-calling conversation (ChatML/Qwen, Llama 3,
+Gemma, ...), and a template that cannot is refused at construction with a
+:class:`ChatTemplateError` that names the problem (never a raw Jinja error mid-run):
+
+- **Observation role.** ``tool`` where the template renders it, else ``user`` (Gemma's template
+  knows only user and model turns and raises on any other); or the role given.
+- **End of turn.** What closes an assistant turn is read from the template (``<|im_end|>`` for
+  Qwen, ``<|eot_id|>`` for Llama 3, ``<end_of_turn>`` for Gemma), not taken from the tokenizer's
+  eos, which is often another token (a base model's ``<|endoftext|>``). Generation stops on it
+  (and on the eos); an action that did not end with it is closed with it (mask 0).
+- **Tools.** :attr:`ChatCodec.renders_tools` says whether the template renders the ``tools=``
+  argument (Qwen, Llama 3.1+, Mistral do; many do not); the environment then passes its tools
+  there instead of describing them in its own words.
+
+Templates that rewrite earlier turns (Qwen3 drops the ``<think>`` part of every assistant turn
+before the last user message) would give, on re-rendering, other ids than those sampled. They are
+never re-rendered: the context keeps every action exactly as it was sampled, which is what the
+policy saw when it produced the next action, and what it is trained on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-_SENTINEL = "\u2063OBSERVATION\u2063"
+_ACTION = "\u2063ACTION\u2063"
+_OBSERVATION = "\u2063OBSERVATION\u2063"
+_PROBE_TOOL = "probe_tool_\u2063"
+OBSERVATION_ROLES = ("tool", "user")
+"""Observation roles tried, in order, when none is set."""
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot hold a tool-calling conversation; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -29,38 +57,94 @@ class ObservationIds:
 class ChatCodec:
     """Token ids for prompts and observations, derived from any HF tokenizer's chat template.
 
-    The scaffolding between the end of an assistant turn and the next generation prompt is found
-    by rendering a reference conversation whose observation is a sentinel string, so it works for
-    any template (ChatML, Llama 3, Qwen's ``<tool_response>`` wrapping, ...).
+    ``observation_role``: the role tool results are rendered in; None = the first of
+    :data:`OBSERVATION_ROLES` the template renders.
     """
 
-    def __init__(self, tokenizer, observation_role: str = "tool") -> None:
+    def __init__(self, tokenizer, observation_role: str | None = None) -> None:
         if tokenizer.chat_template is None:
-            raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template")
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos token; generation could never stop")
+            raise ChatTemplateError("the tokenizer has no chat template (set tokenizer.chat_template)")
         self.tokenizer = tokenizer
-        self.eos_token_id: int = tokenizer.eos_token_id
-        end_of_turn = tokenizer.eos_token
-        rendered = tokenizer.apply_chat_template(
-            [
-                {"role": "user", "content": "U"},
-                {"role": "assistant", "content": "A"},
-                {"role": observation_role, "content": _SENTINEL},
-            ],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        after_action = rendered.split("A" + end_of_turn, 1)
-        if len(after_action) != 2 or _SENTINEL not in after_action[1]:
-            raise ValueError(
-                f"cannot find the end of an assistant turn ({end_of_turn!r}) in the chat template; "
-                "the template must end assistant messages with the eos token"
-            )
-        before, after = after_action[1].split(_SENTINEL, 1)
-        self._before = self.encode(before)
+        self._render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], what="a system message")
+        self.observation_role, between, after = self._probe_observation(observation_role)
+        closing = self._render(
+            [{"role": "user", "content": "U"}, {"role": "assistant", "content": _ACTION}],
+            generation_prompt=False, what="an assistant turn",
+        ).split(_ACTION, 1)[-1]
+        self.end_of_turn_id = self._end_of_turn_id(closing, between)
+        end_text = tokenizer.decode([self.end_of_turn_id])
+        self._before = self.encode(between[len(end_text):])
         self._after = self.encode(after)
-        self._end_of_turn = [self.eos_token_id]
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
+            [self.end_of_turn_id, *([eos] if eos is not None else [])]
+        ))
+        self.renders_tools = self._renders_tools()
+
+    # -- probing the template ----------------------------------------------------------------
+    def _render(self, messages: list[dict], *, generation_prompt: bool = True, what: str, **kwargs) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+            )
+        except Exception as err:  # jinja2's TemplateError, or what a template raises itself
+            reason = " ".join(str(err).split())  # one line, whatever the template raised
+            raise ChatTemplateError(f"the chat template cannot render {what}: {type(err).__name__}: {reason}") from None
+
+    def _probe_observation(self, role: str | None) -> tuple[str, str, str]:
+        """The observation role, the text between an action and the observation, and the text after it."""
+        problems = []
+        for candidate in OBSERVATION_ROLES if role is None else (role,):
+            conversation = [
+                {"role": "user", "content": "U"},
+                {"role": "assistant", "content": _ACTION},
+                {"role": candidate, "content": _OBSERVATION},
+            ]
+            try:
+                rendered = self._render(conversation, what=f"an observation in role {candidate!r}")
+            except ChatTemplateError as err:
+                problems.append(str(err))
+                continue
+            if _ACTION not in rendered or _OBSERVATION not in rendered.split(_ACTION, 1)[1]:
+                problems.append(f"the chat template drops messages in role {candidate!r}")
+                continue
+            between, after = rendered.split(_ACTION, 1)[1].split(_OBSERVATION, 1)
+            return candidate, between, after
+        raise ChatTemplateError("no observation role works (env.observation_role): " + "; ".join(problems))
+
+    def _end_of_turn_id(self, closing: str, between: str) -> int:
+        """The special token that starts what the template writes after an assistant's content."""
+        ids = self.encode(closing)
+        special = set(self.tokenizer.all_special_ids) | {
+            i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special
+        }
+        if not ids or ids[0] not in special:
+            raise ChatTemplateError(
+                f"the chat template ends an assistant turn with {closing!r}, which does not start with a special "
+                "token: generation could not stop at the end of a turn"
+            )
+        if not between.startswith(self.tokenizer.decode(ids[:1])):
+            raise ChatTemplateError(
+                "the chat template closes an assistant turn differently when a tool result follows it: "
+                f"{between!r} does not start with {self.tokenizer.decode(ids[:1])!r}"
+            )
+        return ids[0]
+
+    def _renders_tools(self) -> bool:
+        probe = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {
+            "type": "object", "properties": {}, "required": []}}}
+        try:
+            rendered = self._render([{"role": "user", "content": "U"}], what="tools", tools=[probe])
+        except ChatTemplateError:
+            return False
+        return _PROBE_TOOL in rendered
+
+    # -- ids -----------------------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int:
+        """The id that ends an assistant turn (:attr:`end_of_turn_id`): the template's, which need
+        not be the tokenizer's eos."""
+        return self.end_of_turn_id
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -70,18 +154,20 @@ class ChatCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def decode_action(self, ids: list[int]) -> str:
-        """The text the environment parses: the action without its end-of-turn id.
+        """The text the environment parses: the action without its stop id.
 
         Only that id is dropped, not every special token: tokenizers that register tool tags such
         as ``<tool_call>`` as special tokens would otherwise lose them, and no call would parse.
         """
-        if ids and ids[-1] == self.eos_token_id:
+        if ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The first context: system and user messages plus the generation prompt."""
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The first context: system and user messages plus the generation prompt; ``tools`` (JSON
+        schemas) go to the template's ``tools=`` argument (only where :attr:`renders_tools`)."""
+        kwargs = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
         if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -89,6 +175,7 @@ class ChatCodec:
     def observation_ids(self, text: str) -> ObservationIds:
         return ObservationIds(list(self._before), self.encode(text), list(self._after))
 
-    def close_action_ids(self) -> list[int]:
-        """Scaffolding that ends an action cut by the token budget (it never sampled eos)."""
-        return list(self._end_of_turn)
+    def close_action_ids(self, action_ids: list[int]) -> list[int]:
+        """What ends an action that did not end with the end-of-turn id (cut by the token budget, or
+        stopped on the tokenizer's eos); nothing for one that did."""
+        return [] if action_ids and action_ids[-1] == self.end_of_turn_id else [self.end_of_turn_id]

@@ -248,11 +248,12 @@ class TorchEngine:
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self._ensure_started()
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
+        # state_dict names every tensor, tied ones under each name (``lm_head.weight`` and
+        # ``model.embed_tokens.weight`` of a tied model are one tensor, written twice with one value)
+        targets = self.model.state_dict(keep_vars=True)
         incoming = list(named_tensors)
         for name, tensor in incoming:  # validate everything before touching anything
-            target = params.get(name, buffers.get(name))
+            target = targets.get(name)
             if target is None:
                 raise KeyError(f"update_weights: the engine's model has no parameter {name!r}")
             if target.shape != tensor.shape:
@@ -262,7 +263,7 @@ class TorchEngine:
         async with self._lock:
             with torch.no_grad():
                 for name, tensor in incoming:
-                    params.get(name, buffers.get(name)).copy_(tensor)
+                    targets[name].copy_(tensor)
             self.policy_version = version
 
     async def close(self) -> None:

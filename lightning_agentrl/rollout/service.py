@@ -218,7 +218,10 @@ class RolloutService:
             for task in asyncio.all_tasks(loop):
                 task.cancel()
 
-        loop.call_soon_threadsafe(cancel_all)
+        try:
+            loop.call_soon_threadsafe(cancel_all)
+        except RuntimeError:  # the loop already ended (its failure is in the buffer): nothing to cancel
+            pass
         self._thread.join(timeout=60)
         self._thread = None
 

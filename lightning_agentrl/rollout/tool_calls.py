@@ -1,14 +1,20 @@
-"""The tool-call format the agent writes, and its parser.
+"""The tool-call formats the agent may write, and their parser.
 
-An action is free text that contains one call::
+An action is free text that contains one call. Three families' formats are read::
 
     I will read the file first.
     <tool_call>{"name": "read_file", "arguments": {"path": "utils.py"}}</tool_call>
 
-This is the Hermes/Qwen convention, so instruction-tuned models already know it. Only the first
-call of an action is executed. A malformed call is not an exception for the episode: the parser
-raises :class:`ToolCallError`, and the environment shows its message to the agent as the
-observation (the agent can correct itself).
+    {"name": "read_file", "parameters": {"path": "utils.py"}}
+
+    [TOOL_CALLS] [{"name": "read_file", "arguments": {"path": "utils.py"}}]
+
+The first is the Hermes/Qwen convention (also what the built-in tool text teaches); the second is
+Llama 3's JSON call (``parameters`` for ``arguments``, maybe after ``<|python_tag|>``); the third is
+Mistral's. A ``<tool_call>`` tag wins; without one, the first JSON object in the text with a
+``name`` is the call. Only the first call of an action is executed. A malformed call is not an
+exception for the episode: the parser raises :class:`ToolCallError`, and the environment shows its
+message to the agent as the observation (the agent can correct itself).
 """
 
 from __future__ import annotations
@@ -25,6 +31,14 @@ class ToolSpec:
     name: str
     description: str
     parameters: dict[str, str] = field(default_factory=dict)  # argument name -> description
+
+    def schema(self) -> dict:
+        """The tool as a JSON schema in the OpenAI function format that chat templates' ``tools=`` take."""
+        properties = {k: {"type": "string", "description": v} for k, v in self.parameters.items()}
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description,
+            "parameters": {"type": "object", "properties": properties, "required": list(self.parameters)},
+        }}
 
     def render(self) -> str:
         args = ", ".join(f'"{k}": <{v}>' for k, v in self.parameters.items())
@@ -58,17 +72,13 @@ def parse_tool_call(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> To
 
     >>> parse_tool_call('x <tool_call>{"name": "submit", "arguments": {}}</tool_call>')
     ToolCall(name='submit', arguments={})
+    >>> parse_tool_call('<|python_tag|>{"name": "read_file", "parameters": {"path": "a.py"}}')
+    ToolCall(name='read_file', arguments={'path': 'a.py'})
     """
-    match = CALL_PATTERN.search(text)
-    if match is None:
-        raise ToolCallError("no <tool_call>...</tool_call> found in the reply")
-    try:
-        payload = json.loads(match.group(1))
-    except json.JSONDecodeError as err:
-        raise ToolCallError(f"the tool call is not valid JSON: {err.msg} at char {err.pos}") from None
+    payload = _call_payload(text)
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         raise ToolCallError('a tool call is a JSON object {"name": ..., "arguments": {...}}')
-    arguments = payload.get("arguments", {})
+    arguments = payload.get("arguments", payload.get("parameters", {}))
     if not isinstance(arguments, dict):
         raise ToolCallError('"arguments" must be a JSON object')
     by_name = {tool.name: tool for tool in tools}
@@ -85,3 +95,25 @@ def parse_tool_call(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> To
         if not isinstance(value, str):
             raise ToolCallError(f"{spec.name}: argument {key!r} must be a string")
     return ToolCall(spec.name, arguments)
+
+
+def _call_payload(text: str):
+    """The JSON of the first call: inside ``<tool_call>`` tags if any, else the first bare JSON object
+    with a ``name`` (Llama 3 and Mistral write calls without tags)."""
+    match = CALL_PATTERN.search(text)
+    if match is not None:
+        try:
+            return json.loads(match.group(1))
+        except json.JSONDecodeError as err:
+            raise ToolCallError(f"the tool call is not valid JSON: {err.msg} at char {err.pos}") from None
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            payload, _ = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            payload = None
+        if isinstance(payload, dict) and "name" in payload:
+            return payload
+        start = text.find("{", start + 1)
+    raise ToolCallError('no tool call found in the reply: write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')

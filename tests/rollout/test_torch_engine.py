@@ -75,3 +75,30 @@ def test_weight_sync_is_verified_not_assumed(tiny_model_path, hf):
     assert before == hf_greedy(hf, prompt, 24) == still  # a refused update changes nothing
     assert before != target
     assert after.token_ids == target and after.policy_version == 1 and version == 1
+
+
+def test_tied_embeddings_sync_under_both_names(tiny_model_path):
+    """A tied model's weights come as both ``model.embed_tokens.weight`` and ``lm_head.weight``
+    (``gather_full_state_dict``, what WeightSync sends); the engine takes both, one tensor."""
+    from lightning_agentrl.models.tiny import TinyModelConfig, build_tiny_model
+    from lightning_agentrl.strategies import gather_full_state_dict
+
+    tied_path = build_tiny_model(tiny_model_path.parent, TinyModelConfig(hidden_size=64, tie_word_embeddings=True))
+    trained = AutoModelForCausalLM.from_pretrained(tied_path).eval()
+    with torch.no_grad():
+        trained.model.embed_tokens.weight.add_(torch.randn_like(trained.model.embed_tokens.weight) * 0.5)
+    weights = gather_full_state_dict(trained)
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(weights)
+    prompt, greedy = PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=0)
+
+    async def run():
+        engine = TorchEngine(AutoModelForCausalLM.from_pretrained(tied_path), pad_token_id=3)
+        await engine.update_weights(weights.items(), version=1)
+        generation = await engine.generate(prompt, greedy, "x")
+        await engine.close()
+        return engine, generation
+
+    engine, generation = asyncio.run(run())
+    assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(engine.model.lm_head.weight, weights["lm_head.weight"])
+    assert generation.token_ids == hf_greedy(trained, prompt, 16) and generation.policy_version == 1
