@@ -32,6 +32,13 @@ class TerminationReason(StrEnum):
     TIMEOUT = "timeout"
     TOOL_ERROR = "tool_error"
     SANDBOX_ERROR = "sandbox_error"
+    ENGINE_ERROR = "engine_error"  # an inference server died or was unreachable; excluded like sandbox_error
+
+    @property
+    def infrastructure(self) -> bool:
+        """The episode was broken by a service (sandbox or inference server), not ended by the agent:
+        it is excluded from training and from evaluation scores."""
+        return self in (TerminationReason.SANDBOX_ERROR, TerminationReason.ENGINE_ERROR)
 
     @property
     def truncated(self) -> bool:

@@ -50,6 +50,9 @@ class RolloutMetrics(L.Callback):
         if self.service is not None:
             metrics["rollout/in_flight"] = float(self.service.num_in_flight)
             metrics["rollout/dropped_stale_groups"] = float(self.service.buffer.num_dropped_stale)
+            live = getattr(self.service.engine, "num_live_servers", None)  # a server fleet's
+            if live is not None:
+                metrics["rollout/engine_servers_live"] = float(live)
         metrics = reduce_metrics(metrics, sums=lambda key: key.startswith(("termination/", "rollout/", "groups/num")))
         if "rollout/in_flight" in metrics:
             pl_module.log("in_flight", metrics["rollout/in_flight"], prog_bar=True, on_step=True, batch_size=1)

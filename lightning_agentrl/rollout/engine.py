@@ -20,6 +20,13 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class EngineInfraError(RuntimeError):
+    """The generation infrastructure failed for one episode (an inference server died or was
+    unreachable): the episode ends with ``engine_error`` and is excluded from training, as a lost
+    sandbox is. An engine raises it only when other episodes can still be served; when none can,
+    it raises a plain error, which stops the run."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one action."""
