@@ -352,16 +352,17 @@ class Settings(BaseSettings):
 
 def _check_engine(settings: Settings) -> None:
     """The engine settings that only make sense together."""
+    # Compared with the defaults, not `model_fields_set`: a run's settings.yaml (the base of a resume) sets every field.
     e, t = settings.engine, settings.trainer
     if e.kind != "vllm_server":
-        for name in ("urls", "num_servers", "server_start_timeout_s"):
-            if name in e.model_fields_set:
+        for name, value in (("urls", e.urls), ("num_servers", e.num_servers != 1)):
+            if value:
                 raise ValueError(f"engine.{name} applies to engine.kind=vllm_server only (engine.kind is {e.kind!r})")
         return
-    if "num_replicas" in e.model_fields_set:
+    if e.num_replicas != 1:
         raise ValueError("engine.num_replicas applies to engine.kind=vllm; a server fleet's size is engine.urls "
                          "or engine.num_servers")
-    if e.urls and "num_servers" in e.model_fields_set:
+    if e.urls and e.num_servers != 1:
         raise ValueError("engine.num_servers is the number of servers the run starts; with engine.urls the run "
                          "starts none (set one of the two)")
     for url in e.urls:
