@@ -67,3 +67,12 @@ def test_evaluate_command_names_what_it_cannot_read(tmp_path, capsys):
     assert "neither a policy folder" in capsys.readouterr().err
     assert main(["evaluate", str(tmp_path), "--samples", "0"]) == 2
     assert "--samples must be >= 1" in capsys.readouterr().err
+
+
+def test_score_examples_stay_true():
+    import doctest
+
+    from lightning_agentrl.callbacks import evaluation
+
+    result = doctest.testmod(evaluation, raise_on_error=False, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
