@@ -50,6 +50,16 @@ def test_settings_refuse_fleet_options_that_do_not_apply():
         load_settings(None, ["--engine.kind=vllm_server", "--trainer.devices=2"])
 
 
+def test_preflight_names_a_server_url_that_does_not_answer():
+    from sandbox_server.launch import _free_port
+
+    from lightning_agentrl.preflight import PreflightError, check_inference_servers
+
+    url = f"http://127.0.0.1:{_free_port('127.0.0.1')}"  # nothing listens there
+    with pytest.raises(PreflightError, match=f"engine.urls: the vLLM server at {url} does not answer"):
+        check_inference_servers([url], min_model_len=2049, timeout_s=1.0)
+
+
 def test_given_urls_pin_each_episode_to_one_server_and_receive_the_policy_version(tmp_path, tiny_model_path):
     from lightning_agentrl.rollout.vllm_launch import LocalVLLMServers, vllm_serve_args
 
