@@ -51,9 +51,8 @@ def test_settings_refuse_fleet_options_that_do_not_apply():
 
 
 def test_preflight_names_a_server_url_that_does_not_answer():
-    from sandbox_server.launch import _free_port
-
     from lightning_agentrl.preflight import PreflightError, check_inference_servers
+    from sandbox_server.launch import _free_port
 
     url = f"http://127.0.0.1:{_free_port('127.0.0.1')}"  # nothing listens there
     with pytest.raises(PreflightError, match=f"engine.urls: the vLLM server at {url} does not answer"):
