@@ -126,6 +126,7 @@ def test_a_server_killed_mid_run_ends_only_its_episodes_and_the_run_trains_on(tm
         assert killed["url"] in step1.trajectories[i].info["engine_error"]
         assert not step1.include[i]  # excluded from the loss and the baseline, not scored 0 and trained
     trained = [i for i in range(step1.num_episodes) if i not in broken]
+    print(f"step 1: {len(broken)} of {step1.num_episodes} episodes ended with engine_error, {len(trained)} trained")
     assert trained and all(step1.include[i] for i in trained)
     for i in trained:  # the rest ran to its end on the live server, with the new weights
         episode = step1.trajectories[i]
