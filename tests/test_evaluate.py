@@ -76,3 +76,16 @@ def test_score_examples_stay_true():
 
     result = doctest.testmod(evaluation, raise_on_error=False, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.vllm
+def test_evaluate_command_runs_on_the_engine_it_is_given(one_step_run, tmp_path, capsys):
+    pytest.importorskip("vllm")
+    result, _ = one_step_run
+    out = tmp_path / "evaluation"
+    code = main(["evaluate", str(result.run_dir), "--split", "all", "--samples", "2", "--out", str(out), "--json",
+                 "--engine.kind=vllm", "--engine.max_new_tokens=16"])
+    assert code == 0, capsys.readouterr().err
+    scores = json.loads(capsys.readouterr().out)
+    assert scores["engine"] == "vllm" and scores["episodes"] == 2 * 2 and scores["infra_errors"] == 0
+    assert 0.0 <= scores["success"] <= scores["pass_at_k"] <= 1.0
