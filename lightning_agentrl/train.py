@@ -52,6 +52,8 @@ def start_local_servers(settings: Settings, model_path: str, run_dir: Path):
     e = settings.engine
     if e.kind != "vllm_server" or e.urls:
         return None
+    from lightning.pytorch.utilities import rank_zero_info
+
     from lightning_agentrl.plan import on_gpu
     from lightning_agentrl.rollout.vllm_launch import LocalVLLMServers, vllm_serve_args
 
@@ -66,8 +68,6 @@ def start_local_servers(settings: Settings, model_path: str, run_dir: Path):
     )
     servers = LocalVLLMServers(args, num_servers=e.num_servers, log_dir=run_dir / "vllm_servers",
                                startup_timeout_s=e.server_start_timeout_s).start()
-    from lightning.pytorch.utilities import rank_zero_info
-
     rank_zero_info(f"{e.num_servers} vLLM server(s) up in {servers.startup_seconds:.0f} s: {', '.join(servers.urls)}")
     return servers
 
