@@ -86,6 +86,10 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> int:
     except (SettingsError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if scores["infra_errors"] == scores["episodes"]:
+        print(f"error: every one of the {scores['episodes']} episodes was broken by infrastructure (sandbox or "
+              f"inference server); nothing was scored (logs in --out)", file=sys.stderr)
+        return 3
     if args.json:
         print(json.dumps(scores, indent=2))
         return 0

@@ -95,8 +95,9 @@ class LocalVLLMServers:
                 argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.serve_args,
                         "--host", "127.0.0.1", "--port", str(port)]
                 with open(log_path, "ab") as log:  # a file, never a pipe nobody drains
-                    process = subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True,
-                                               preexec_fn=_die_with_parent)
+                    # cwd: `python -m` puts it first on sys.path, where a stray folder can shadow a package
+                    process = subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=self.log_dir,
+                                               start_new_session=True, preexec_fn=_die_with_parent)
                 self.servers.append(LaunchedServer(f"http://127.0.0.1:{port}", process, log_path))
             self._write_manifest()
             self._wait_healthy(started + self.startup_timeout_s)
