@@ -1,4 +1,4 @@
-"""Command line: ``python -m lightning_agentrl {fit,validate,plan,inspect,credit} ...``.
+"""Command line: ``python -m lightning_agentrl {fit,validate,plan,inspect,credit,export,evaluate} ...``.
 
     python -m lightning_agentrl fit --config configs/smoke.yaml [--resume last] [--section.field=value ...]
     python -m lightning_agentrl validate --config configs/smoke.yaml      # settings, inputs, services [--offline]
@@ -6,6 +6,7 @@
     python -m lightning_agentrl inspect runs/smoke                          # a run folder or a .jsonl file
     python -m lightning_agentrl credit runs/smoke                           # advantages of every estimator
     python -m lightning_agentrl export runs/smoke/checkpoints/last.ckpt out/  # a HF model from any checkpoint
+    python -m lightning_agentrl evaluate runs/smoke --split test --samples 4  # success and pass@k of a policy
     python -m lightning_agentrl fit --help                                  # every setting, documented
 """
 
@@ -59,7 +60,46 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, help="a .ckpt file or a DeepSpeed checkpoint folder (e.g. last.ckpt)")
     p.add_argument("out", type=Path, help="the folder to write (config, safetensors, tokenizer)")
     p.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as stored)")
+    p = sub.add_parser(
+        "evaluate",
+        help="success and pass@k of a saved policy on a split of the tasks",
+        description="Play --samples episodes of every task of --split with a saved policy, through the run's engine "
+        "and sandbox service, and print success and pass@k. Overrides: --section.field=value (e.g. --engine.kind=vllm).",
+    )
+    p.add_argument("path", type=Path, help="a run folder (its policy/ and settings) or a policy folder")
+    p.add_argument("--split", choices=["train", "test", "all"], default="test", help="which tasks (default test)")
+    p.add_argument("--samples", type=int, default=4, help="episodes per task: the k of pass@k (default 4)")
+    p.add_argument("--config", type=Path, help="YAML settings for a policy folder (a run folder brings its own)")
+    p.add_argument("--out", type=Path, help="write evaluation.json, trajectories.jsonl and the logs here")
+    p.add_argument("--json", action="store_true", help="print the scores as JSON")
     return parser
+
+
+def _evaluate(args: argparse.Namespace, overrides: list[str]) -> int:
+    import json
+
+    from lightning_agentrl.evaluate import evaluate_policy
+
+    try:
+        scores = evaluate_policy(args.path, split=args.split, samples=args.samples, config=args.config,
+                                 overrides=overrides, out=args.out)
+    except (SettingsError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if scores["infra_errors"] == scores["episodes"]:
+        print(f"error: every one of the {scores['episodes']} episodes was broken by infrastructure (sandbox or "
+              f"inference server); nothing was scored (logs in --out)", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(scores, indent=2))
+        return 0
+    k = scores["samples_per_task"]
+    print(f"{scores['policy']} on {scores['tasks']} {args.split} tasks x {k} samples ({scores['engine']} engine)")
+    print(f"  success     {scores['success']:.3f}")
+    print(f"  pass@{k:<6d} {scores['pass_at_k']:.3f}")
+    print(f"  submitted   {scores['submitted_frac']:.3f}")
+    print(f"  episodes    {scores['episodes']} ({scores['infra_errors']} broken by infrastructure, not scored)")
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -163,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return _inspect(args)
     if args.command == "plan":
         return _plan(args, rest)
+    if args.command == "evaluate":
+        return _evaluate(args, rest)
     if args.help:
         print(f"usage: python -m lightning_agentrl {args.command} [--config FILE] [--resume last] [--section.field=value ...]\n")
         print("Settings (YAML section.field, AGENTRL_SECTION__FIELD, or --section.field=value):")

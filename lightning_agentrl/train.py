@@ -46,8 +46,45 @@ def resolve_model_path(settings: Settings) -> str:
     return str(build_tiny_model(settings.model.cache_dir, config).resolve())
 
 
-def make_engine(settings: Settings, model_path: str, tokenizer):
+def start_local_servers(settings: Settings, model_path: str, run_dir: Path):
+    """``engine.kind: vllm_server`` without ``engine.urls``: start ``engine.num_servers`` servers on
+    loopback (blocks until they answer) and return their handle; otherwise None."""
     e = settings.engine
+    if e.kind != "vllm_server" or e.urls:
+        return None
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from lightning_agentrl.plan import on_gpu
+    from lightning_agentrl.rollout.vllm_launch import LocalVLLMServers, vllm_serve_args
+
+    gpu = on_gpu(settings)
+    args = vllm_serve_args(
+        model_path,
+        dtype=settings.model.dtype,
+        max_model_len=settings.env.max_context_tokens + 1,
+        seed=settings.run.seed,
+        kv_cache_memory_bytes=None if gpu else e.vllm_kv_cache_bytes,
+        gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
+    )
+    servers = LocalVLLMServers(args, num_servers=e.num_servers, log_dir=run_dir / "vllm_servers",
+                               startup_timeout_s=e.server_start_timeout_s).start()
+    rank_zero_info(f"{e.num_servers} vLLM server(s) up in {servers.startup_seconds:.0f} s: {', '.join(servers.urls)}")
+    return servers
+
+
+def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[str] | None = None):
+    """The generation engine ``settings.engine`` describes; ``urls``: the servers of ``vllm_server``
+    (``engine.urls``, or those :func:`start_local_servers` started)."""
+    e = settings.engine
+    if e.kind == "vllm_server":
+        from lightning_agentrl.rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(
+            urls or e.urls,
+            model_path=model_path,
+            weights_dir=Path(settings.run.dir).resolve() / "engine_weights",
+            max_model_len=settings.env.max_context_tokens + 1,
+        )
     if e.kind == "vllm":
         from lightning_agentrl.plan import on_gpu
         from lightning_agentrl.rollout.vllm_engine import VLLMEngine
@@ -235,33 +272,38 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     s = settings.sandbox
     sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
                           call_timeout_s=s.call_timeout_s, log_dir=run_dir)
-    engine = make_engine(settings, model_path, tokenizer)
-    service = build_rollout_service(
-        settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
-    )
-    last = run_dir / "checkpoints" / "last.ckpt"
-    stop = StopOnSignal(last, grace_s=settings.trainer.stop_grace_s,
-                        wake=service.buffer.fail, on_hard_exit=sandbox.close)
-    extra = [*engine_sleep_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
-    trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
-    # Rank 0 alone opens the MLflow store (even constructing the logger touches it): the Trainer
-    # knows the rank only once it exists, so the logger joins it afterwards.
-    logger = build_logger(settings, run_dir) if trainer.is_global_zero else None
-    if trainer.is_global_zero:
-        trainer.logger = logger
-        record_settings(settings, run_dir, logger)
+    servers = start_local_servers(settings, model_path, run_dir)
     try:
-        trainer.fit(
-            AgentRLModule(settings, model_path),
-            datamodule=RolloutDataModule(service),
-            ckpt_path=str(resume_from) if resume_from is not None else None,
+        engine = make_engine(settings, model_path, tokenizer, urls=servers.urls if servers else None)
+        service = build_rollout_service(
+            settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
         )
-    except BaseException as err:
-        stop.raise_if_stopped(err)  # a signal's stop: RunInterrupted, exit status 128 + signal
-        raise
+        last = run_dir / "checkpoints" / "last.ckpt"
+        stop = StopOnSignal(last, grace_s=settings.trainer.stop_grace_s,
+                            wake=service.buffer.fail, on_hard_exit=sandbox.close)
+        extra = [*engine_sleep_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
+        trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
+        # Rank 0 alone opens the MLflow store (even constructing the logger touches it): the Trainer
+        # knows the rank only once it exists, so the logger joins it afterwards.
+        logger = build_logger(settings, run_dir) if trainer.is_global_zero else None
+        if trainer.is_global_zero:
+            trainer.logger = logger
+            record_settings(settings, run_dir, logger)
+        try:
+            trainer.fit(
+                AgentRLModule(settings, model_path),
+                datamodule=RolloutDataModule(service),
+                ckpt_path=str(resume_from) if resume_from is not None else None,
+            )
+        except BaseException as err:
+            stop.raise_if_stopped(err)  # a signal's stop: RunInterrupted, exit status 128 + signal
+            raise
+        finally:
+            service.stop()
+            sandbox.close()
     finally:
-        service.stop()
-        sandbox.close()
+        if servers is not None:
+            servers.stop()
     if trainer.is_global_zero:
         finish_run(trainer, logger, run_dir, tracking_uri(settings, run_dir))
     return FitResult(
@@ -360,11 +402,11 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         TokenCheck,
         WeightSync,
     )
-    from lightning_agentrl.callbacks.compact_filter import TRUNCATIONS
+    from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
     from lightning_agentrl.tasks import load_tasks
 
     r = settings.rollout
-    filtered = ("sandbox_error", *(t.value for t in TRUNCATIONS)) if r.truncation == "filter" else ("sandbox_error",)
+    filtered = (*INFRASTRUCTURE, *TRUNCATIONS) if r.truncation == "filter" else INFRASTRUCTURE
     callbacks = [
         sandbox,  # first: its setup starts the node's sandbox server before anything needs it
         TokenCheck(),

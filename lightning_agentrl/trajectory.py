@@ -35,6 +35,13 @@ class TerminationReason(StrEnum):
     SCORING_TIMEOUT = "scoring_timeout"
     """The agent submitted and the hidden tests ran past the task's scoring time limit: reward 0, decided up
     front (SPEC §4). Not a truncation: the agent finished, so no filter or bootstrap applies."""
+    ENGINE_ERROR = "engine_error"  # an inference server died or was unreachable; excluded like sandbox_error
+
+    @property
+    def infrastructure(self) -> bool:
+        """The episode was broken by a service (sandbox or inference server), not ended by the agent:
+        it is excluded from training and from evaluation scores."""
+        return self in (TerminationReason.SANDBOX_ERROR, TerminationReason.ENGINE_ERROR)
 
     @property
     def truncated(self) -> bool:

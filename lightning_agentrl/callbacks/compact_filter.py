@@ -1,8 +1,8 @@
 """Compact filtering (DeepSWE): drop truncated and broken episodes from the loss.
 
 An excluded episode leaves the group baseline as well as the loss (``batch.include``), and still
-appears in every rollout metric. Sandbox errors are always excluded (SPEC §4: the model is not
-punished for the environment's faults); truncations (max_turns, max_context, timeout) only when
+appears in every rollout metric. Infrastructure errors (``sandbox_error``, ``engine_error``) are
+always excluded (SPEC §4: the model is not punished for the environment's faults); truncations (max_turns, max_context, timeout) only when
 ``reasons`` lists them, i.e. with ``rollout.truncation: filter``.
 """
 
@@ -18,10 +18,11 @@ from lightning_agentrl.distributed import reduce_metrics
 from lightning_agentrl.trajectory import RolloutBatch, TerminationReason
 
 TRUNCATIONS = (TerminationReason.MAX_TURNS, TerminationReason.MAX_CONTEXT, TerminationReason.TIMEOUT)
+INFRASTRUCTURE = tuple(reason for reason in TerminationReason if reason.infrastructure)
 
 
 class CompactFilter(L.Callback):
-    def __init__(self, reasons: tuple[TerminationReason | str, ...] = (TerminationReason.SANDBOX_ERROR,)) -> None:
+    def __init__(self, reasons: tuple[TerminationReason | str, ...] = INFRASTRUCTURE) -> None:
         self.reasons = frozenset(TerminationReason(r) for r in reasons)
         self._total: Counter[str] = Counter()
 

@@ -1,22 +1,23 @@
 """Held-out evaluation: the success rate of the current policy on tasks it never trains on.
 
 Every ``every_n_steps`` optimizer steps (and before the first step, the baseline, and after the
-last) the callback plays ``samples_per_task`` episodes of every held-out task with a copy of the
-current weights, through the same agent loop, environment and sandbox service as training (the
-rollout service's ``make_client``/``make_env``/``codec``/``budget``), and logs ``eval/success``
-(mean final reward) plus the share of episodes that submitted, to the logger at the current step.
-Training rewards can rise by overfitting the training tasks; SPEC §7 asks for held-out success.
+last) the callback plays ``samples_per_task`` episodes of every held-out task through the rollout
+service (:meth:`RolloutService.play_episodes`): the run's own engine (torch, vLLM or a server
+fleet), agent loop, environment and sandbox service, beside the training episodes. It logs
+``eval/success`` (mean final reward), ``eval/pass_at_k`` (k = ``samples_per_task``: the share of
+tasks whose best sample succeeded) and the share of episodes that submitted, to the logger at the
+current step. Training rewards can rise by overfitting the training tasks; SPEC §7 asks for
+held-out success. Episodes broken by infrastructure (``sandbox_error``, ``engine_error``) count
+in ``eval/infra_errors`` and in no score.
 
-The evaluation engine is an in-process :class:`TorchEngine` over a private copy of the policy,
-so it never disturbs the training engine's policy version or its KV cache. Its sampling has its
-own seed per evaluation, so it does not consume the training sampler's random stream.
+The engine serves the weights of the step: after a step whose weights were not synced (the last
+one, or between ``trainer.sync_weights_every``) they are pushed first, as a sync would. Sampling
+has its own seed per evaluation, so it does not consume the training sampler's random stream.
 Resumable: the history of evaluations is part of the checkpoint.
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import time
 from dataclasses import replace
 
@@ -25,6 +26,36 @@ from typing_extensions import override
 
 from lightning_agentrl.strategies import gather_full_state_dict
 from lightning_agentrl.tasks import Task
+from lightning_agentrl.trajectory import TerminationReason, Trajectory
+
+
+def score_episodes(trajectories: list[Trajectory]) -> dict:
+    """Success and pass@k of held-out episodes, k being the samples per task.
+
+    ``success`` is the mean final reward; ``pass_at_k`` the mean over tasks of the best reward among
+    the task's samples (with 0/1 rewards and n = k samples, the unbiased pass@k estimator of Chen et
+    al. 2021 is exactly this), so ``pass_at_k >= success``. Infrastructure failures are left out of
+    both (a task with no other sample is left out of ``pass_at_k``).
+
+    >>> from lightning_agentrl.trajectory import Trajectory as T
+    >>> done = TerminationReason.SUBMITTED
+    >>> s = score_episodes([T(episode_id="a", task_id="x", group_id=0, reward=1.0, termination=done),
+    ...                     T(episode_id="b", task_id="x", group_id=0, reward=0.0, termination=done),
+    ...                     T(episode_id="c", task_id="y", group_id=1, reward=0.0, termination=done)])
+    >>> s["success"], s["pass_at_k"], s["episodes"]
+    (0.3333333333333333, 0.5, 3)
+    """
+    scored = [t for t in trajectories if not (t.termination is not None and t.termination.infrastructure)]
+    best: dict[str, float] = {}
+    for t in scored:
+        best[t.task_id] = max(best.get(t.task_id, 0.0), t.reward)
+    return {
+        "success": sum(t.reward for t in scored) / max(len(scored), 1),
+        "pass_at_k": sum(best.values()) / max(len(best), 1),
+        "submitted_frac": sum(t.termination is TerminationReason.SUBMITTED for t in scored) / max(len(scored), 1),
+        "episodes": len(trajectories),
+        "infra_errors": len(trajectories) - len(scored),
+    }
 
 
 class HeldOutEvaluation(L.Callback):
@@ -36,7 +67,6 @@ class HeldOutEvaluation(L.Callback):
         samples_per_task: int = 4,
         temperature: float | None = None,
         seed: int = 0,
-        max_batch_size: int = 64,
     ) -> None:
         if not tasks:
             raise ValueError("HeldOutEvaluation needs at least one task")
@@ -51,9 +81,7 @@ class HeldOutEvaluation(L.Callback):
         self.samples_per_task = samples_per_task
         self.temperature = temperature  # None: the training temperature
         self.seed = seed
-        self.max_batch_size = max_batch_size
         self.history: list[dict] = []  # one entry per evaluation, in step order
-        self._model = None
 
     # -- when --------------------------------------------------------------------------------
     def _evaluated(self, step: int) -> bool:
@@ -77,71 +105,29 @@ class HeldOutEvaluation(L.Callback):
     # -- how ---------------------------------------------------------------------------------
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         """Play the held-out episodes with the current weights; log and record the result."""
-        weights = gather_full_state_dict(pl_module.policy)  # a collective under ZeRO-3: every rank
+        datamodule = trainer.datamodule
+        datamodule.ensure_started()  # the baseline comes before the first batch starts the service
+        service, step = datamodule.service, trainer.global_step
+        if service.engine_version < step:  # every rank: its own service; a collective under ZeRO-3
+            service.update_weights(gather_full_state_dict(pl_module.policy).items(), version=step)
         if not trainer.is_global_zero:
             # Every rank records that step ``step`` was evaluated: under ZeRO each rank resumes from
             # its own callback state, and a rank that would evaluate again alone would wait forever
-            # in the gather above.
-            self.history.append({"step": trainer.global_step})
+            # in the collectives above.
+            self.history.append({"step": step})
             return {}
-        if self._model is None:
-            self._model = _private_copy(pl_module.policy).eval()
-        self._model.load_state_dict(weights)
-        service = trainer.datamodule.service
-        step = trainer.global_step
-        rewards, submitted = asyncio.run(self._play(service, step))
-        entry = {
-            "step": step,
-            "success": sum(rewards) / len(rewards),
-            "submitted_frac": sum(submitted) / len(submitted),
-            "episodes": len(rewards),
-            "time": time.time(),  # wall clock when the evaluation finished (success against time)
-        }
-        self.history.append(entry)
-        if trainer.logger is not None:
-            trainer.logger.log_metrics(
-                {"eval/success": entry["success"], "eval/submitted_frac": entry["submitted_frac"]}, step=step
-            )
-        return entry
-
-    async def _play(self, service, step: int) -> tuple[list[float], list[bool]]:
-        from lightning_agentrl.rollout.agent_loop import run_episode
-        from lightning_agentrl.rollout.engine import TorchEngine
-        from lightning_agentrl.trajectory import TerminationReason
-
-        tokenizer = service.codec.tokenizer
-        engine = TorchEngine(
-            self._model,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            max_batch_size=self.max_batch_size,
-            policy_version=step,
-        )
         temperature = service.sampling.temperature if self.temperature is None else self.temperature
         sampling = replace(service.sampling, temperature=temperature, seed=self.seed * 1_000_003 + step)
-        client = service.make_client()
-        try:
-            episodes = [
-                run_episode(
-                    engine=engine,
-                    env=service.make_env(client, task),
-                    codec=service.codec,
-                    sampling=sampling,
-                    budget=service.budget,
-                    episode_id=f"eval{step}-{task.id}-{i}",
-                    task_id=task.id,
-                    group_id=index,
-                )
-                for index, task in enumerate(self.tasks)
-                for i in range(self.samples_per_task)
-            ]
-            trajectories = await asyncio.gather(*episodes)
-        finally:
-            await client.close()
-            await engine.close()
-        return (
-            [t.reward for t in trajectories],
-            [t.termination is TerminationReason.SUBMITTED for t in trajectories],
+        trajectories = service.play_episodes(
+            self.tasks, samples_per_task=self.samples_per_task, sampling=sampling, tag=f"eval{step}"
         )
+        entry = {"step": step, **score_episodes(trajectories), "policy_version": service.engine_version,
+                 "time": time.time()}  # wall clock when the evaluation finished (success against time)
+        self.history.append(entry)
+        if trainer.logger is not None:
+            keys = ("success", "pass_at_k", "submitted_frac", "infra_errors")
+            trainer.logger.log_metrics({f"eval/{key}": float(entry[key]) for key in keys}, step=step)
+        return entry
 
     # -- resume ------------------------------------------------------------------------------
     @override
@@ -152,13 +138,3 @@ class HeldOutEvaluation(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = [dict(entry) for entry in state_dict["history"]]
 
-
-def _private_copy(policy):
-    """A model of the policy's architecture that evaluation owns. Under ZeRO-3 the policy's
-    parameters are partitioned stubs, so a deep copy would copy stubs: build it from the config
-    (full size, on the CPU) instead; the gathered weights are loaded into it afterwards."""
-    if not any(hasattr(p, "ds_id") for p in policy.parameters()):
-        return copy.deepcopy(policy)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(policy.config, dtype=policy.dtype)

@@ -51,6 +51,9 @@ class RolloutMetrics(L.Callback):
         if self.service is not None:
             metrics["rollout/in_flight"] = float(self.service.num_in_flight)
             metrics.update(self._service_counters())
+            live = getattr(self.service.engine, "num_live_servers", None)  # a server fleet's
+            if live is not None:
+                metrics["rollout/engine_servers_live"] = float(live)
         metrics = reduce_metrics(metrics, sums=lambda key: key.startswith(("termination/", "rollout/", "groups/num")))
         if "rollout/in_flight" in metrics:
             pl_module.log("in_flight", metrics["rollout/in_flight"], prog_bar=True, on_step=True, batch_size=1)

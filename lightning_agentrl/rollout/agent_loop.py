@@ -15,6 +15,8 @@ timeout          a generation past ``generation_timeout_s``, a tool command past
                  tool timeout, or the episode past ``episode_timeout_s`` (``info["timeout"]`` says which)
 tool_error       ``max_tool_errors`` consecutive actions that the environment rejected
 sandbox_error    the sandbox service failed (lost sandbox, server unreachable); excluded from training
+engine_error     the engine's inference server for this episode died or was unreachable
+                 (:class:`~lightning_agentrl.rollout.engine.EngineInfraError`); excluded from training
 scoring_timeout  the agent submitted, and the hidden tests ran past the scoring time limit: reward 0
 ===============  =================================================================================
 
@@ -45,7 +47,7 @@ from dataclasses import dataclass, field, replace
 
 from lightning_agentrl.envs.base import Environment
 from lightning_agentrl.rollout.chat import ChatCodec
-from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
+from lightning_agentrl.rollout.engine import EngineInfraError, GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
 from lightning_agentrl.trajectory import RolloutBatch, Segment, TerminationReason, Trajectory, Turn
 
@@ -336,6 +338,9 @@ async def play_episode(
     except SandboxInfraError as err:
         termination = TerminationReason.SANDBOX_ERROR
         trajectory.info["sandbox_error"] = f"{type(err).__name__}: {err}"
+    except EngineInfraError as err:
+        termination = TerminationReason.ENGINE_ERROR
+        trajectory.info["engine_error"] = f"{type(err).__name__}: {err}"
     finally:
         if not parked:
             await env.close()

@@ -29,6 +29,13 @@ VLLM_LOGPROBS_MODE = "processed_logprobs"
 """vLLM's name for the log-prob rule (its ``logprobs_mode``): log-probs after temperature, top-k and top-p."""
 
 
+class EngineInfraError(RuntimeError):
+    """The generation infrastructure failed for one episode (an inference server died or was
+    unreachable): the episode ends with ``engine_error`` and is excluded from training, as a lost
+    sandbox is. An engine raises it only when other episodes can still be served; when none can,
+    it raises a plain error, which stops the run."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one action."""

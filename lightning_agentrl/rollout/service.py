@@ -44,6 +44,7 @@ from lightning_agentrl.rollout.agent_loop import (
     ParkedEpisode,
     play_episode,
     restore_env_state,
+    run_episode,
 )
 from lightning_agentrl.rollout.buffer import RolloutBuffer, RolloutServiceError
 from lightning_agentrl.rollout.chat import ChatCodec
@@ -393,6 +394,39 @@ class RolloutService:
             progress.parked[index] = parked
             self.num_parks += 1
             await self._notify()
+
+    # -- held-out evaluation -------------------------------------------------------------------
+    def play_episodes(
+        self, tasks: list[Task], *, samples_per_task: int, sampling: SamplingParams, tag: str
+    ) -> list[Trajectory]:
+        """Play ``samples_per_task`` episodes of each of ``tasks``, not for training, on the service's
+        loop beside the training episodes, with its engine, codec, budget and sandbox service; block
+        until they end. Episode ids are ``<tag>-<task id>-<sample>``; group ids the task's index."""
+        assert self._loop is not None and self._thread is not None, "start() first"
+        coroutine = self.play_episodes_async(tasks, samples_per_task=samples_per_task, sampling=sampling, tag=tag)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def play_episodes_async(
+        self, tasks: list[Task], *, samples_per_task: int, sampling: SamplingParams, tag: str
+    ) -> list[Trajectory]:
+        """:meth:`play_episodes` in the caller's event loop (one the engine lives in), e.g. for
+        ``python -m lightning_agentrl evaluate``, which never starts the training loop."""
+        slots = asyncio.Semaphore(self.plan.max_in_flight)
+        client = self.make_client()
+
+        async def play(index: int, task: Task, sample: int) -> Trajectory:
+            async with slots:
+                return await run_episode(
+                    engine=self.engine, env=self.make_env(client, task), codec=self.codec, sampling=sampling,
+                    budget=self.budget, episode_id=f"{tag}-{task.id}-{sample}", task_id=task.id, group_id=index,
+                )
+
+        try:
+            return await asyncio.gather(
+                *(play(index, task, sample) for index, task in enumerate(tasks) for sample in range(samples_per_task))
+            )
+        finally:
+            await client.close()
 
     # -- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -173,6 +173,21 @@ def eos_token_ids(model_path: str | Path) -> set[int]:
     return ids
 
 
+def vllm_sampling_fields(sampling: SamplingParams, *, max_tokens: int) -> dict[str, Any]:
+    """Our ``SamplingParams`` as vLLM's sampling fields, the same for ``AsyncLLM`` and for a
+    server's ``/v1/completions`` request body, so both engines sample alike."""
+    return {
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,  # 0 disables top-k in both
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": True,  # stop ids are the caller's to choose, as in every engine
+        "seed": sampling.seed,
+        "logprobs": 0,  # the sampled token's logprob only
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Sticky routing (pure)
 
@@ -189,7 +204,9 @@ class StickyRouter:
 
     Load is the number of requests in flight (ties: fewest pinned sessions, then lowest index).
     Pins are kept for the ``max_sessions`` most recently seen sessions; an evicted session is
-    placed again on its next request (it loses its prefix cache, nothing else).
+    placed again on its next request (it loses its prefix cache, nothing else). A replica marked
+    dead (:meth:`mark_dead`) gets no new session; its pinned sessions stay pinned to it, so that
+    the engine can end them (their prefix is gone with it).
 
     >>> router = StickyRouter(2)
     >>> a, b = router.acquire("s0"), router.acquire("s1")
@@ -203,6 +220,7 @@ class StickyRouter:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.loads = [ReplicaLoad() for _ in range(num_replicas)]
+        self.dead: set[int] = set()
         self._pins: OrderedDict[str, int] = OrderedDict()
         self._max_sessions = max_sessions
 
@@ -210,9 +228,10 @@ class StickyRouter:
         """Replica for the next request of ``session_id``; counts the request as in flight."""
         replica = self._pins.get(session_id)
         if replica is None:
-            replica = min(
-                range(len(self.loads)), key=lambda i: (self.loads[i].in_flight, self.loads[i].sessions, i)
-            )
+            live = [i for i in range(len(self.loads)) if i not in self.dead]
+            if not live:
+                raise RuntimeError("every replica is dead")
+            replica = min(live, key=lambda i: (self.loads[i].in_flight, self.loads[i].sessions, i))
             self._pins[session_id] = replica
             self.loads[replica].sessions += 1
             if len(self._pins) > self._max_sessions:
@@ -231,6 +250,16 @@ class StickyRouter:
 
     def replica_of(self, session_id: str) -> int | None:
         return self._pins.get(session_id)
+
+    def mark_dead(self, replica: int) -> None:
+        """Place no new session on ``replica``."""
+        self.dead.add(replica)
+
+    def unpin(self, session_id: str) -> None:
+        """Forget where ``session_id`` was placed (it is placed again on its next request)."""
+        replica = self._pins.pop(session_id, None)
+        if replica is not None:
+            self.loads[replica].sessions -= 1
 
     def stats(self) -> dict[str, list[int]]:
         return {
@@ -429,14 +458,7 @@ class VLLMEngine:
                 "no room for a new token"
             )
         return VLLMSamplingParams(
-            max_tokens=min(sampling.max_new_tokens, room),
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,  # 0 disables top-k in both
-            stop_token_ids=list(sampling.stop_token_ids),
-            ignore_eos=True,  # stop ids are the caller's to choose, as in every engine
-            seed=sampling.seed,
-            logprobs=0,  # the sampled token's logprob only
+            **vllm_sampling_fields(sampling, max_tokens=min(sampling.max_new_tokens, room)),
             detokenize=False,  # ids in, ids out: text is never on the trained path
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

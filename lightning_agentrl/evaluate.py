@@ -1,0 +1,122 @@
+"""``python -m lightning_agentrl evaluate <run dir | policy dir> --split test --samples k``.
+
+Success and pass@k of a saved policy (a run's ``policy/`` folder, or any folder ``export`` or
+``fit`` wrote) on a split of the task suite, ``k`` episodes per task, with the same engines and the
+same agent loop, environment and sandbox service as training (``--engine.kind``, ``--engine.*``).
+
+Settings: a run folder brings the settings it last ran with (tasks, budgets, engine, sampling);
+a policy folder the defaults or ``--config``; ``--section.field=value`` overrides either. The
+policy's weights are what the engine serves: the torch and in-process vLLM engines load the
+folder, local servers (``engine.kind=vllm_server`` without ``engine.urls``) serve it, and servers
+given by ``engine.urls`` reload it (through ``<out>/engine_weights``, which they must see).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from lightning_agentrl.settings import Settings, SettingsError, load_settings
+
+
+def resolve_policy(path: str | Path) -> tuple[Path, Path | None]:
+    """``(policy folder, settings file or None)`` of a run folder or a policy folder."""
+    from lightning_agentrl.train import last_settings_file
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path.resolve(), None
+    settings_file = last_settings_file(path)
+    if settings_file is None:
+        raise SettingsError(f"{path} is neither a policy folder (config.json) nor a run folder (settings.yaml)")
+    if not (path / "policy" / "config.json").exists():
+        raise SettingsError(f"the run in {path} has no policy/ yet (it ends with one); write one from a checkpoint "
+                            f"with `python -m lightning_agentrl export {path}/checkpoints/last.ckpt OUT`")
+    return (path / "policy").resolve(), settings_file
+
+
+def evaluation_settings(path: str | Path, *, split: str, samples: int, config: Path | None,
+                        overrides: list[str], out: Path) -> tuple[Path, Settings]:
+    policy, run_settings = resolve_policy(path)
+    if config is not None and run_settings is not None:
+        raise SettingsError("--config applies to a policy folder; a run folder brings its own settings")
+    settings = load_settings(config or run_settings, [
+        *overrides, f"--model.path={policy}", f"--eval.split={split}", f"--eval.samples_per_task={samples}",
+        f"--run.dir={out}", "--run.resume=never",
+    ])
+    return policy, settings
+
+
+def evaluate_policy(path: str | Path, *, split: str = "test", samples: int = 4, config: Path | None = None,
+                    overrides: list[str] = (), out: str | Path | None = None) -> dict:
+    """Play ``samples`` episodes of every ``split`` task with the policy at ``path``; return the scores
+    (:func:`~lightning_agentrl.callbacks.evaluation.score_episodes`). With ``out``, the scores go to
+    ``<out>/evaluation.json`` and the episodes to ``<out>/trajectories.jsonl`` (with the sandbox and
+    server logs); without, a temporary folder holds the logs."""
+    if samples < 1:
+        raise SettingsError(f"--samples must be >= 1, got {samples}")
+    with tempfile.TemporaryDirectory(prefix="agentrl-evaluate-") as scratch:
+        folder = Path(out) if out is not None else Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        policy, settings = evaluation_settings(path, split=split, samples=samples, config=config,
+                                               overrides=list(overrides), out=folder.resolve())
+        scores, trajectories = _run(policy, settings, folder)
+        if out is not None:
+            from lightning_agentrl.trajectory import save_trajectories
+
+            (folder / "evaluation.json").write_text(json.dumps(scores, indent=2))
+            save_trajectories(trajectories, folder / "trajectories.jsonl")
+        return scores
+
+
+def _run(policy: Path, settings: Settings, folder: Path):
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.callbacks.evaluation import score_episodes
+    from lightning_agentrl.distributed import NodeSandbox
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.tasks import load_tasks
+    from lightning_agentrl.train import build_rollout_service, make_engine, start_local_servers
+
+    split = None if settings.eval.split == "all" else settings.eval.split
+    tasks = load_tasks(settings.env.tasks, split=split)
+    if not tasks:
+        raise SettingsError(f"--split: no {settings.eval.split} tasks in {settings.env.tasks}")
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    s = settings.sandbox
+    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries, log_dir=folder)
+    servers = None
+    try:
+        if s.url is None:
+            sandbox.start()
+        servers = start_local_servers(settings, str(policy), folder)
+        engine = make_engine(settings, str(policy), tokenizer, urls=servers.urls if servers else None)
+        service = build_rollout_service(settings, engine, sandbox, ChatCodec(tokenizer), tasks)
+        temperature = settings.engine.temperature if settings.eval.temperature is None else settings.eval.temperature
+        sampling = replace(service.sampling, temperature=temperature)
+        push = settings.engine.kind == "vllm_server" and bool(settings.engine.urls)  # remote servers: load the policy
+        trajectories = asyncio.run(_play(service, tasks, settings.eval.samples_per_task, sampling, policy if push else None))
+    finally:
+        if servers is not None:
+            servers.stop()
+        sandbox.close()
+    return {**score_episodes(trajectories), "tasks": len(tasks), "samples_per_task": settings.eval.samples_per_task,
+            "engine": settings.engine.kind, "policy": str(policy)}, trajectories
+
+
+async def _play(service, tasks, samples: int, sampling, push_weights_from: Path | None):
+    engine = service.engine
+    try:
+        if push_weights_from is not None:
+            from safetensors.torch import load_file
+
+            weights = {}
+            for file in sorted(push_weights_from.glob("*.safetensors")):
+                weights.update(load_file(str(file)))
+            await engine.update_weights(weights.items(), version=engine.policy_version)
+        return await service.play_episodes_async(tasks, samples_per_task=samples, sampling=sampling, tag="evaluate")
+    finally:
+        await engine.close()
