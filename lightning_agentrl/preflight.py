@@ -300,6 +300,8 @@ def check_inference_servers(urls: list[str], *, min_model_len: int, timeout_s: f
     sync needs them) and serves prompts as long as ``env.max_context_tokens`` + 1."""
     import httpx
 
+    if not urls:
+        return
     check_health("engine.urls", urls, timeout_s=timeout_s)  # every server at once: a dead fleet costs one deadline
     for url in urls:
         base = url.rstrip("/")
