@@ -194,7 +194,10 @@ async def _snapshot(client: SandboxClient, agent_sandbox_id: str, task_files: di
             no_fork = exc.status in (404, 405, 501) and exc.code != "sandbox_not_found"
             if snapshot == "fork" or not no_fork:
                 return None, [f"fork of the agent's sandbox refused: {exc}"], "fork"
-    changed = await _changed_files(client, agent_sandbox_id, task_files)
+    try:
+        changed = await _changed_files(client, agent_sandbox_id, task_files)
+    except SandboxRequestError as exc:  # too many files or too deep a tree to list: the agent's doing
+        return None, [f"the agent's files could not be listed for a fresh sandbox: {exc}"], "fresh"
     try:
         return await client.create({**task_files, **changed}), sorted(changed), "fresh"
     except SandboxRequestError as exc:  # the agent's files do not fit a sandbox (over the disk quota, too big)
