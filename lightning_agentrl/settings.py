@@ -425,6 +425,14 @@ class Settings(BaseSettings):
             )
         if a.gigpo_similarity is not None and a.advantage != "gigpo":
             raise ValueError("algorithm.gigpo_similarity applies to algorithm.advantage=gigpo only")
+        # compared with the default, not model_fields_set: a run's settings.yaml sets every field
+        if not r.dynamic_sampling and r.max_sampling_rounds != type(r).model_fields["max_sampling_rounds"].default:
+            raise ValueError("rollout.max_sampling_rounds applies to rollout.dynamic_sampling=true only")
+        if t.mini_batches > 1 and t.devices == "auto":
+            raise ValueError(
+                "trainer.mini_batches > 1 needs trainer.devices as a number: with auto the groups each process "
+                "trains on, which the mini-batches divide, are unknown until the run starts"
+            )
 
 
 def _check_engine(settings: Settings) -> None:

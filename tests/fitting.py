@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from lightning_agentrl.algorithms.logprobs import sampling_logits
 from lightning_agentrl.rollout.engine import Generation
 from lightning_agentrl.settings import load_settings
 from lightning_agentrl.train import fit
@@ -61,9 +62,11 @@ class TeacherForcedEngine:
         model = self.engine.model
         with torch.no_grad():
             logits = model(torch.tensor([list(prompt_ids) + ids], device=model.device)).logits[0].float()
-        temperature = max(sampling.temperature, 1e-6)
-        logprobs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / temperature, dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(ids, device=logits.device)[:, None]).squeeze(1)
+        chosen_ids = torch.tensor(ids, device=logits.device)
+        # the engines' log-prob rule: logits / T within the top-k and top-p nucleus, renormalized
+        filtered = sampling_logits(logits[len(prompt_ids) - 1 : -1], max(sampling.temperature, 1e-6),
+                                   sampling.top_p, sampling.top_k, keep_ids=chosen_ids)
+        chosen = torch.log_softmax(filtered, dim=-1).gather(1, chosen_ids[:, None]).squeeze(1)
         reason = "stop" if ids[-1] == self.codec.eos_token_id else "length"
         return Generation(ids, chosen.tolist(), reason, version)
 

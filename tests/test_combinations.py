@@ -7,7 +7,7 @@ The covering set ``ROWS`` was built by :func:`covering_rows`, a small greedy alg
 draw random complete rows, keep the one that covers most uncovered pairs. A row is valid when
 ``load_settings`` accepts it, so the constraints are the validation's own. The tests check that
 the fixed table still covers every pair that some valid row can hold, and that each pair it leaves
-out is refused by the validation (or deferred, below). The table is printed with ``-s``.
+out is refused by the validation. The table is printed with ``-s``.
 
 Each row runs in its own process, forked from a server that imported torch, Lightning and
 transformers once (a timeout that escalates from SIGTERM to SIGKILL), with tiny shapes and one
@@ -15,11 +15,11 @@ torch thread, two rows at a time; episode 0 of each group solves its task so gro
 variance. Each row asserts progress (2 steps), the token check (every action span checked),
 finite losses and the metrics its path must log.
 
-Not yet combined, until the rollout service's fixes land: rows with partial rollouts run one group
-per step (partial rollouts deadlock with ``groups_per_step >= 2``), so they never meet
-``mini_batches=2``; and partial rollouts never meet ``sync_weights_every=2`` (a parked episode waits
-for a weights push that comes only every other step, and the run makes no step: it hung at step 1
-in this matrix).
+Every row runs two groups per step. The last row was added by hand after the greedy table: it
+joins partial rollouts with ``mini_batches=2`` and ``sync_weights_every=2``, pairs the table once
+left out while partial rollouts deadlocked with several groups per step (fixed in the rollout
+service). Not factors yet: ``rollout.dynamic_sampling``, ``algorithm.gigpo_similarity`` and
+``engine.top_p < 1`` (each has its own fit-level test).
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ REFUSED = [
     ({"algorithm.gigpo_similarity": 0.5, "algorithm.advantage": "grpo"},
      "algorithm.gigpo_similarity applies to algorithm.advantage=gigpo only"),
     ({"algorithm.gigpo_similarity": 1.0, "algorithm.advantage": "gigpo"}, "gigpo_similarity"),
+    ({"rollout.max_sampling_rounds": 2}, "rollout.max_sampling_rounds applies to rollout.dynamic_sampling=true"),
+    ({"trainer.mini_batches": 2, "trainer.devices": "auto"}, "trainer.mini_batches > 1 needs trainer.devices as a number"),
 ]
 
 
@@ -87,8 +89,7 @@ def overrides(row: dict) -> list[str]:
     out = []
     for key, value in row.items():
         out.append(f"--{key}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}")
-    # partial rollouts: one group per step until the rollout service's deadlock with several is fixed
-    out.append(f"--rollout.groups_per_step={1 if row.get('rollout.partial_rollout_s') is not None else 2}")
+    out.append("--rollout.groups_per_step=2")
     return out
 
 
@@ -107,9 +108,6 @@ def is_valid(row: dict) -> bool:
 
 
 def _validates(row: dict) -> bool:
-    if row["rollout.partial_rollout_s"] is not None and (row["trainer.mini_batches"] > 1
-                                                         or row["trainer.sync_weights_every"] > 1):
-        return False  # deferred until the rollout service's fixes (module docstring)
     try:
         load_settings(overrides=overrides(row))
     except SettingsError:
@@ -171,6 +169,7 @@ ROWS = [dict(zip(FACTORS, row, strict=True)) for row in [
     ('rloo', 'seq-mean-token-mean', 'filter', 1, 0.0, 'policy', True, 0.0, 0.5, 'inverse', 1, 1, 1, False, 'sample', 'k1', 'torch'),
     ('gae', 'token-mean', 'bootstrap', 1, None, 'policy', True, 0.1, 1.0, 'exp', 1, 1, 2, False, 'none', 'k3', 'torch'),
     ('gae', 'token-mean', 'bootstrap', 1, 0.0, 'none', True, 0.1, 0.5, 'inverse', 1, 2, 1, False, 'sample', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-sum', 'filter', 1, 0.0, 'policy', False, 0.0, 1.0, 'exp', 2, 2, 2, True, 'sample', 'k1', 'torch'),
 ]]
 
 
@@ -190,12 +189,11 @@ def test_print_the_covering_table():
     print("pairs left out:", sorted(all_pairs() - covered_pairs(ROWS), key=repr))
 
 
-def test_every_row_validates_and_every_pair_left_out_is_refused_or_deferred():
+def test_every_row_validates_and_every_pair_left_out_is_refused():
     assert all(is_valid(row) for row in ROWS)
     for (a, va), (b, vb) in all_pairs() - covered_pairs(ROWS):
         pair = {a: va, b: vb}
-        deferred = a == "rollout.partial_rollout_s" and b in ("trainer.mini_batches", "trainer.sync_weights_every")
-        assert deferred or _refused_on_its_own(pair), pair
+        assert _refused_on_its_own(pair), pair
 
 
 def _refused_on_its_own(pair: dict) -> bool:

@@ -39,7 +39,8 @@ class Environment(Protocol):
     @property
     def state_text(self) -> str:
         """The same observable state as text, for ``algorithm.gigpo_similarity``: two states whose
-        texts are similar enough share an anchor group. Equal texts must have equal ``state_key``s."""
+        texts are similar enough share an anchor group. Equal states must give equal texts; keep it short
+        (the similarity costs the product of two lengths), cutting what matters least."""
         ...
 
     async def close(self) -> None: ...

@@ -73,9 +73,12 @@ class CodingEnv:
 
     @property
     def state_text(self) -> str:
-        # at most STATE_TEXT_CHARS: GiGPO's similarity (an LCS) costs the product of two lengths
+        # at most STATE_TEXT_CHARS: GiGPO's similarity (an LCS) costs the product of two lengths. The
+        # files and the observation get half each, so a long observation never hides the files (a
+        # difference early in files longer than that still can: similar, not equal, keys differ)
+        half = STATE_TEXT_CHARS // 2
         files = "".join(f"[file {path}]\n{content}\n" for path, content in sorted(self._written.items()))
-        return f"{files}[last observation]\n{self._last_observation}"[-STATE_TEXT_CHARS:]
+        return f"{files[-half:]}[last observation]\n{self._last_observation[-half:]}"
 
     def _clip(self, text: str) -> str:
         if len(text) <= self.max_observation_chars:
