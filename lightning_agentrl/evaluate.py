@@ -77,9 +77,8 @@ def _run(policy: Path, settings: Settings, folder: Path):
 
     from lightning_agentrl.callbacks.evaluation import score_episodes
     from lightning_agentrl.distributed import NodeSandbox
-    from lightning_agentrl.rollout.chat import ChatCodec
     from lightning_agentrl.tasks import load_tasks
-    from lightning_agentrl.train import build_rollout_service, make_engine, start_local_servers
+    from lightning_agentrl.train import build_rollout_service, chat_codec, make_engine, start_local_servers
 
     split = None if settings.eval.split == "all" else settings.eval.split
     tasks = load_tasks(settings.env.tasks, split=split)
@@ -94,7 +93,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
             sandbox.start()
         servers = start_local_servers(settings, str(policy), folder)
         engine = make_engine(settings, str(policy), tokenizer, urls=servers.urls if servers else None)
-        service = build_rollout_service(settings, engine, sandbox, ChatCodec(tokenizer), tasks)
+        service = build_rollout_service(settings, engine, sandbox, chat_codec(settings, tokenizer), tasks)
         temperature = settings.engine.temperature if settings.eval.temperature is None else settings.eval.temperature
         sampling = replace(service.sampling, temperature=temperature)
         push = settings.engine.kind == "vllm_server" and bool(settings.engine.urls)  # remote servers: load the policy

@@ -106,6 +106,12 @@ def model_folder_problem(folder: Path, *, safetensors: bool = False) -> str | No
     sharded index whose every shard is present."""
     if not (folder / "config.json").is_file():
         return "has no config.json; is it a Hugging Face model folder?"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        return f"has a config.json that is not JSON ({type(err).__name__}: {err})"
+    if not isinstance(config, dict) or "model_type" not in config:
+        return "has a config.json without a model_type; is it a Hugging Face model folder?"
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return f"has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save one beside the weights (tokenizer.save_pretrained)"
     for index in _WEIGHT_INDEXES:
@@ -136,7 +142,12 @@ def check_chat_template(settings: Settings) -> None:
     from lightning_agentrl.train import chat_codec
 
     try:
-        chat_codec(settings, AutoTokenizer.from_pretrained(folder))
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as err:  # transformers raises OSError, ValueError, ... for a folder it cannot read
+        raise PreflightError(f"model.path: the tokenizer in {folder} does not load: {type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}") from None
+    try:
+        chat_codec(settings, tokenizer)
     except SettingsError as err:
         raise PreflightError(str(err)) from None
 

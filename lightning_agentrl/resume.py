@@ -21,6 +21,7 @@ Intact means, without loading a tensor (a check must not cost a second copy of t
 from __future__ import annotations
 
 import io
+import os
 import pickletools
 import re
 import warnings
@@ -55,13 +56,15 @@ def checkpoint_candidates(checkpoint_dir: Path) -> list[Path]:
     last = checkpoint_dir / "last.ckpt"
     steps = [p for p in checkpoint_dir.glob("step_*.ckpt") if _STEP.search(p.name)]
     steps.sort(key=lambda p: int(_STEP.search(p.name).group(1)), reverse=True)
-    return ([last] if last.exists() else []) + steps
+    return ([last] if os.path.lexists(last) else []) + steps  # a dangling link is reported, not skipped
 
 
 def checkpoint_problem(path: Path) -> str | None:
     """What makes ``path`` unusable (a file or a DeepSpeed folder), or None if it is intact."""
     if path.is_dir():
         return _deepspeed_problem(path)
+    if not path.is_file():  # a FIFO would block the reader forever; a dangling link names nothing
+        return "not a regular file (a FIFO, a socket, a dangling link?)"
     return _zip_problem(path)
 
 

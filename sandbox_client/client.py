@@ -130,9 +130,23 @@ class SandboxClient:
             raise _classify(response, method, path)
         return response
 
+    async def _answer(self, method: str, path: str, *keys: str, ok: int = 200, **kwargs: Any) -> dict:
+        """The JSON object of a successful call, holding ``keys``; a body that is not one is the
+        service's fault (:class:`SandboxInfraError`), never the agent's and never a raw decode error."""
+        response = await self._call(method, path, ok=ok, **kwargs)
+        try:
+            data = response.json()
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            data = None
+        if not isinstance(data, dict) or any(key not in data for key in keys):
+            raise SandboxInfraError(f"{method} {path} -> {response.status_code}: an answer that is not the "
+                                    f"protocol's (a JSON object with {', '.join(keys) or 'fields'}): "
+                                    f"{response.text[:200]!r}")
+        return data
+
     # ---- protocol ---------------------------------------------------------------------------------
     async def health(self) -> dict:
-        return (await self._call("GET", "/v1/health")).json()
+        return await self._answer("GET", "/v1/health")
 
     async def create(self, files: dict[str, str | bytes], *, ttl_s: float | None = None,
                      network: bool = False) -> str:
@@ -147,7 +161,7 @@ class SandboxClient:
                 raise TypeError(f"files[{path!r}] must be str or bytes, got {type(content).__name__}")
         body = {"files": text, "binary_files": binary, "ttl_s": ttl_s, "network": network,
                 "idempotency_key": uuid.uuid4().hex}
-        return (await self._call("POST", "/v1/sandboxes", ok=201, json=body)).json()["id"]
+        return (await self._answer("POST", "/v1/sandboxes", "id", ok=201, json=body))["id"]
 
     async def exec(self, sandbox_id: str, command: str | list[str], *, stdin: str | None = None,
                    timeout_s: float = 30.0, env: dict | None = None,
@@ -161,20 +175,24 @@ class SandboxClient:
         if peer_command is not None:
             body["peer_command"] = peer_command
         # Both deadlines cover the command's own timeout plus the usual request budget.
-        response = await self._call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, extra_s=timeout_s)
-        result = ExecResult.from_json(response.json())
+        data = await self._answer("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, extra_s=timeout_s)
+        try:
+            result = ExecResult.from_json(data)
+        except (KeyError, TypeError, ValueError) as err:
+            raise SandboxInfraError(f"POST /v1/sandboxes/{sandbox_id}/exec: an answer that is not an exec result "
+                                    f"({type(err).__name__}: {err})") from None
         if result.timed_out:
             raise CommandTimeout(f"command timed out after {timeout_s} s and was killed", result)
         return result
 
     async def read_bytes(self, sandbox_id: str, path: str) -> bytes:
-        data = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}/file", params={"path": path})).json()
+        data = await self._answer("GET", f"/v1/sandboxes/{sandbox_id}/file", "encoding", "content", params={"path": path})
         if data["encoding"] == "base64":
             return base64.b64decode(data["content"])
         return data["content"].encode()
 
     async def read_file(self, sandbox_id: str, path: str) -> str:
-        data = (await self._call("GET", f"/v1/sandboxes/{sandbox_id}/file", params={"path": path})).json()
+        data = await self._answer("GET", f"/v1/sandboxes/{sandbox_id}/file", "encoding", "content", params={"path": path})
         if data["encoding"] != "utf-8":
             raise SandboxRequestError(f"{path!r} is not UTF-8 text (use read_bytes)", code="not_text")
         return data["content"]
@@ -187,11 +205,11 @@ class SandboxClient:
         await self._call("PUT", f"/v1/sandboxes/{sandbox_id}/file", ok=204, json=body)
 
     async def list_files(self, sandbox_id: str) -> list[str]:
-        return (await self._call("GET", f"/v1/sandboxes/{sandbox_id}/files")).json()["files"]
+        return (await self._answer("GET", f"/v1/sandboxes/{sandbox_id}/files", "files"))["files"]
 
     async def fork(self, sandbox_id: str) -> str:
         body = {"idempotency_key": uuid.uuid4().hex}
-        return (await self._call("POST", f"/v1/sandboxes/{sandbox_id}/fork", ok=201, json=body)).json()["id"]
+        return (await self._answer("POST", f"/v1/sandboxes/{sandbox_id}/fork", "id", ok=201, json=body))["id"]
 
     async def delete(self, sandbox_id: str) -> None:
         response, attempt = await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}")

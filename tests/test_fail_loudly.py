@@ -596,7 +596,8 @@ def test_a_complete_model_folder_passes_and_vllm_needs_safetensors(tmp_path, tin
     assert main([*args, f"--model.path={tiny_model_path}"]) == 0
     assert main([*args, f"--model.path={tiny_model_path}", "--engine.kind=vllm"]) == 0
     capsys.readouterr()
-    folder = _model_folder(tmp_path, tiny_model_path, "config.json", "tokenizer.json", "tokenizer_config.json")
+    folder = _model_folder(tmp_path, tiny_model_path, "config.json", "tokenizer.json", "tokenizer_config.json",
+                          "chat_template.jinja")
     (folder / "pytorch_model.bin").write_bytes(b"")  # the name is what counts here
     assert main([*args, f"--model.path={folder}"]) == 0
     assert main([*args, f"--model.path={folder}", "--engine.kind=vllm"]) == 2
@@ -694,3 +695,28 @@ def test_with_on_infra_failure_wait_a_sigterm_ends_the_wait_with_a_checkpoint(tm
     import torch
 
     assert torch.load(last, weights_only=False)["global_step"] == 1
+
+
+def test_a_last_ckpt_that_is_a_fifo_or_a_dangling_link_is_named_not_waited_on(tmp_path):
+    import os
+
+    import torch
+
+    from lightning_agentrl.resume import checkpoint_candidates, checkpoint_problem
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    torch.save({"w": torch.ones(10)}, checkpoints / "step_step=1.ckpt")
+    os.mkfifo(checkpoints / "last.ckpt")  # reading it would block forever
+    assert "not a regular file" in checkpoint_problem(checkpoints / "last.ckpt")
+    (checkpoints / "last.ckpt").unlink()
+    (checkpoints / "last.ckpt").symlink_to(tmp_path / "gone.ckpt")
+    assert checkpoint_candidates(checkpoints)[0].name == "last.ckpt"  # reported, not skipped
+    assert "not a regular file" in checkpoint_problem(checkpoints / "last.ckpt")
+
+
+def test_a_config_json_that_is_not_json_is_one_error_line(tmp_path, tiny_model_path, capsys):
+    folder = _model_folder(tmp_path, tiny_model_path, "tokenizer.json", "tokenizer_config.json", "model.safetensors")
+    (folder / "config.json").write_text('{"model_type": "llama", ')
+    assert main(["validate", "--config", "configs/smoke.yaml", "--offline", f"--model.path={folder}"]) == 2
+    assert error_line(capsys.readouterr().err).startswith(f"error: model.path: {folder} has a config.json that is not JSON")

@@ -123,7 +123,7 @@ class ChatCodec:
                 f"the chat template ends an assistant turn with {closing!r}, which does not start with a special "
                 "token: generation could not stop at the end of a turn"
             )
-        if not between.startswith(self.tokenizer.decode(ids[:1])):
+        if self.encode(between)[:1] != ids[:1]:  # ids, not decoded text: some tokens decode to other text
             raise ChatTemplateError(
                 "the chat template closes an assistant turn differently when a tool result follows it: "
                 f"{between!r} does not start with {self.tokenizer.decode(ids[:1])!r}"

@@ -97,6 +97,9 @@ def parse_tool_call(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> To
     return ToolCall(spec.name, arguments)
 
 
+_MAX_BARE_JSON_STARTS = 32  # braces tried as the start of a bare JSON call
+
+
 def _call_payload(text: str):
     """The JSON of the first call: inside ``<tool_call>`` tags if any, else the first bare JSON object
     with a ``name`` (Llama 3 and Mistral write calls without tags)."""
@@ -106,12 +109,16 @@ def _call_payload(text: str):
             return json.loads(match.group(1))
         except json.JSONDecodeError as err:
             raise ToolCallError(f"the tool call is not valid JSON: {err.msg} at char {err.pos}") from None
+        except RecursionError:  # a sampled reply can nest deeper than the parser's stack
+            raise ToolCallError("the tool call nests too deeply to be read") from None
     decoder = json.JSONDecoder()
     start = text.find("{")
-    while start != -1:
+    for _ in range(_MAX_BARE_JSON_STARTS):  # each try scans to the end: bounded, not quadratic in the reply
+        if start == -1:
+            break
         try:
             payload, _ = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             payload = None
         if isinstance(payload, dict) and "name" in payload:
             return payload

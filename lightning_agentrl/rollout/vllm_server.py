@@ -87,10 +87,12 @@ class VLLMServerEngine:
         max_model_len: the servers' ``--max-model-len``; a prompt must leave room for a token.
         connect_timeout_s: seconds to open a connection; reading a generation has no deadline
             here (the agent loop's ``generation_timeout_s`` bounds it).
+        reload_timeout_s: longest wait for each call of a server's weight reload; a server past it
+            is marked dead (a weight sync never waits forever on one server).
     """
 
     def __init__(self, urls: list[str], *, model_path: str, weights_dir: str | Path, max_model_len: int,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 10.0, reload_timeout_s: float = 600.0) -> None:
         if not urls:
             raise ValueError("VLLMServerEngine needs at least one server URL")
         self.servers = [ServerState(url.rstrip("/")) for url in urls]
@@ -99,10 +101,12 @@ class VLLMServerEngine:
         self.weights_dir = Path(weights_dir)
         self.max_model_len = max_model_len
         self.connect_timeout_s = connect_timeout_s
+        self.reload_timeout_s = reload_timeout_s
         self.policy_version = 0
         self._expected_shapes = checkpoint_weight_shapes(self.model_path)
         config = json.loads((Path(self.model_path) / "config.json").read_text())
         self._tied_embeddings = bool(config.get("tie_word_embeddings", False))
+        self._vocab_size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
         self._client = None  # httpx.AsyncClient, made in the loop that uses the engine
         self._admission_open: asyncio.Event | None = None
         self._drained: asyncio.Event | None = None
@@ -174,7 +178,10 @@ class VLLMServerEngine:
                 self._num_in_flight -= 1
                 if self._num_in_flight == 0:
                     self._drained.set()
-            return self._to_generation(choice, sampling, version, index)
+            try:
+                return self._to_generation(choice, sampling, version, index)
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+                raise self._mark_dead(index, f"a malformed completion: {type(err).__name__}: {err}") from err
 
     def _errors(self) -> str:
         return "; ".join(f"{server.url}: {server.error}" for server in self.servers)
@@ -197,7 +204,11 @@ class VLLMServerEngine:
         if response.status_code != 200:  # a request this engine made wrong: a bug, not infrastructure
             raise RuntimeError(f"inference server {server.url} refused a completion request "
                                f"(HTTP {response.status_code}): {response.text[:1000]}")
-        return response.json()["choices"][0]
+        try:
+            return response.json()["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as err:  # a server that answers garbage is broken
+            raise self._mark_dead(index, f"a completion reply that is not vLLM's ({type(err).__name__}: "
+                                         f"{response.text[:200]!r})") from err
 
     async def _healthy(self, index: int) -> bool:
         try:
@@ -216,15 +227,20 @@ class VLLMServerEngine:
         return ServerDeadError(f"inference server {server.url} is dead ({server.error})")
 
     def _to_generation(self, choice: dict[str, Any], sampling: SamplingParams, version: int, index: int) -> Generation:
-        token_ids = list(choice["token_ids"])
+        """The reply as a :class:`Generation`; ``ValueError`` (and the like) for a reply that breaks the
+        contract: the caller marks that server dead."""
+        token_ids = [int(t) for t in choice["token_ids"]]
         logprobs = choice["logprobs"]
         named = [int(token.removeprefix("token_id:")) for token in logprobs["tokens"]]
-        assert named == token_ids, f"the server's tokens {named[:5]} are not its token_ids {token_ids[:5]}"
+        if named != token_ids:
+            raise ValueError(f"the server's tokens {named[:5]} are not its token_ids {token_ids[:5]}")
+        if self._vocab_size is not None and any(not 0 <= t < self._vocab_size for t in token_ids):
+            raise ValueError(f"token ids outside the vocabulary of {self._vocab_size}")
+        if len(logprobs["token_logprobs"]) != len(token_ids):
+            raise ValueError("one log-prob per token expected")
         finish_reason = _VLLM_FINISH_REASONS.get(choice["finish_reason"], "abort")
-        if finish_reason == "stop":
-            assert token_ids and token_ids[-1] in sampling.stop_token_ids, (
-                f"stop without a trailing stop id: {token_ids[-3:]}"
-            )
+        if finish_reason == "stop" and not (token_ids and token_ids[-1] in sampling.stop_token_ids):
+            raise ValueError(f"stop without a trailing stop id: {token_ids[-3:]}")
         return Generation(
             token_ids=token_ids,
             logprobs=[float(lp) for lp in logprobs["token_logprobs"]],
@@ -272,11 +288,11 @@ class VLLMServerEngine:
         ]
         try:
             for path, body in calls:
-                response = await self._client.post(f"{url}{path}", json=body)
+                response = await self._client.post(f"{url}{path}", json=body, timeout=self.reload_timeout_s)
                 if response.status_code == 404:
                     raise RuntimeError(f"{url}{path} is missing: start the server with VLLM_SERVER_DEV_MODE=1")
                 response.raise_for_status()
-        except (httpx.HTTPError, RuntimeError) as err:
+        except (httpx.HTTPError, RuntimeError) as err:  # a timeout is an httpx.HTTPError too
             self._mark_dead(index, f"weight reload to version {version} failed: {type(err).__name__}: {err}")
 
     def stats(self) -> dict[str, Any]:

@@ -148,3 +148,9 @@ def test_text_without_a_call_says_how_to_write_one():
         parse_tool_call('the dict {"a": 1} is not a call')
     with pytest.raises(ToolCallError, match="not valid JSON"):
         parse_tool_call("<tool_call>{oops</tool_call>")
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"name": ' + "[" * 5000 + "</tool_call>", '{"name": ' + "[" * 5000])
+def test_a_reply_nested_past_the_parsers_stack_is_a_tool_error_not_a_crash(text):
+    with pytest.raises(ToolCallError):
+        parse_tool_call(text, CODING_TOOLS)

@@ -153,3 +153,20 @@ def test_constructor_rejects_bad_options():
         SandboxClient("http://x", "t", max_retries=-1)
     with pytest.raises(ValueError, match="token"):
         SandboxClient("http://x", "")
+
+
+@pytest.mark.parametrize("body", [b"\xff\xfe not json", b"[1, 2]", b'{"no_id": 1}'])
+def test_an_answer_that_is_not_the_protocols_is_an_infrastructure_error(body):
+    """A service that answers 2xx with garbage is broken: the episode is excluded (and counted by the
+    circuit breaker), never a raw decode error that stops the run."""
+
+    async def main():
+        async with _client([httpx.Response(201, content=body)] * 2 + [httpx.Response(200, content=body)], []) as c:
+            with pytest.raises(SandboxInfraError, match="not the protocol's"):
+                await c.create({"a.py": ""})
+            with pytest.raises(SandboxInfraError, match="not the protocol's"):
+                await c.fork("a" * 32)
+            with pytest.raises(SandboxInfraError, match="not the protocol's"):
+                await c.list_files("a" * 32)
+
+    run(main())
