@@ -139,9 +139,10 @@ class EnvSettings(_Section):
     """Longest observation shown to the agent; longer tool output is cut with a marker."""
     system_prompt: str | None = None
     """System prompt of the coding environment; `{tools}` in it becomes the tool list. None = the built-in one."""
-    observation_role: str | None = None
+    observation_role: Literal["tool", "user", "ipython", "function", "observation"] | None = None
     """Chat role of tool results. None = `tool` where the chat template renders it, else `user` (e.g. Gemma,
-    whose template knows only user and model turns). A role the template cannot render is an error at start."""
+    whose template knows only user and model turns). A role the template cannot render is an error at start;
+    `assistant` and `system` are refused (the model would read observations as its own or its operator's)."""
     tool_format: Literal["auto", "template", "text"] = "auto"
     """How the agent is told its tools: `template` = the chat template's own `tools=` rendering (the format the
     model family was trained on), `text` = described in the system prompt (`{tools}`), `auto` = `template` where
@@ -453,7 +454,7 @@ def _check_engine(settings: Settings) -> None:
     for url in e.urls:
         if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url):
             raise ValueError(f"engine.urls: {url!r} is not a base URL like http://10.0.0.5:8000")
-    if len(set(e.urls)) != len(e.urls):
+    if len({url.rstrip("/") for url in e.urls}) != len(e.urls):
         raise ValueError(f"engine.urls lists a server twice: {e.urls}")
     if not isinstance(t.devices, int) or t.devices * t.num_nodes > 1:
         raise ValueError("engine.kind=vllm_server runs with one training process (trainer.devices=1, "

@@ -119,3 +119,9 @@ def test_training_refuses_greedy_sampling_but_evaluation_may_be_greedy():
     with pytest.raises(SettingsError, match="engine.temperature: Input should be greater than 0"):
         load_settings(overrides=["--engine.temperature=0"])
     assert load_settings(overrides=["--eval.temperature=0"]).eval.temperature == 0
+
+
+@pytest.mark.parametrize("role", ["assistant", "system", "bogus"])
+def test_an_observation_role_that_is_not_a_tool_results_role_is_refused(role):
+    with pytest.raises(ValueError, match="env.observation_role"):
+        load_settings(overrides=[f"--env.observation_role={role}"])
