@@ -244,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as err:  # a signal (128 + its number) or a dependency that failed mid-run (3)
         print(f"{'' if isinstance(err, RunInterrupted) else 'error: '}{err}", file=sys.stderr)
         return err.exit_status
+    except Exception as err:
+        line = _dependency_failure(err, settings)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 3
     if not result.is_global_zero:
         return 0
     console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}")
@@ -253,6 +259,25 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"  MLflow:     {result.tracking_uri} (run {result.mlflow_run_id})")
         console.print(f"              mlflow ui --backend-store-uri {result.tracking_uri} --host 127.0.0.1")
     return 0
+
+
+def _dependency_failure(err: BaseException, settings) -> str | None:
+    """One line for a failure of the disk or the tracking server mid-run (exit 3), or None for a bug.
+    Checkpoints are written atomically, so the newest intact one stays for ``--resume last``."""
+    import errno
+
+    chain = []
+    while err is not None and len(chain) < 16:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for item in chain:
+        if isinstance(item, OSError) and item.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"run.dir: no space left for {settings.run.dir} ({item}); free some and continue with "
+                    "--resume last from the newest intact checkpoint")
+        if type(item).__name__ == "MlflowException" or type(item).__module__.startswith("mlflow"):
+            return (f"tracking.uri: the tracking server failed during the run ({type(item).__name__}: "
+                    f"{str(item).splitlines()[0] if str(item) else ''}); continue with --resume last")
+    return None
 
 
 if __name__ == "__main__":

@@ -720,3 +720,24 @@ def test_a_config_json_that_is_not_json_is_one_error_line(tmp_path, tiny_model_p
     (folder / "config.json").write_text('{"model_type": "llama", ')
     assert main(["validate", "--config", "configs/smoke.yaml", "--offline", f"--model.path={folder}"]) == 2
     assert error_line(capsys.readouterr().err).startswith(f"error: model.path: {folder} has a config.json that is not JSON")
+
+
+def test_a_full_disk_or_a_tracking_server_failing_mid_run_is_one_error_line():
+    import errno
+
+    from mlflow.exceptions import MlflowException
+
+    from lightning_agentrl.__main__ import _dependency_failure
+    from lightning_agentrl.settings import load_settings
+
+    settings = load_settings(overrides=["--run.dir=/tmp/some-run"])
+    try:  # torch's writer wraps the OSError as a RuntimeError, as on a full disk
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from inner
+    except RuntimeError as err:
+        assert _dependency_failure(err, settings).startswith("run.dir: no space left for /tmp/some-run")
+    assert _dependency_failure(MlflowException("API request to runs/get failed"), settings).startswith(
+        "tracking.uri: the tracking server failed during the run (MlflowException: API request")
+    assert _dependency_failure(KeyError("a bug"), settings) is None  # a bug keeps its traceback
