@@ -126,6 +126,16 @@ def test_tied_qwen3_vocabulary_trains_on_the_vllm_engine(tmp_path, qwen3_model):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
+def test_tied_qwen3_vocabulary_trains_on_a_vllm_server(tmp_path, qwen3_model):
+    """The fleet engine: a `vllm serve` process started by fit, weights synced through the folder and
+    the server's reload (the tied head included: step 2's log-probs match the trainer's)."""
+    pytest.importorskip("vllm")
+    result, _, _ = fit_real(tmp_path, qwen3_model, "--engine.kind=vllm_server", "--engine.num_servers=1")
+    assert_run_metrics(result)
+
+
+@pytest.mark.slow
 def test_gemma3_template_without_a_tool_role_trains(tmp_path, gemma3_model):
     from transformers import AutoTokenizer
 
