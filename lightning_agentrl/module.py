@@ -199,6 +199,11 @@ class AgentRLModule(L.LightningModule):
         if str(model.config._attn_implementation).startswith("flash_attention"):
             out = decoder(input_ids=input_ids[None], position_ids=position_ids[None])
             return out.last_hidden_state[0]
+        if _partitioned(model):
+            # ZeRO-3 gathers each layer's parameters collectively on every forward: every rank must
+            # call the decoder equally often, so one call over the pack (block mask), not a bucket count
+            # that differs by rank
+            return _block_mask_hidden_states(decoder, input_ids, position_ids, segment_ids)
         return packed_hidden_states(decoder, input_ids, position_ids, segment_ids)
 
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -700,3 +705,20 @@ class _StepTotals:
             else:
                 out[key] = value / max(weight, 1.0)
         return out
+
+
+def _partitioned(model) -> bool:
+    """Parameters partitioned by DeepSpeed ZeRO-3 (they carry a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _block_mask_hidden_states(decoder, input_ids, position_ids, segment_ids) -> torch.Tensor:
+    """The whole pack in one row under an additive ``[n, n]`` block-causal mask."""
+    n = input_ids.numel()
+    allowed = (segment_ids[:, None] == segment_ids[None, :]) & torch.ones(
+        n, n, dtype=torch.bool, device=input_ids.device
+    ).tril()
+    dtype = next(decoder.parameters()).dtype
+    mask = torch.zeros(1, 1, n, n, dtype=dtype, device=input_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    out = decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask)
+    return out.last_hidden_state[0]

@@ -74,7 +74,7 @@ def smoke_overrides(args, model_dir: Path, run_dir: Path, attn: str) -> dict:
                 "generation_timeout_s": 600, "episode_timeout_s": 1800},
         "rollout": {"group_size": args.episodes // 2, "groups_per_step": 2, "max_in_flight": args.episodes,
                     "max_staleness": 0, "truncation": "zero", "partial_rollout_s": None},
-        "algorithm": {"advantage": "grpo", "kl_coef": 0.0},
+        "algorithm": {"advantage": "grpo", "kl_coef": 0.0, "staleness_weighting": "none"},
         "trainer": {"max_steps": args.steps, "strategy": "auto", "offload_optimizer": False, "accelerator": "gpu",
                     "devices": 1, "precision": "bf16-true", "micro_batch_tokens": args.micro_batch_tokens,
                     "checkpoint_every": 1000},
