@@ -14,8 +14,10 @@ object that claims to equal everything, a rewritten serializer or a forged reply
 Requests (judge -> here): ``{"op": "import"|"getattr"|"setattr"|"call"|"op", ...}``; replies
 ``{"ok": VALUE}`` or ``{"error": {...}}``. While a call runs, this side may send
 ``{"callback": id, "args": [...], "kwargs": {...}}`` (a function the test passed, e.g. ``key=``)
-and waits for its reply. Arguments that are lists, dicts or sets come back after the call in
-``"mutated"``, so a function that mutates its input is seen doing so.
+and waits for its reply. Lists, dicts and sets of the judge's (``"held"``) arrive as subclasses
+of ``list``/``dict``/``set`` holding a copy: reads are local, and each write sends
+``{"write": id, "v": [...]}`` (the new contents) so the judge changes its own object. Nothing about
+those objects is reported after a call: the judge sees only the writes that happened.
 """
 
 import base64
@@ -40,6 +42,67 @@ _channel_in = sys.stdin.buffer
 _channel_out = os.fdopen(os.dup(1), "wb")
 
 
+def _write_through(base, names):
+    """Methods of ``base`` that, after changing the local copy, send its new contents to the judge."""
+
+    def wrap(name):
+        method = getattr(base, name)
+
+        def write(self, *args, **kwargs):
+            result = method(self, *args, **kwargs)
+            _push(self)
+            return result
+
+        return write
+
+    return {name: wrap(name) for name in names}
+
+
+def _reduce(self, protocol):  # copy/deepcopy/pickle give a plain container, never another judge reference
+    return (self.__class__.__mro__[1], (self.__class__.__mro__[1](self),))
+
+
+_HeldList = type("_HeldList", (list,), {"__slots__": ("_held_id",), "__reduce_ex__": _reduce, **_write_through(
+    list, ["__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop", "remove",
+           "clear", "sort", "reverse"])})
+_HeldDict = type("_HeldDict", (dict,), {"__slots__": ("_held_id",), "__reduce_ex__": _reduce, **_write_through(
+    dict, ["__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault"])})
+_HeldSet = type("_HeldSet", (set,), {"__slots__": ("_held_id",), "__reduce_ex__": _reduce, **_write_through(
+    set, ["__ior__", "__iand__", "__isub__", "__ixor__", "add", "discard", "remove", "pop", "clear", "update",
+          "difference_update", "intersection_update", "symmetric_difference_update"])})
+_HELD = {"list": _HeldList, "dict": _HeldDict, "set": _HeldSet}
+_held = {}  # judge's id -> the local copy standing for it
+
+
+def _contents(held):
+    if isinstance(held, dict):
+        return [[encode(k), encode(v)] for k, v in dict.items(held)]
+    return [encode(v) for v in type(held).__mro__[1].__iter__(held)]
+
+
+def _push(held):
+    _send({"write": held._held_id, "v": _contents(held)})
+    _reply_to_value(_serve_until_reply())
+
+
+def _decode_held(data):
+    """The local copy of a judge's container, refreshed with the contents the judge just sent."""
+    cls = _HELD[data["kind"]]
+    held = _held.get(data["id"])
+    if type(held) is not cls:
+        held = _held[data["id"]] = cls()
+        held._held_id = data["id"]
+    base = cls.__mro__[1]
+    base.clear(held)
+    if base is dict:
+        dict.update(held, ((decode(k), decode(v)) for k, v in data["v"]))
+    elif base is list:
+        list.extend(held, (decode(x) for x in data["v"]))
+    else:
+        set.update(held, (decode(x) for x in data["v"]))
+    return held
+
+
 def _ref(obj):
     _objects[id(obj)] = obj
     if isinstance(obj, type):
@@ -57,6 +120,8 @@ def encode(value):
     kind = type(value)
     if kind in _values:
         return value
+    if kind in (_HeldList, _HeldDict, _HeldSet):
+        return {"$t": "held", "id": value._held_id}
     if kind is list:
         return {"$t": "list", "v": [encode(v) for v in value]}
     if kind is tuple:
@@ -126,6 +191,8 @@ def decode(data):
         return getattr(datetime, tag).fromisoformat(v)
     if tag == "timedelta":
         return datetime.timedelta(*v)
+    if tag == "held":
+        return _decode_held(data)
     if tag == "ref":
         return _objects[data["id"]]
     if tag == "cb":
@@ -170,24 +237,21 @@ def _error(exc):
 def _handle(request):
     op = request["op"]
     if op == "import":
-        return importlib.import_module(request["name"]), []
+        return importlib.import_module(request["name"])
     target = decode(request["target"])
     if op == "getattr":
-        return getattr(target, request["name"]), []
+        return getattr(target, request["name"])
     if op == "setattr":
         setattr(target, request["name"], decode(request["value"]))
-        return None, []
+        return None
     args = [decode(a) for a in request.get("args", [])]
     if op == "op":
-        return _OPS[request["name"]](target, *args), []
+        return _OPS[request["name"]](target, *args)
     kwargs = {k: decode(v) for k, v in request.get("kwargs", {}).items()}
     if "env" in request:
         os.environ.clear()
         os.environ.update(request["env"])
-    result = target(*args, **kwargs)
-    mutated = [[i, encode(a)] for i, a in enumerate(args) if type(a) in (list, dict, set)]
-    mutated += [[k, encode(v)] for k, v in kwargs.items() if type(v) in (list, dict, set)]
-    return result, mutated
+    return target(*args, **kwargs)
 
 
 def _serve_until_reply():
@@ -200,8 +264,7 @@ def _serve_until_reply():
         if "op" not in message:
             return message
         try:
-            result, mutated = _handle(message)
-            reply = {"ok": encode(result), "mutated": mutated}
+            reply = {"ok": encode(_handle(message))}
         except StopIteration:
             reply = {"stop": True}
         except Exception as exc:  # the agent's code failed: the judge raises it in the test

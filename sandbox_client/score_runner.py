@@ -23,8 +23,9 @@ peer (``score_peer``) as the sandbox's own uid, connected by three pipes. The ju
   ``len``/``in``/iteration/indexing go to the peer as JSON; results come back as plain values
   (``list``, ``dict``, ``Decimal``, ``date``...) or as references to objects that stay in the peer,
   which compare equal only to themselves. Exceptions come back as the builtin exception class they
-  derive from. Lists, dicts and sets passed as arguments are updated in place with the state the
-  call left them in; functions passed as arguments (``key=``) are called back here. ``os.environ``
+  derive from. Lists, dicts and sets the tests pass (also inside other values) stay here: the
+  peer gets a copy that sends each of its writes back as the container's new contents, applied to
+  the real one, so a mutation is seen whatever the peer later says; functions passed as arguments (``key=``) are called back here. ``os.environ``
   changes (``monkeypatch.setenv``) are sent with each call;
 - counts each test's phases from its own in-memory records (no file, no fd);
 - at the deadline writes a timed-out report and exits, whatever the peer or a test is doing.
@@ -75,6 +76,7 @@ class Channel:
         self.write_fd, self.read_fd, self.deadline = write_fd, read_fd, deadline
         self.buffer = b""
         self.callbacks: dict[int, object] = {}
+        self.held: dict[int, list | dict | set] = {}  # the tests' containers the peer holds references to
         self.sent_env: dict[str, str] | None = None
         os.set_blocking(write_fd, False)
 
@@ -111,7 +113,7 @@ class Channel:
     def _left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    def request(self, message: dict, mutable_args: dict | None = None):
+    def request(self, message: dict):
         if message["op"] == "call":
             # what the tests set (monkeypatch.setenv) goes with the call; pytest's own variables never
             # do: PYTEST_CURRENT_TEST names the running test, an oracle for a module that reads it
@@ -124,15 +126,29 @@ class Channel:
             if "callback" in reply:
                 self._send(self._run_callback(reply))
                 continue
+            if "write" in reply:
+                self._send(self._apply_write(reply))
+                continue
             if reply.get("stop"):
                 raise StopIteration
             if "error" in reply:
                 raise _remote_exception(reply["error"])
             if "ok" not in reply:
                 raise PeerError("the agent's process sent a reply without a value")
-            for key, state in reply.get("mutated", []):
-                _update_in_place((mutable_args or {}).get(key), decode(state))
             return decode(reply["ok"])
+
+    def _apply_write(self, message: dict) -> dict:
+        """The peer changed a container of the tests' (it holds a reference): give the real one its new contents."""
+        target = self.held.get(message["write"]) if isinstance(message["write"], int) else None
+        state = decode({"$t": type(target).__name__, "v": message.get("v")}) if target is not None else None
+        if type(state) is not type(target):
+            raise PeerError("the agent's process wrote to something that is not a container of the tests'")
+        if isinstance(target, list):
+            target[:] = state
+        else:
+            target.clear()
+            target.update(state)
+        return {"ok": None}
 
     def _run_callback(self, message: dict) -> dict:
         function = self.callbacks.get(message.get("callback"))
@@ -150,27 +166,18 @@ class Channel:
 _channel: Channel | None = None
 
 
-def _update_in_place(target, state) -> None:
-    """Give a list/dict/set the test passed the contents the agent's function left in its copy."""
-    if isinstance(target, list) and isinstance(state, list):
-        target[:] = state
-    elif isinstance(target, dict) and isinstance(state, dict):
-        target.clear()
-        target.update(state)
-    elif isinstance(target, set) and isinstance(state, set):
-        target.clear()
-        target.update(state)
-
-
 # ---- values: what crosses the pipe -----------------------------------------------------------------
 def encode(value):
     kind = type(value)
     if kind in _VALUES:
         return value
-    if kind in (list, tuple, set, frozenset):
+    if kind in (list, dict, set):  # stays here; the peer gets a copy whose every write comes back to it
+        assert _channel is not None
+        _channel.held[id(value)] = value
+        items = [[encode(k), encode(v)] for k, v in value.items()] if kind is dict else [encode(v) for v in value]
+        return {"$t": "held", "id": id(value), "kind": kind.__name__, "v": items}
+    if kind in (tuple, frozenset):
         return {"$t": kind.__name__, "v": [encode(v) for v in value]}
-    if kind is dict:
-        return {"$t": "dict", "v": [[encode(k), encode(v)] for k, v in value.items()]}
     if kind is bytes:
         return {"$t": "bytes", "v": base64.b64encode(value).decode()}
     if kind in (decimal.Decimal, fractions.Fraction):
@@ -213,6 +220,9 @@ def decode(data):
         raise PeerError(f"the agent's process sent a bare {type(data).__name__}")
     tag = data.get("$t")
     try:
+        if tag == "held":
+            assert _channel is not None
+            return _channel.held[data["id"]]
         if tag == "ref":
             if data.get("kind") == "exception_class":
                 return _exception_class(data.get("name"), data.get("bases"), data.get("id"))
@@ -259,10 +269,10 @@ class Remote:
         object.__setattr__(self, "_kind", kind)
         object.__setattr__(self, "_name", name)
 
-    def _ask(self, op: str, mutable: dict | None = None, **fields):
+    def _ask(self, op: str, **fields):
         assert _channel is not None
         return _channel.request({"op": op, "target": {"$t": "ref", "id": object.__getattribute__(self, "_id")},
-                                 **fields}, mutable)
+                                 **fields})
 
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):  # introspection (pytest, inspect): not the agent's
@@ -273,9 +283,7 @@ class Remote:
         self._ask("setattr", name=name, value=encode(value))
 
     def __call__(self, *args, **kwargs):
-        mutable = {i: a for i, a in enumerate(args) if type(a) in (list, dict, set)}
-        mutable.update((k, v) for k, v in kwargs.items() if type(v) in (list, dict, set))
-        return self._ask("call", mutable, args=[encode(a) for a in args],
+        return self._ask("call", args=[encode(a) for a in args],
                          kwargs={k: encode(v) for k, v in kwargs.items()})
 
     def _op(self, name: str, *args):

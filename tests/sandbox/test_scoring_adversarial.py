@@ -284,3 +284,53 @@ def test_a_fix_returning_a_named_tuple_or_a_stdlib_container_scores_one(server):
              "def parse_date(s):\n    y, m, d = s.split('-')\n    return Date(int(y), int(m), int(d))\n")
     results = _score_all(server, {"named_tuple": ({"utils.py": named}, "fork")})
     assert results["named_tuple"].reward == 1.0, results
+
+
+# A bug whose only symptom is mutating an argument: the tests' lists, dicts and sets stay in the judge
+# and the peer's writes come back to them, so nothing the peer reports afterwards can hide one.
+MUTATORS = ("def set_host(cfg, host):\n    cfg['db']['host'] = host\n\n"
+            "def push(xs, v):\n    xs.append(v)\n\ndef sort_by(xs, key):\n    xs.sort(key=key)\n\n"
+            "def tag(s):\n    s.add('t')\n    s.discard('u')\n")
+MUTATING = MUTATORS + "\ndef normalize(d):\n    d['x'] = 1\n    return d\n"
+COPYING = MUTATORS + "\nimport copy\n\ndef normalize(d):\n    d = copy.deepcopy(d)\n    d['x'] = 1\n    return d\n"
+MUTATION_HIDDEN = {"hidden_tests/test_hidden.py": (
+    "from utils import normalize\n\ndef test_normalize_adds_x():\n"
+    "    assert normalize({'a': 0}) == {'a': 0, 'x': 1}\n\n"
+    "def test_normalize_leaves_its_argument_alone():\n    d = {'a': 0, 'db': {'host': 'h'}}\n"
+    "    assert normalize(d) == {'a': 0, 'db': {'host': 'h'}, 'x': 1}\n"
+    "    assert d == {'a': 0, 'db': {'host': 'h'}}\n")}
+WRITES_HIDDEN = {"hidden_tests/test_hidden.py": (
+    "from utils import push, set_host, sort_by, tag\n\n"
+    "def test_nested_and_list_writes_reach_the_tests_objects():\n    cfg = {'db': {'host': 'a'}}\n"
+    "    set_host(cfg, 'b')\n    assert cfg == {'db': {'host': 'b'}}\n    pair = ([1], 'k')\n    push(pair[0], 2)\n"
+    "    assert pair == ([1, 2], 'k')\n\n"
+    "def test_sort_with_a_key_and_set_writes():\n    xs = [3, 1, 2]\n    sort_by(xs, key=lambda v: -v)\n"
+    "    assert xs == [3, 2, 1]\n    s = {'u'}\n    tag(s)\n    assert s == {'t'}\n")}
+MUTATION_ATTACKS = {
+    # on import, rebind the peer's request handler to drop what a call did to its arguments
+    "module_drops_the_peers_mutation_report": MUTATING + (
+        "import __main__ as _m\nif hasattr(_m, '_handle'):\n    _orig_handle = _m._handle\n"
+        "    def _quiet(request):\n        result, _mutated = _orig_handle(request)\n        return result, []\n"
+        "    _m._handle = _quiet\n"),
+    # on import, stop the peer sending its writes to the judge's containers
+    "module_stops_the_peer_sending_writes": MUTATING + (
+        "import __main__ as _m\nfor _name in ('_push', '_send_write', '_write'):\n"
+        "    setattr(_m, _name, lambda *a, **k: None)\n"),
+}
+
+
+def test_a_module_cannot_hide_that_it_mutates_its_argument(server):
+    cases = {"bug": ({"utils.py": MUTATING}, "fork"), "fix": ({"utils.py": COPYING}, "fork"),
+             "fix/fresh": ({"utils.py": COPYING}, "fresh")}
+    cases.update({name: ({"utils.py": module}, "fork") for name, module in MUTATION_ATTACKS.items()})
+    results = _score_all(server, cases, hidden=MUTATION_HIDDEN, required=2)
+    rewards = {name: (r.reward, r.num_passed) for name, r in results.items()}
+    assert rewards == {"bug": (0.0, 1), "fix": (1.0, 2), "fix/fresh": (1.0, 2),
+                       "module_drops_the_peers_mutation_report": (0.0, 0),
+                       "module_stops_the_peer_sending_writes": (0.0, 0)}, rewards
+
+
+def test_the_modules_writes_to_the_tests_containers_are_applied(server):
+    """Writes through nested dicts, a list inside a tuple, a sort with a key called back, set methods."""
+    result = _score_all(server, {"fix": ({"utils.py": COPYING}, "fork")}, hidden=WRITES_HIDDEN, required=2)["fix"]
+    assert (result.reward, result.num_passed) == (1.0, 2), result.output[-2000:]
