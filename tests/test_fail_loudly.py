@@ -52,13 +52,23 @@ def test_fit_with_an_unreachable_tracking_server_stops_in_seconds(tmp_path):
     assert seconds < 120  # vs 200 s of retries before; imports dominate (a minute on a loaded machine)
 
 
+def _serve(handler) -> tuple:
+    """A threaded HTTP server on loopback answering with ``handler``: (server, base URL)."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
 class _HealthOnlyServer:
     """An HTTP server that answers ``/health`` (200) and, on every other path, hangs, or answers 404 or 500:
     what a proxy in front of a dead MLflow, or another service on its port, looks like."""
 
     def __init__(self, other: str, *, search_answers: bool = False) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import BaseHTTPRequestHandler
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
@@ -82,10 +92,7 @@ class _HealthOnlyServer:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = _serve(Handler)
 
 
 def test_fit_with_a_tracking_server_that_answers_only_its_health_call_stops_in_seconds(tmp_path):
@@ -234,8 +241,7 @@ class _HangingSandbox:
     """A sandbox service that answers its health call and never anything else: a run that waits forever."""
 
     def __init__(self) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import BaseHTTPRequestHandler
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
@@ -254,10 +260,7 @@ class _HangingSandbox:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = _serve(Handler)
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

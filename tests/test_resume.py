@@ -27,6 +27,17 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
+def kill_when(command: list[str], env: dict, written: Path) -> None:
+    """Start ``command`` and SIGKILL it as soon as ``written`` exists (it must still be running)."""
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not written.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the run ended before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_path):
     tasks = tmp_path / "tasks"
     for name in ("binary_search_first", "balanced_brackets_unclosed"):
@@ -44,15 +55,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_p
     assert done.returncode == 0, done.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen([*command, f"--run.dir={killed}"], cwd=REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    third_batch = killed / "trajectories" / "step_000002.jsonl"  # written once step 2's checkpoint is saved
-    deadline = time.monotonic() + 600
-    while not third_batch.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "the run ended before it could be killed"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    # step 2's trajectories are written after the checkpoint of the step before
+    kill_when([*command, f"--run.dir={killed}"], env, killed / "trajectories" / "step_000002.jsonl")
 
     resumed = subprocess.run([*command, f"--run.dir={killed}", "--resume", "last"], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=600)
@@ -84,14 +88,7 @@ def test_async_run_killed_and_resumed_trains_every_group_exactly_once(tmp_path, 
         "--model.tiny_hidden_size=64", "--model.tiny_num_layers=1", f"--run.dir={run}",
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    third_batch = run / "trajectories" / "step_000002.jsonl"  # written once step 1's checkpoint is saved
-    deadline = time.monotonic() + 600
-    while not third_batch.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert process.poll() is None, "the run ended before it could be killed"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_when(command, env, run / "trajectories" / "step_000002.jsonl")  # written once step 1's checkpoint is saved
     resumed = subprocess.run([*command, "--resume", "last"], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
