@@ -41,6 +41,7 @@ format: install
 bench: install
 	$(PY) benchmarks/sandbox_bench.py
 	$(PY) benchmarks/engine_compare.py
+	$(PY) benchmarks/packed_attention_bench.py
 
 # Proof that it learns: warm start + GRPO on the copy-the-key suite, held-out success per step
 # (benchmarks/results/learn_cpu.json and .png).

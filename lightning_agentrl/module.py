@@ -37,7 +37,7 @@ from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import losses
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import global_max, global_sum, reduce_metrics, world_size
-from lightning_agentrl.models.packed import packed_hidden_states
+from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.settings import Settings
 from lightning_agentrl.trajectory import RolloutBatch
 
@@ -203,7 +203,7 @@ class AgentRLModule(L.LightningModule):
             # ZeRO-3 gathers each layer's parameters collectively on every forward: every rank must
             # call the decoder equally often, so one call over the pack (block mask), not a bucket count
             # that differs by rank
-            return _block_mask_hidden_states(decoder, input_ids, position_ids, segment_ids)
+            return block_mask_hidden_states(decoder, input_ids, position_ids, segment_ids)
         return packed_hidden_states(decoder, input_ids, position_ids, segment_ids)
 
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -710,15 +710,3 @@ class _StepTotals:
 def _partitioned(model) -> bool:
     """Parameters partitioned by DeepSpeed ZeRO-3 (they carry a ``ds_id``)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
-def _block_mask_hidden_states(decoder, input_ids, position_ids, segment_ids) -> torch.Tensor:
-    """The whole pack in one row under an additive ``[n, n]`` block-causal mask."""
-    n = input_ids.numel()
-    allowed = (segment_ids[:, None] == segment_ids[None, :]) & torch.ones(
-        n, n, dtype=torch.bool, device=input_ids.device
-    ).tril()
-    dtype = next(decoder.parameters()).dtype
-    mask = torch.zeros(1, 1, n, n, dtype=dtype, device=input_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    out = decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask)
-    return out.last_hidden_state[0]

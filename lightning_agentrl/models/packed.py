@@ -84,3 +84,17 @@ def packed_hidden_states(
     inverse = torch.empty(n, dtype=torch.long, device=input_ids.device)
     inverse[torch.cat(order)] = torch.arange(n, device=input_ids.device)
     return flat[inverse]
+
+
+def block_mask_hidden_states(
+    decoder: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor
+) -> torch.Tensor:
+    """The same ``[n, H]`` in one decoder call: the whole pack in one row under an additive
+    ``[n, n]`` block-causal mask (``O(n^2)``). For ZeRO-3, where every rank must call the decoder
+    equally often, and as the reference the buckets are tested against."""
+    n = input_ids.numel()
+    causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()
+    allowed = (segment_ids[:, None] == segment_ids[None, :]) & causal
+    dtype = next(decoder.parameters()).dtype
+    mask = torch.zeros(1, 1, n, n, dtype=dtype, device=input_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask).last_hidden_state[0]

@@ -7,15 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_agentrl.models.packed import length_buckets, packed_hidden_states, segment_runs
-
-
-def _block_mask_hidden(decoder, input_ids, position_ids, segment_ids):
-    """The previous path: the whole pack in one row under an additive ``[n, n]`` block mask."""
-    n = input_ids.numel()
-    allowed = (segment_ids[:, None] == segment_ids[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-    mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    return decoder(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask).last_hidden_state[0]
+from lightning_agentrl.models.packed import (
+    block_mask_hidden_states,
+    length_buckets,
+    packed_hidden_states,
+    segment_runs,
+)
 
 
 def _pack(lengths, vocab, seed=0):
@@ -36,7 +33,7 @@ def test_bucketed_equals_block_mask_in_value_and_gradient(attn):
     decoder = model.get_decoder()
     weight = torch.randn(ids.numel(), config.hidden_size) / ids.numel()  # a mean, as a loss is
 
-    reference = _block_mask_hidden(decoder, ids, positions, segments)
+    reference = block_mask_hidden_states(decoder, ids, positions, segments)
     (reference * weight).sum().backward()
     reference_grads = [p.grad.clone() for p in decoder.parameters()]
     model.zero_grad()
