@@ -28,7 +28,7 @@ def inputs(n=37, h=16, v=101, seed=0, dtype=torch.float64):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_matches_full_log_softmax_values_and_gradients(chunk_size, temperature):
     hidden, weight, bias, targets = inputs()
-    upstream = torch.randn(37, dtype=torch.float64)
+    upstream = torch.randn(37, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     results = []
     for fn in (
         lambda h, w, b: naive(h, w, targets, temperature, b),
@@ -40,8 +40,9 @@ def test_matches_full_log_softmax_values_and_gradients(chunk_size, temperature):
         logp, entropy = fn(h, w, b)
         ((logp * upstream).sum() + entropy.sum()).backward()
         results.append((logp.detach(), entropy.detach(), h.grad, w.grad, b.grad))
+    # Outputs are float32 by contract: compare to float32 precision, relative to each value's size.
     for want, got in zip(*results, strict=True):
-        assert torch.allclose(got.double(), want.double(), atol=1e-5), (want - got).abs().max()
+        assert torch.allclose(got.double(), want.double(), rtol=1e-5, atol=5e-5), (want - got).abs().max()
 
 
 def test_masked_positions_get_exactly_zero_gradient():
