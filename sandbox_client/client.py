@@ -253,6 +253,6 @@ def _classify(response: httpx.Response, method: str, path: str, attempts: int = 
         return SandboxNotFound(text, status=status, code=code)
     if status == 429:
         return SandboxCapacityError(text, status=status, code=code)
-    if status >= 500:
+    if status >= 500 or code == "idempotency_key_reused":  # this client's keys are fresh per call: not the agent's doing
         return SandboxInfraError(text, status=status, code=code)
     return SandboxRequestError(text, status=status, code=code)

@@ -11,6 +11,7 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
@@ -27,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandbox_server import PROTOCOL_VERSION
@@ -61,7 +62,14 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
 
 
 # ---- request / response models ----------------------------------------------------------------
-class CreateRequest(BaseModel):
+class StrictRequest(BaseModel):
+    """Requests take JSON types as they are: ``timeout_s: true`` or ``"30"`` is a 422 naming the field,
+    not a 1 s or 30 s timeout (pydantic's lax mode would coerce them). An integer is still a number."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class CreateRequest(StrictRequest):
     files: dict[str, str] = Field(default_factory=dict, description="path -> UTF-8 text")
     binary_files: dict[str, str] = Field(default_factory=dict, description="path -> base64 bytes")
     ttl_s: float | None = Field(default=None, description="idle time before the sandbox is reaped")
@@ -69,7 +77,7 @@ class CreateRequest(BaseModel):
     idempotency_key: str | None = Field(default=None, max_length=200)
 
 
-class ForkRequest(BaseModel):
+class ForkRequest(StrictRequest):
     ttl_s: float | None = None
     idempotency_key: str | None = Field(default=None, max_length=200)
 
@@ -81,7 +89,7 @@ class SandboxInfo(BaseModel):
     expires_in_s: float
 
 
-class ExecRequest(BaseModel):
+class ExecRequest(StrictRequest):
     command: str | list[str] = Field(description="shell string (run by /bin/sh -c) or argv list")
     stdin: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
@@ -102,7 +110,7 @@ class ExecResponse(BaseModel):
     duration_s: float
 
 
-class FileBody(BaseModel):
+class FileBody(StrictRequest):
     path: str
     content: str
     encoding: str = Field(default="utf-8", pattern="^(utf-8|base64)$")
@@ -140,25 +148,32 @@ class Sandbox:
 
 class IdempotencyCache:
     """Results of keyed requests, so a retried exec/create/fork returns the first result instead of
-    running again. An in-flight request is shared: the retry awaits the same task."""
+    running again. An in-flight request is shared: the retry awaits the same task. A key comes with
+    the fingerprint of its request: the same key on a different request is refused (422
+    ``idempotency_key_reused``), never answered with the first request's result."""
 
     def __init__(self, ttl_s: float, max_entries: int = 100_000) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: dict[str, tuple[float, asyncio.Future]] = {}
+        self._entries: dict[str, tuple[float, str, asyncio.Future]] = {}
 
-    async def run(self, key: str | None, factory) -> Any:
+    async def run(self, key: str | None, request: BaseModel, factory) -> Any:
         if key is None:
             return await factory()
+        fingerprint = _fingerprint(request)
         now = time.monotonic()
         self._expire(now)
         entry = self._entries.get(key)
         if entry is None:
             future = asyncio.ensure_future(factory())
-            self._entries[key] = (now + self.ttl_s, future)
+            self._entries[key] = (now + self.ttl_s, fingerprint, future)
             future.add_done_callback(lambda f: self._forget_failure(key, f))
+        elif entry[1] != fingerprint:
+            operation, _, user_key = key.split(":", 2)
+            raise ApiError(422, "idempotency_key_reused", f"idempotency key {user_key[:200]!r} was already used "
+                           f"for a different {operation} request; use a new key for a new request")
         else:
-            future = entry[1]
+            future = entry[2]
         # shield: a client that disconnects must not cancel the command; its retry will collect it.
         return await asyncio.shield(future)
 
@@ -167,7 +182,7 @@ class IdempotencyCache:
             self._entries.pop(key, None)
 
     def _expire(self, now: float) -> None:
-        stale = [k for k, (deadline, fut) in self._entries.items() if deadline < now and fut.done()]
+        stale = [k for k, (deadline, _, fut) in self._entries.items() if deadline < now and fut.done()]
         for k in stale:
             del self._entries[k]
         while len(self._entries) > self.max_entries:
@@ -384,6 +399,11 @@ def create_app(options: ServerOptions) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         # The router's own answers (unknown path, wrong method) in the same typed shape as every other error.
+        if exc.status_code == 400 and exc.__cause__ is not None:
+            # FastAPI's body parser: JSON nested past the decoder's depth (RecursionError) or bytes that
+            # are not UTF-8. A malformed body, like any other: the documented 422 invalid_request.
+            return await _validation_error(request, RequestValidationError([{
+                "loc": ("body",), "msg": f"not valid JSON ({_parse_failure(exc.__cause__)})"}]))
         code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         parts = request.url.path.split("/")
         if exc.status_code == 404 and parts[1:3] == ["v1", "sandboxes"] and len(parts) > 3 and not _ID.match(parts[3]):
@@ -437,14 +457,7 @@ def create_app(options: ServerOptions) -> FastAPI:
     async def create(body: CreateRequest, idempotency_key: str | None = Header(default=None)) -> SandboxInfo:
         async def make() -> SandboxInfo:
             ttl_s = ttl(body.ttl_s)
-            blobs: dict[str, bytes] = {}
-            for path, text in body.files.items():
-                blobs[str(check_relative(_text(path, "a path")))] = _text(text, f"files[{path!r}]").encode()
-            for path, b64 in body.binary_files.items():
-                try:
-                    blobs[str(check_relative(path))] = base64.b64decode(b64, validate=True)
-                except (binascii.Error, ValueError) as exc:
-                    raise ApiError(400, "invalid_request", f"binary_files[{path!r}] is not base64") from exc
+            blobs = _snapshot(body)
             if len(blobs) > options.max_files:
                 raise ApiError(413, "payload_too_large", f"snapshot has more than {options.max_files} files")
             box = await open_box(body.network, ttl_s)
@@ -456,7 +469,8 @@ def create_app(options: ServerOptions) -> FastAPI:
                 raise
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
 
-        return await idempotency.run(_scoped("create", "", body.idempotency_key or idempotency_key), make)
+        return await idempotency.run(_scoped("create", "", body.idempotency_key or idempotency_key),
+                                     body, make)
 
     @app.get("/v1/sandboxes/{sandbox_id}")
     async def info(sandbox_id: str) -> SandboxInfo:
@@ -487,7 +501,8 @@ def create_app(options: ServerOptions) -> FastAPI:
             metrics.inc("forked_total")
             return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
 
-        return await idempotency.run(_scoped("fork", sandbox_id, body.idempotency_key or idempotency_key), make)
+        return await idempotency.run(_scoped("fork", sandbox_id, body.idempotency_key or idempotency_key),
+                                     body, make)
 
     # Returns the JSON bytes itself (the schema still says ExecResponse): FastAPI's validate-then-encode
     # of the answer costs more than the rest of the route on `echo hi`.
@@ -527,7 +542,8 @@ def create_app(options: ServerOptions) -> FastAPI:
             return Response(json.dumps(answer, ensure_ascii=False).encode(), media_type="application/json")
 
         try:
-            return await idempotency.run(_scoped("exec", sandbox_id, body.idempotency_key or idempotency_key), run)
+            return await idempotency.run(_scoped("exec", sandbox_id, body.idempotency_key or idempotency_key),
+                                         body, run)
         except asyncio.CancelledError:
             if sandbox_id not in sandboxes:
                 raise ApiError(404, "sandbox_not_found", f"sandbox {sandbox_id} was deleted during exec") from None
@@ -551,10 +567,7 @@ def create_app(options: ServerOptions) -> FastAPI:
     async def write_file(sandbox_id: str, body: FileBody) -> Response:
         box = get(sandbox_id)
         if body.encoding == "base64":
-            try:
-                data = base64.b64decode(body.content, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise ApiError(400, "invalid_request", "content is not valid base64") from exc
+            data = _base64(body.content, "content")
         else:
             data = _text(body.content, "content").encode()
         await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=isolation.owner(box.slot),
@@ -589,6 +602,29 @@ def _make_box_dirs(box: Sandbox, options: ServerOptions, disk_quota: bool, cgrou
         cgroups.create(box.id)
 
 
+def _snapshot(body: CreateRequest) -> dict[str, bytes]:
+    """The create request's files by normalized path. A path given twice (in ``files`` and
+    ``binary_files``, or spelled twice as ``a/b`` and ``./a//b``) is a 422 naming it: which copy
+    would win is not the client's to guess."""
+    named = [(path, _text(text, f"files[{path!r}]").encode()) for path, text in body.files.items()]
+    named += [(path, _base64(b64, f"binary_files[{path!r}]")) for path, b64 in body.binary_files.items()]
+    blobs: dict[str, bytes] = {}
+    for path, data in named:
+        normalized = str(check_relative(_text(path, "a path")))
+        if normalized in blobs:
+            raise ApiError(422, "duplicate_path", f"path {normalized!r} is given twice in one request "
+                           "(in files and binary_files, or as two spellings of one path)")
+        blobs[normalized] = data
+    return blobs
+
+
+def _base64(text: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(400, "invalid_request", f"{what} is not base64") from exc
+
+
 def _write_all(workspace: Path, blobs: dict[str, bytes], max_bytes: int) -> None:
     for path, data in blobs.items():
         write_bytes(workspace, path, data, owner=None, max_bytes=max_bytes)
@@ -596,6 +632,21 @@ def _write_all(workspace: Path, blobs: dict[str, bytes], max_bytes: int) -> None
 
 def _scoped(operation: str, sandbox_id: str, key: str | None) -> str | None:
     return None if key is None else f"{operation}:{sandbox_id}:{key}"
+
+
+def _fingerprint(body: BaseModel) -> str:
+    """What a request asks for, its idempotency key aside: the same key must come with the same request.
+    Keys sorted (a retry may reorder them); ASCII escapes so a lone surrogate hashes instead of raising."""
+    wanted = body.model_dump(exclude={"idempotency_key"})
+    return hashlib.sha256(json.dumps(wanted, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+
+
+def _parse_failure(cause: BaseException) -> str:
+    if isinstance(cause, RecursionError):
+        return "nested deeper than the JSON decoder allows"
+    if isinstance(cause, UnicodeDecodeError):
+        return "the body is not UTF-8"
+    return type(cause).__name__
 
 
 def _text(value: str, what: str) -> str:

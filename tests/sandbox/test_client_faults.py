@@ -100,6 +100,7 @@ def test_persistent_faults_become_infra_errors_after_bounded_retries():
     (_error(400, "path_escape"), SandboxRequestError),
     (_error(413, "payload_too_large"), SandboxRequestError),
     (_error(401, "unauthorized"), SandboxAuthError),
+    (_error(422, "idempotency_key_reused"), SandboxInfraError),
 ])
 def test_client_errors_are_classified_without_retry(response, error):
     seen: list[httpx.Request] = []

@@ -34,13 +34,13 @@ print(sorted(missing))
 """
 
 
-def _raw(endpoint, method: str, path: str, body: dict | None = None, **kwargs) -> httpx.Response:
+def _raw(endpoint, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+         **kwargs) -> httpx.Response:
     """A request sent as the JSON the body encodes to with ASCII escapes (so a lone surrogate travels)."""
     url, token = endpoint
     content = None if body is None else json.dumps(body).encode()
-    return httpx.request(method, f"{url}{path}", content=content, timeout=30,
-                         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-                         **kwargs)
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json", **(headers or {})}
+    return httpx.request(method, f"{url}{path}", content=content, timeout=30, headers=headers, **kwargs)
 
 
 def _assert_error(response: httpx.Response, status: int, code: str) -> None:
@@ -408,3 +408,76 @@ def test_unknown_routes_and_methods_get_the_typed_error_shape(endpoint, sandbox)
         assert response.status_code == status, response.text
         error = response.json()["error"]
         assert isinstance(error["code"], str) and error["code"] and isinstance(error["message"], str), response.text
+
+
+# ---- requests that are not what they seem ---------------------------------------------------------
+def _raw_bytes(endpoint, path: str, content: bytes) -> httpx.Response:
+    url, token = endpoint
+    return httpx.post(f"{url}{path}", content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+
+
+def test_a_body_nested_past_the_json_decoder_gets_the_typed_422(endpoint, sandbox, run):
+    depth = 100_000
+    nested = b'{"command": ' + b"[" * depth + b"]" * depth + b"}"
+    for path in (f"/v1/sandboxes/{sandbox}/exec", "/v1/sandboxes"):
+        response = _raw_bytes(endpoint, path, nested)
+        _assert_error(response, 422, "invalid_request")
+        assert "nested" in response.json()["error"]["message"], response.text
+    _assert_error(_raw_bytes(endpoint, f"/v1/sandboxes/{sandbox}/exec", b'{"command": "echo \xff"}'),
+                  422, "invalid_request")  # bytes that are not UTF-8: a malformed body too
+    _assert_still_serving(run)
+
+
+def test_an_idempotency_key_reused_for_a_different_request_is_refused(endpoint, sandbox):
+    key = "reused-key-0123"
+    exec_path = f"/v1/sandboxes/{sandbox}/exec"
+    first = _raw(endpoint, "POST", exec_path, {"command": "echo first >> runs.txt; echo first", "idempotency_key": key})
+    assert first.status_code == 200 and first.json()["stdout"] == "first\n", first.text
+    same = _raw(endpoint, "POST", exec_path, {"idempotency_key": key, "command": "echo first >> runs.txt; echo first"})
+    assert same.json() == first.json()  # a true retry (keys in another order) still gets the first answer
+    for other in ({"command": "echo second >> runs.txt; echo second"},
+                  {"command": "echo first >> runs.txt; echo first", "timeout_s": 5}):
+        response = _raw(endpoint, "POST", exec_path, {**other, "idempotency_key": key})
+        _assert_error(response, 422, "idempotency_key_reused")
+        assert key in response.json()["error"]["message"], response.text
+    header_reuse = _raw(endpoint, "POST", exec_path, {"command": "echo third"}, headers={"Idempotency-Key": key})
+    _assert_error(header_reuse, 422, "idempotency_key_reused")
+    ran = _raw(endpoint, "POST", exec_path, {"command": "cat runs.txt"})
+    assert ran.json()["stdout"] == "first\n", ran.text  # the refused requests never ran
+    create = {"files": {"a.py": "x = 1\n"}, "idempotency_key": key}
+    made = _raw(endpoint, "POST", "/v1/sandboxes", create)
+    assert made.status_code == 201, made.text
+    try:
+        _assert_error(_raw(endpoint, "POST", "/v1/sandboxes", {**create, "files": {"a.py": "x = 2\n"}}),
+                      422, "idempotency_key_reused")
+    finally:
+        _raw(endpoint, "DELETE", f"/v1/sandboxes/{made.json()['id']}")
+
+
+@pytest.mark.parametrize(("field", "value"), [("timeout_s", True), ("timeout_s", "5"), ("ttl_s", True),
+                                              ("ttl_s", "60"), ("network", 1), ("network", "false")])
+def test_request_numbers_and_flags_are_not_coerced_from_other_json_types(endpoint, sandbox, field, value):
+    if field == "timeout_s":
+        response = _raw(endpoint, "POST", f"/v1/sandboxes/{sandbox}/exec", {"command": "true", field: value})
+    else:
+        response = _raw(endpoint, "POST", "/v1/sandboxes", {"files": {}, field: value})
+        if response.status_code == 201:
+            _raw(endpoint, "DELETE", f"/v1/sandboxes/{response.json()['id']}")
+    _assert_error(response, 422, "invalid_request")
+    assert field in response.json()["error"]["message"], response.text
+    # an integer is a number: still accepted where a number is expected
+    ok = _raw(endpoint, "POST", f"/v1/sandboxes/{sandbox}/exec", {"command": "true", "timeout_s": 5})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("binary_path", ["dup.txt", "./dup.txt"])
+def test_one_path_given_twice_in_a_create_is_refused_naming_it(endpoint, binary_path):
+    body = {"files": {"dup.txt": "text"}, "binary_files": {binary_path: "Ynl0ZXM="}}
+    response = _raw(endpoint, "POST", "/v1/sandboxes", body)
+    if response.status_code == 201:
+        _raw(endpoint, "DELETE", f"/v1/sandboxes/{response.json()['id']}")
+    _assert_error(response, 422, "duplicate_path")
+    assert "dup.txt" in response.json()["error"]["message"], response.text
+    spelled_twice = _raw(endpoint, "POST", "/v1/sandboxes", {"files": {"sub/a.txt": "1", "sub//a.txt": "2"}})
+    _assert_error(spelled_twice, 422, "duplicate_path")
