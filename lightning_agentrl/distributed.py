@@ -109,6 +109,17 @@ def all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
+def _check_local_judge(url: str, token: str, policy: str) -> None:
+    """The reference server just started here isolates its judges as ``sandbox.judge_isolation`` asks
+    (it does only when this process runs as root)."""
+    import httpx
+
+    from lightning_agentrl.preflight import check_judge_isolation
+
+    health = httpx.get(f"{url}/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
+    check_judge_isolation(health, policy, where="the reference sandbox server started on this node")
+
+
 class NodeSandbox(L.Callback):
     """The sandbox service this process's environments talk to.
 
@@ -119,8 +130,9 @@ class NodeSandbox(L.Callback):
     """
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
-                 log_dir: Path, call_timeout_s: float | None = None) -> None:
+                 log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str = "require") -> None:
         self.url, self.token = url, token
+        self.judge_isolation = judge_isolation
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.call_timeout_s = call_timeout_s
@@ -149,6 +161,7 @@ class NodeSandbox(L.Callback):
                     f"sandbox.url: unset, so the reference sandbox server was started on this node, and it did not "
                     f"come up: {type(err).__name__}: {err} (log: {self.log_dir / name})"
                 ) from None
+            _check_local_judge(server.url, server.token, self.judge_isolation)
             mine = (node_rank, server.url, server.token)
         for entry in all_gather(mine):
             if entry is not None and entry[0] == node_rank:

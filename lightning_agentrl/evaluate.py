@@ -86,7 +86,8 @@ def _run(policy: Path, settings: Settings, folder: Path):
         raise SettingsError(f"--split: no {settings.eval.split} tasks in {settings.env.tasks}")
     tokenizer = AutoTokenizer.from_pretrained(policy)
     s = settings.sandbox
-    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries, log_dir=folder)
+    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries, log_dir=folder,
+                          judge_isolation=s.judge_isolation)
     servers = None
     try:
         if s.url is None:

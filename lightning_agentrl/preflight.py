@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
@@ -212,6 +213,24 @@ def check_sandbox(sandbox: SandboxSettings, timeout_s: float = TIMEOUT_S) -> Non
         ) from None
     if not isinstance(answer, dict) or answer.get("status") != "ok":
         raise PreflightError(f"sandbox.url: the sandbox service at {sandbox.url} is not healthy: {answer!r}")
+    check_judge_isolation(answer, sandbox.judge_isolation, where=f"the sandbox service at {sandbox.url}")
+
+
+def check_judge_isolation(health: dict, policy: str, *, where: str) -> bool:
+    """Whether the service's health answer says each sandbox's judge runs under its own uid
+    (``isolation.enforced.judge_uid_per_sandbox``); when it does not, a :class:`PreflightError` naming
+    ``sandbox.judge_isolation`` with ``policy="require"``, a warning with ``"warn"``."""
+    enforced = (health.get("isolation") or {}).get("enforced") or {}
+    if enforced.get("judge_uid_per_sandbox") is not None:
+        return True
+    message = (f"{where} runs the judge that holds the hidden tests under the agent's own uid (not run as root), "
+               "so an agent can read the tests and be rewarded without solving the task (docs/sandbox.md, "
+               "single-uid mode)")
+    if policy == "require":
+        raise PreflightError(f"sandbox.judge_isolation: {message}; run the service as root, or set "
+                             "sandbox.judge_isolation=warn to train anyway")
+    warnings.warn(f"sandbox.judge_isolation=warn: {message}", stacklevel=2)
+    return False
 
 
 def check_tracking(tracking: TrackingSettings, timeout_s: float = TIMEOUT_S) -> None:
@@ -335,6 +354,6 @@ def check_inference_servers(urls: list[str], *, min_model_len: int, timeout_s: f
 
 
 __all__ = [
-    "PreflightError", "check_health", "check_inference_servers", "check_model_path", "check_sandbox", "check_tasks",
-    "check_tracking", "model_folder_problem", "preflight",
+    "PreflightError", "check_health", "check_inference_servers", "check_judge_isolation", "check_model_path",
+    "check_sandbox", "check_tasks", "check_tracking", "model_folder_problem", "preflight",
 ]

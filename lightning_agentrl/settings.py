@@ -116,6 +116,11 @@ class SandboxSettings(_Section):
     service (it accepts connections, never answers) costs: each episode then ends with `sandbox_error` within
     `call_timeout_s + env.tool_timeout_s` of its pending call, plus `request_timeout_s` for the cleanup delete,
     i.e. within 60 s with the defaults, and the circuit breaker trips at the first step whose every episode failed."""
+    judge_isolation: Literal["require", "warn"] = "require"
+    """Scoring needs the judge (it holds the hidden tests) under another uid than the agent's code; a service that
+    cannot do that (not run as root: `judge_uid_per_sandbox` null on its health call) lets an agent read the hidden
+    tests and be rewarded without solving the task (docs/sandbox.md, single-uid mode). `require`: such a service is
+    an error at start. `warn`: train anyway, with a warning (the setting is among the run's parameters)."""
 
 
 class EnvSettings(_Section):

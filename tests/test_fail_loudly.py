@@ -190,6 +190,27 @@ def test_a_live_sandbox_service_that_refuses_the_token_is_named(capsys):
     assert error_line(capsys.readouterr().err).startswith(f"error: sandbox.token: the sandbox service at {server.url} refused it")
 
 
+def test_a_sandbox_service_whose_judge_shares_the_agents_uid_is_refused_unless_warned(capsys, tmp_path):
+    from sandbox_server.launch import start_local_server
+
+    # A server that keeps one uid for everything (what a server not run as root gives).
+    with start_local_server(sandbox_uid=-1, allow_root_commands=True) as server:
+        args = ["validate", "--config", "configs/smoke.yaml", f"--sandbox.url={server.url}",
+                f"--sandbox.token={server.token}"]
+        assert main(args) == 2
+        assert error_line(capsys.readouterr().err).startswith(
+            f"error: sandbox.judge_isolation: the sandbox service at {server.url} runs the judge that holds the "
+            "hidden tests under the agent's own uid")
+        with pytest.warns(UserWarning, match="sandbox.judge_isolation=warn: .* an agent can read the tests"):
+            assert main([*args, "--sandbox.judge_isolation=warn"]) == 0
+        done = subprocess.run([sys.executable, "-m", "lightning_agentrl", "fit", *args[1:], f"--run.dir={tmp_path}"],
+                              capture_output=True, text=True, timeout=300, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert error_line(done.stderr).startswith("error: sandbox.judge_isolation: ")
+    assert not (tmp_path / "checkpoints").exists()
+
+
 # -- during the run --------------------------------------------------------------------------------
 SMALL = ["--engine.max_new_tokens=24", "--env.max_turns=2", "--trainer.threads=1"]
 
