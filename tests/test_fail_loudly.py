@@ -196,7 +196,7 @@ def test_a_sandbox_service_whose_judge_shares_the_agents_uid_is_refused_unless_w
     # A server that keeps one uid for everything (what a server not run as root gives).
     with start_local_server(sandbox_uid=-1, allow_root_commands=True) as server:
         args = ["validate", "--config", "configs/smoke.yaml", f"--sandbox.url={server.url}",
-                f"--sandbox.token={server.token}"]
+                f"--sandbox.token={server.token}", "--sandbox.judge_isolation=require"]
         assert main(args) == 2
         assert error_line(capsys.readouterr().err).startswith(
             f"error: sandbox.judge_isolation: the sandbox service at {server.url} runs the judge that holds the "
