@@ -92,6 +92,10 @@ def _run(policy: Path, settings: Settings, folder: Path):
     try:
         if s.url is None:
             sandbox.start()
+        else:  # the same health, token and judge-isolation checks as `fit` and `validate`
+            from lightning_agentrl.preflight import check_sandbox
+
+            check_sandbox(s)
         servers = start_local_servers(settings, str(policy), folder)
         engine = make_engine(settings, str(policy), tokenizer, urls=servers.urls if servers else None)
         service = build_rollout_service(settings, engine, sandbox, chat_codec(settings, tokenizer), tasks)

@@ -217,11 +217,14 @@ def check_sandbox(sandbox: SandboxSettings, timeout_s: float = TIMEOUT_S) -> Non
 
 
 def check_judge_isolation(health: dict, policy: str, *, where: str) -> bool:
-    """Whether the service's health answer says each sandbox's judge runs under its own uid
-    (``isolation.enforced.judge_uid_per_sandbox``); when it does not, a :class:`PreflightError` naming
+    """Whether the service's health answer says how each sandbox's judge runs under its own uid
+    (``isolation.enforced.judge_uid_per_sandbox``, a non-empty string); when it does not (null, another
+    type, a health answer of another shape), a :class:`PreflightError` naming
     ``sandbox.judge_isolation`` with ``policy="require"``, a warning with ``"warn"``."""
-    enforced = (health.get("isolation") or {}).get("enforced") or {}
-    if enforced.get("judge_uid_per_sandbox") is not None:
+    isolation = health.get("isolation") if isinstance(health, dict) else None
+    enforced = isolation.get("enforced") if isinstance(isolation, dict) else None
+    how = enforced.get("judge_uid_per_sandbox") if isinstance(enforced, dict) else None
+    if isinstance(how, str) and how.strip():  # the service says how, e.g. "uids 100256..100511 ..."
         return True
     message = (f"{where} runs the judge that holds the hidden tests under the agent's own uid (not run as root), "
                "so an agent can read the tests and be rewarded without solving the task (docs/sandbox.md, "

@@ -230,8 +230,15 @@ def _send(message):
 def _error(exc):
     kind = type(exc)
     _objects[id(kind)] = kind
+    # The arguments too when they are plain scalars: KeyError('x').args is ('x',), its str is "'x'".
+    try:
+        args = exc.args if type(exc.args) is tuple else ()
+        plain = all(type(a) in (str, int, float, bool, type(None)) for a in args) and len(repr(args)) <= 4000
+    except Exception:  # an agent's exception whose args cannot be read: its message only
+        args, plain = (), False
     return {"name": kind.__name__, "message": str(exc)[:4000], "id": id(kind),
-            "bases": [c.__name__ for c in kind.__mro__ if c.__module__ == "builtins"]}
+            "bases": [c.__name__ for c in kind.__mro__ if c.__module__ == "builtins"],
+            **({"args": list(args)} if plain else {})}
 
 
 def _handle(request):

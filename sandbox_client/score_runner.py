@@ -255,6 +255,12 @@ def _remote_exception(info) -> Exception:
     if not isinstance(info, dict):
         return PeerError("the agent's process sent an invalid error")
     cls = _exception_class(info.get("name"), info.get("bases"), info.get("id"))
+    args = info.get("args")
+    if isinstance(args, list) and all(type(a) in (str, int, float, bool, type(None)) for a in args):
+        try:
+            return cls(*args)  # the exception's own arguments (KeyError('x').args == ('x',))
+        except Exception:  # a base that needs other arguments (UnicodeDecodeError): the message
+            pass
     return cls(str(info.get("message", ""))[:4000])
 
 

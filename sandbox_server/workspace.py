@@ -205,10 +205,17 @@ def _walk(root: Path, max_depth: int):
 
 
 def list_files(root: Path, max_files: int, max_depth: int = 256) -> list[str]:
-    """Regular files under ``root`` (relative POSIX paths, sorted); symlinks are not followed or listed."""
+    """Regular files under ``root`` (relative POSIX paths, sorted); symlinks are not followed or listed.
+    A name that is not UTF-8 cannot cross the JSON protocol: 422 ``unencodable_path``."""
     found: list[str] = []
     for rel, info, _, _ in _walk(root, max_depth):
         if stat.S_ISREG(info.st_mode):
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:
+                raise WorkspaceError("unencodable_path", 422,
+                                     f"a file name is not UTF-8: {rel.encode('utf-8', 'backslashreplace').decode()!r}"
+                                     ) from None
             found.append(rel)
             if len(found) > max_files:
                 raise WorkspaceError("payload_too_large", 413, f"workspace holds more than {max_files} files")

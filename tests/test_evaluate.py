@@ -69,6 +69,18 @@ def test_evaluate_command_names_what_it_cannot_read(tmp_path, capsys):
     assert "--samples must be >= 1" in capsys.readouterr().err
 
 
+def test_evaluate_refuses_a_sandbox_service_whose_judge_shares_the_agents_uid(one_step_run, capsys):
+    from sandbox_server.launch import start_local_server
+
+    result, _ = one_step_run
+    with start_local_server(sandbox_uid=-1, allow_root_commands=True) as server:  # one uid, as without root
+        args = ["evaluate", str(result.run_dir), "--split", "all", "--samples", "1", f"--sandbox.url={server.url}",
+                f"--sandbox.token={server.token}", "--sandbox.judge_isolation=require"]
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: sandbox.judge_isolation: the sandbox service at {server.url} runs the judge" in err
+
+
 def test_score_examples_stay_true():
     import doctest
 

@@ -765,3 +765,21 @@ def test_a_full_disk_or_a_tracking_server_failing_mid_run_is_one_error_line():
     assert _dependency_failure(MlflowException("API request to runs/get failed"), settings).startswith(
         "tracking.uri: the tracking server failed during the run (MlflowException: API request")
     assert _dependency_failure(KeyError("a bug"), settings) is None  # a bug keeps its traceback
+
+
+@pytest.mark.parametrize("health", [
+    {"isolation": {"enforced": {"judge_uid_per_sandbox": None}}},
+    {"isolation": {"enforced": {"judge_uid_per_sandbox": False}}},
+    {"isolation": {"enforced": {"judge_uid_per_sandbox": ""}}},
+    {"isolation": {"enforced": {"judge_uid_per_sandbox": 0}}},
+    {"isolation": {"enforced": []}},
+    {"isolation": "none"},
+    {},
+])
+def test_judge_isolation_is_accepted_only_when_the_service_says_how(health):
+    from lightning_agentrl.preflight import PreflightError, check_judge_isolation
+
+    with pytest.raises(PreflightError, match="^sandbox.judge_isolation: the service runs the judge"):
+        check_judge_isolation(health, "require", where="the service")
+    assert check_judge_isolation({"isolation": {"enforced": {"judge_uid_per_sandbox": "uids 10..19"}}},
+                                 "require", where="the service")

@@ -100,3 +100,28 @@ def test_a_service_without_peer_command_is_an_infrastructure_error_not_a_zero(se
     result = asyncio.run(main())
     with pytest.raises(SandboxInfraError, match="peer_command"):
         _judge(result.stdout, result.stderr, "n0nce", 1, 0.0, [], "fork")
+
+
+def test_an_exception_reaches_the_hidden_tests_with_its_own_arguments(server):
+    """Correct code must not score 0 because an exception crossed the process boundary as its message:
+    ``KeyError('x').args`` is ``('x',)``, its ``str`` is ``"'x'"``."""
+    hidden = ("import pytest\nfrom lookup import get\n\ndef test_missing():\n"
+              "    with pytest.raises(KeyError) as caught:\n        get({}, 'x')\n"
+              "    assert caught.value.args == ('x',)\n\n"
+              "def test_io():\n    with pytest.raises(OSError) as caught:\n        get(None, 'x')\n"
+              "    assert caught.value.args == (2, 'gone')\n")
+    correct = "def get(d, k):\n    if d is None:\n        raise OSError(2, 'gone')\n    return d[k]\n"
+
+    async def main():
+        async with SandboxClient(server.url, server.token) as client:
+            agent = await client.create({"lookup.py": correct})
+            try:
+                return await score_submission(client, task_files={"lookup.py": correct},
+                                              hidden_files={"hidden_tests/test_hidden.py": hidden},
+                                              agent_sandbox_id=agent, test_command="python -m pytest -q hidden_tests",
+                                              timeout_s=60, required_passed=2)
+            finally:
+                await client.delete(agent)
+
+    result = asyncio.run(main())
+    assert (result.reward, result.num_passed, result.num_failed) == (1.0, 2, 0), result.output

@@ -481,3 +481,32 @@ def test_one_path_given_twice_in_a_create_is_refused_naming_it(endpoint, binary_
     assert "dup.txt" in response.json()["error"]["message"], response.text
     spelled_twice = _raw(endpoint, "POST", "/v1/sandboxes", {"files": {"sub/a.txt": "1", "sub//a.txt": "2"}})
     _assert_error(spelled_twice, 422, "duplicate_path")
+
+
+def test_a_file_name_that_is_not_utf8_gets_a_typed_422_and_a_fresh_score_of_zero(run):
+    """An agent cannot turn its failing submission into an infrastructure error (left out of training)
+    by creating a file whose name JSON cannot carry: the listing is a typed 422, and scoring on a fresh
+    snapshot gives 0 with the reason."""
+    from sandbox_client import score_submission
+
+    task = {"utils.py": "def f():\n    return 1\n"}
+    hidden = {"hidden_tests/test_hidden.py": "from utils import f\n\ndef test_f():\n    assert f() == 2\n"}
+
+    async def body(client):
+        agent = await client.create(task)
+        try:
+            made = await client.exec(agent, ["python3", "-c", "open(b'\\xff.txt', 'w').write('x')"], timeout_s=30)
+            assert made.exit_code == 0, made.stderr
+            with pytest.raises(SandboxRequestError) as refused:
+                await client.list_files(agent)
+            score = await score_submission(client, task_files=task, hidden_files=hidden, agent_sandbox_id=agent,
+                                           test_command="python -m pytest -q hidden_tests", timeout_s=60,
+                                           snapshot="fresh")
+            return refused.value, score
+        finally:
+            await client.delete(agent)
+
+    refused, score = run(body)
+    assert (refused.status, refused.code) == (422, "unencodable_path")
+    assert score.reward == 0.0 and "could not be listed" in score.output and "unencodable_path" in score.output
+    _assert_still_serving(run)
