@@ -91,3 +91,18 @@ def test_keydoor_trains_through_fit_and_gigpo_merges_recurring_states(tmp_path):
     assert rewards == [0.0, KEY_REWARD, 0.0, 0.0, 0.0, 0.0, 0.0, DOOR_REWARD, 0.0, 1.0]
     assert step["reward/mean"] == pytest.approx(0.5)
 
+
+
+def test_preflight_reads_keydoor_tasks_through_the_environment(tmp_path):
+    from lightning_agentrl.preflight import PreflightError, check_tasks
+    from lightning_agentrl.settings import load_settings
+
+    shipped = ["--env.kind=keydoor", f"--env.tasks={REPO / 'tasks' / 'keydoor'}", "--eval.every_n_steps=1"]
+    check_tasks(load_settings(None, shipped))  # train and test splits in the shipped JSONL
+    only_train = tmp_path / "train.jsonl"
+    only_train.write_text(json.dumps({"id": "m", "map": MAP}) + "\n")
+    with pytest.raises(PreflightError, match=f"eval.split: no test tasks in {only_train}"):
+        check_tasks(load_settings(None, [*shipped[:1], f"--env.tasks={only_train}", *shipped[2:]]))
+    only_train.write_text('{"id": "m"}\n')
+    with pytest.raises(PreflightError, match=r"env.tasks: .*train.jsonl:1: a task is an object"):
+        check_tasks(load_settings(None, [*shipped[:1], f"--env.tasks={only_train}"]))
