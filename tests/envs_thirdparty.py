@@ -52,3 +52,33 @@ class CountdownEnv(Environment):
     @property
     def state_text(self) -> str:
         return f"at {self.current}"
+
+
+class BackendDown(Exception):
+    """The third party's own infrastructure error type (say, its database client's)."""
+
+
+class BackendSlow(Exception):
+    """The third party's own timeout type."""
+
+
+class FlakyCountdownEnv(CountdownEnv):
+    """Countdown whose backend fails at the number ``fail_at`` with ``failure`` (an exception type),
+    and maps its backend's errors to the trainer's in :meth:`classify_error`."""
+
+    fail_at = 1
+    failure: type[Exception] = BackendDown
+
+    async def step(self, action_text: str) -> StepResult:
+        if self.current - 1 == self.fail_at:
+            raise self.failure(f"backend failed at {self.fail_at}")
+        return await super().step(action_text)
+
+    def classify_error(self, err: Exception):
+        from lightning_agentrl.envs.base import EnvInfraError, ToolTimeout
+
+        if isinstance(err, BackendDown):
+            return EnvInfraError(f"{type(err).__name__}: {err}")
+        if isinstance(err, BackendSlow):
+            return ToolTimeout(str(err))
+        return None

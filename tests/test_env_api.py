@@ -3,12 +3,14 @@ a third-party environment (:mod:`tests.envs_thirdparty`) trained through ``fit``
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 import torch
 
 from lightning_agentrl.settings import SettingsError, load_settings
+from tests import envs_thirdparty as thirdparty
 from tests.envs_thirdparty import STEP_REWARD
 from tests.fitting import learn_settings, scripted_fit
 
@@ -51,3 +53,38 @@ def test_a_third_party_environment_trains_through_fit(tmp_path):
         assert per_turn.count(1.0) == 2 and per_turn.count(STEP_REWARD) >= 2, per_turn
         assert step["reward/mean"] == pytest.approx(0.5)  # 2 of 4 episodes solved
         assert torch.equal(batch.rewards.sort().values, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize(("failure", "termination", "info"), [
+    ("BackendDown", "sandbox_error", {"sandbox_error": "BackendDown: backend failed at 1"}),
+    ("BackendSlow", "timeout", {"timeout": "tool"}),
+])
+def test_a_third_party_backend_error_is_classified_by_the_environment(tiny_tokenizer, failure, termination, info):
+    """Its own exception types reach the loop as EnvInfraError (excluded, not scored) or ToolTimeout."""
+    trajectory, env = play_flaky(tiny_tokenizer, getattr(thirdparty, failure))
+    assert trajectory.termination.value == termination and trajectory.reward == 0.0
+    assert {k: trajectory.info[k] for k in info} == info
+    assert [turn.reward for turn in trajectory.turns] == [STEP_REWARD, 0.0]  # the first step counted down
+    assert env.current == 2
+
+
+def test_an_unclassified_error_fails_loudly(tiny_tokenizer):
+    with pytest.raises(ZeroDivisionError):
+        play_flaky(tiny_tokenizer, ZeroDivisionError)
+
+
+def play_flaky(tokenizer, failure):
+    from lightning_agentrl.rollout.agent_loop import EpisodeBudget, run_episode
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.rollout.engine import SamplingParams
+    from tests.rollout.conftest import ScriptedEngine
+
+    codec = ChatCodec(tokenizer)
+    env = thirdparty.FlakyCountdownEnv(thirdparty.CountdownTask("c", start=3))
+    env.failure = failure
+    engine = ScriptedEngine(codec, {"*": ["2", "1", "0"]})
+    trajectory = asyncio.run(run_episode(
+        engine=engine, env=env, codec=codec, sampling=SamplingParams(max_new_tokens=8), budget=EpisodeBudget(),
+        episode_id="g0-e0", task_id="c", group_id=0,
+    ))
+    return trajectory, env
