@@ -29,7 +29,9 @@ SUMMARY_HEADER = "Earlier turns of this episode were summarized to fit the conte
 
 class EnvInfraError(Exception):
     """The environment's infrastructure failed (a lost sandbox, an unreachable service), not the agent:
-    the episode ends with ``sandbox_error`` and is excluded from training."""
+    the episode ends with ``sandbox_error`` and is excluded from training. The trajectory's
+    ``info["sandbox_error"]`` is its message, after the type name when it was raised directly (an error
+    made by :meth:`Environment.classify_error` carries its own, e.g. ``"SandboxNotFound: ..."``)."""
 
 
 class ToolTimeout(Exception):
