@@ -77,11 +77,10 @@ def _run(policy: Path, settings: Settings, folder: Path):
 
     from lightning_agentrl.callbacks.evaluation import score_episodes
     from lightning_agentrl.distributed import NodeSandbox
-    from lightning_agentrl.tasks import load_tasks
+    from lightning_agentrl.envs.registry import load_env_tasks
     from lightning_agentrl.train import build_rollout_service, chat_codec, make_engine, start_local_servers
 
-    split = None if settings.eval.split == "all" else settings.eval.split
-    tasks = load_tasks(settings.env.tasks, split=split)
+    tasks = load_env_tasks(settings, settings.eval.split)
     if not tasks:
         raise SettingsError(f"--split: no {settings.eval.split} tasks in {settings.env.tasks}")
     tokenizer = AutoTokenizer.from_pretrained(policy)

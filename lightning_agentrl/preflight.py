@@ -3,7 +3,7 @@
 Without them a dead sandbox service gives a run that "succeeds" after training on nothing, a bad
 ``model.path`` ends in a transformers traceback about repo ids, and an unreachable tracking server
 costs 200 s of MLflow retries. Each check raises :class:`PreflightError`, a :class:`SettingsError`
-whose message names the setting (``env.tasks: no such folder: /x``), so the command line prints it
+whose message names the setting (``env.tasks: no such file or folder: /x``), so the command line prints it
 as one ``error:`` line with exit status 2, like every other settings error.
 
 Local checks (no network): the task suite exists and has tasks of the split (and of the held-out
@@ -56,18 +56,19 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
 
 # -- local -----------------------------------------------------------------------------------------
 def check_tasks(settings: Settings) -> None:
-    """The suite exists, loads, and holds tasks of ``env.split`` (and of ``eval.split`` when evaluating)."""
-    from lightning_agentrl.tasks import load_tasks
+    """The tasks exist, load (by ``env.kind``'s loader), and hold tasks of ``env.split`` (and of ``eval.split``
+    when evaluating)."""
+    from lightning_agentrl.envs.registry import load_env_tasks
 
     root = Path(settings.env.tasks)
-    if not root.is_dir():
-        raise PreflightError(f"env.tasks: no such folder: {root}")
+    if not root.exists():
+        raise PreflightError(f"env.tasks: no such file or folder: {root}")
     splits = [("env.split", settings.env.split)]
     if settings.eval.every_n_steps is not None:
         splits.append(("eval.split", settings.eval.split))
     for setting, split in splits:
         try:
-            tasks = load_tasks(root, split=None if split == "all" else split)
+            tasks = load_env_tasks(settings, split)
         except (OSError, ValueError) as err:
             raise PreflightError(f"env.tasks: {err}") from None
         if not tasks:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _YAML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_YAML_DATA", default=None)
@@ -124,8 +124,21 @@ class SandboxSettings(_Section):
 
 
 class EnvSettings(_Section):
+    kind: str = "coding"
+    """The environment: `coding` (bug-fix tasks in a sandbox), `keydoor` (a text key-and-door world), or a
+    user's class by dotted path, `my_pkg.envs:SearchEnv` (a subclass of `lightning_agentrl.envs.base.Environment`,
+    importable where the run starts; docs/environments.md)."""
     tasks: Path = Path("tasks/smoke")
-    """A task suite folder (one sub-folder per task) or one task folder."""
+    """The tasks, in the format `env.kind` reads: for `coding` a task suite folder (one sub-folder per task) or
+    one task folder; for `keydoor` a JSONL file."""
+
+    @field_validator("kind")
+    @classmethod
+    def _known_environment(cls, kind: str) -> str:
+        from lightning_agentrl.envs.registry import env_class
+
+        env_class(kind)  # imports the module: a typo or a missing package fails here, before any work starts
+        return kind
     split: Literal["train", "test", "all"] = "train"
     """Which tasks of the suite to train on."""
     max_turns: int = Field(4, ge=1)

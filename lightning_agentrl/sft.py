@@ -34,8 +34,8 @@ import torch
 
 from lightning_agentrl.envs.coding import SYSTEM_PROMPT
 from lightning_agentrl.envs.learn_tasks import ANSWER_FILE, KEY_FILE, PROMPT, LearnSuiteSpec
+from lightning_agentrl.envs.tools import CODING_TOOLS
 from lightning_agentrl.rollout.chat import ChatCodec
-from lightning_agentrl.rollout.tool_calls import CODING_TOOLS
 
 DETOUR_COMMAND = "ls"
 DETOUR_OUTPUT = f"exit code 0\n{ANSWER_FILE}\n{KEY_FILE}\n"
@@ -50,7 +50,7 @@ def opening_messages(system_prompt: str | None = None, prompt: str = PROMPT) -> 
 
 
 def tool_call(name: str, **arguments: str) -> str:
-    """The text of one action in the format of :mod:`lightning_agentrl.rollout.tool_calls`."""
+    """The text of one action in the format of :mod:`lightning_agentrl.envs.tools`."""
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 

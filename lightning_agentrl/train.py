@@ -246,11 +246,11 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning_agentrl.callbacks.engine_sleep import engine_sleep_callbacks
     from lightning_agentrl.datamodule import RolloutDataModule
     from lightning_agentrl.distributed import NodeSandbox
+    from lightning_agentrl.envs.registry import load_env_tasks
     from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.plan import check_memory_plan
     from lightning_agentrl.preflight import preflight
     from lightning_agentrl.shutdown import StopOnSignal
-    from lightning_agentrl.tasks import load_tasks
 
     for pattern in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
@@ -263,7 +263,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         torch.set_num_threads(settings.trainer.threads)
     L.seed_everything(settings.run.seed, workers=True, verbose=False)
 
-    tasks = load_tasks(settings.env.tasks, split=None if settings.env.split == "all" else settings.env.split)
+    tasks = load_env_tasks(settings, settings.env.split)
     if not tasks:
         raise SettingsError(f"env.tasks: no {settings.env.split} tasks in {settings.env.tasks}")
     model_path = resolve_model_path(settings)
@@ -342,7 +342,7 @@ def native_tools(settings: Settings, codec) -> bool:
 
 
 def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
-    from lightning_agentrl.envs.coding import CodingEnv
+    from lightning_agentrl.envs.registry import env_class
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
@@ -351,15 +351,10 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     e, r, env = settings.engine, settings.rollout, settings.env
     tools_in_template = native_tools(settings, codec)
 
+    cls = env_class(env.kind)
+
     def make_env(client, task):
-        return CodingEnv(
-            client,
-            task,
-            tool_timeout_s=env.tool_timeout_s,
-            max_observation_chars=env.max_observation_chars,
-            system_prompt=env.system_prompt,
-            native_tools=tools_in_template,
-        )
+        return cls.from_settings(task, client=client, settings=env, native_tools=tools_in_template)
 
     return RolloutService(
         engine=engine,
@@ -403,7 +398,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
-    from lightning_agentrl.tasks import load_tasks
+    from lightning_agentrl.envs.registry import load_env_tasks
 
     r = settings.rollout
     filtered = (*INFRASTRUCTURE, *TRUNCATIONS) if r.truncation == "filter" else INFRASTRUCTURE
@@ -429,8 +424,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
     if settings.eval.every_n_steps is not None:
         from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation
 
-        split = None if settings.eval.split == "all" else settings.eval.split
-        held_out = load_tasks(settings.env.tasks, split=split)
+        held_out = load_env_tasks(settings, settings.eval.split)
         if not held_out:
             raise SettingsError(f"eval.split: no {settings.eval.split} tasks in {settings.env.tasks}")
         callbacks.append(

@@ -149,7 +149,7 @@ def test_check_health_names_every_server_of_a_fleet_that_does_not_answer():
         ("--model.path=README.md", "error: model.path: README.md is a file"),
         ("--model.path=tasks", "error: model.path: tasks has no config.json"),
         ("--model.path=not a/model id", "error: model.path: 'not a/model id' is neither a local folder nor a hub id"),
-        ("--env.tasks=/nonexistent", "error: env.tasks: no such folder: /nonexistent"),
+        ("--env.tasks=/nonexistent", "error: env.tasks: no such file or folder: /nonexistent"),
         ("--env.tasks=configs", "error: env.tasks: configs: no task folders"),
         ("--env.tasks=tasks/bugfix/binary_search_first --env.split=test",
          "error: env.split: no test tasks in tasks/bugfix/binary_search_first"),

@@ -18,7 +18,7 @@ from lightning_agentrl.envs.learn_tasks import (
     task_files,
     write_suite,
 )
-from lightning_agentrl.rollout.tool_calls import parse_tool_call
+from lightning_agentrl.envs.tools import parse_tool_call
 from lightning_agentrl.sft import (
     demonstration_turns,
     make_demonstrations,

@@ -1,8 +1,10 @@
 """Environments in message space: they take the agent's text and return observation text.
 
-Token ids never appear here (they appear only in :mod:`lightning_agentrl.rollout.chat`).
+Token ids never appear here (they appear only in :mod:`lightning_agentrl.rollout.chat`). Nothing
+under ``lightning_agentrl.envs`` imports ``lightning_agentrl.rollout``: the agent loop depends on
+environments, never the reverse. :mod:`~lightning_agentrl.envs.registry` resolves ``env.kind``.
 """
 
-from lightning_agentrl.envs.base import Environment, StepResult
+from lightning_agentrl.envs.base import EnvInfraError, Environment, StepResult, ToolTimeout
 
-__all__ = ["Environment", "StepResult"]
+__all__ = ["EnvInfraError", "Environment", "StepResult", "ToolTimeout"]

@@ -1,14 +1,49 @@
-"""The environment contract."""
+"""The environment contract: what a user implements to train an agent on their own world.
+
+A subclass of :class:`Environment` is named in the settings, ``env.kind: my_pkg.envs:SearchEnv``
+(or a shipped name, ``coding`` or ``keydoor``), and the trainer builds one per episode with
+:meth:`Environment.from_settings`. Everything here is message space: text in, text out; token ids
+never appear (they are the agent loop's, :mod:`lightning_agentrl.rollout.chat`).
+
+Errors: a tool failure the agent caused is an observation (``info["error"]``), never an exception.
+The environment's own infrastructure failing raises :class:`EnvInfraError` (the episode ends with
+``sandbox_error`` and is excluded from training, not scored 0); a tool past its time limit raises
+:class:`ToolTimeout` (the episode ends with ``timeout``). An environment whose backend raises its
+own exception types maps them in :meth:`Environment.classify_error`; the agent loop catches only
+these two types. docs/environments.md walks through writing one.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_agentrl.settings import EnvSettings
+
+SUMMARY_HEADER = "Earlier turns of this episode were summarized to fit the context."
+
+
+class EnvInfraError(Exception):
+    """The environment's infrastructure failed (a lost sandbox, an unreachable service), not the agent:
+    the episode ends with ``sandbox_error`` and is excluded from training. The trajectory's
+    ``info["sandbox_error"]`` is its message, after the type name when it was raised directly (an error
+    made by :meth:`Environment.classify_error` carries its own, e.g. ``"SandboxNotFound: ..."``)."""
+
+
+class ToolTimeout(Exception):
+    """A tool ran past its time limit: the episode ends with ``timeout`` (``info["timeout"] = "tool"``)."""
 
 
 @dataclass
 class StepResult:
-    """What one action led to. ``done`` with ``info["submitted"]`` means the agent finished."""
+    """What one action led to. ``reward`` is this turn's reward (``Turn.reward``, per-turn credit);
+    with ``done`` it is also the episode's final reward. ``info``: ``tool`` (the tool called),
+    ``error`` (the action was rejected: counts toward ``env.max_tool_errors``), ``submitted``,
+    ``scoring_timed_out`` (the episode ends with ``scoring_timeout``)."""
 
     observation: str
     reward: float = 0.0
@@ -16,31 +51,93 @@ class StepResult:
     info: dict = field(default_factory=dict)
 
 
-class Environment(Protocol):
-    """One episode's world. Tool failures come back as observations (``info["error"]``);
-    infrastructure failures raise ``sandbox_client.SandboxInfraError``; a tool command past its
-    timeout raises ``sandbox_client.CommandTimeout``."""
+class Environment(ABC):
+    """One episode's world. Subclass it, implement :meth:`reset`, :meth:`step` and :attr:`state_text`,
+    and override the rest where the defaults do not fit."""
 
-    tools: list[dict] | None
-    """The tools as JSON schemas for the chat template's ``tools=`` argument; None when the opening
-    messages describe them."""
+    tools: list[dict] | None = None
+    """The tools as JSON schemas (OpenAI function format, :meth:`~lightning_agentrl.envs.tools.ToolSpec.schema`)
+    for the chat template's ``tools=`` argument; None when the opening messages describe them."""
 
+    # -- building ----------------------------------------------------------------------------------
+    @classmethod
+    def load_tasks(cls, path: str | Path, *, split: str | None) -> list[Any]:
+        """The tasks at ``env.tasks`` of ``split`` ("train", "test"; None = all). A task is any object
+        with an ``id`` (str). Default: the task-folder format of :mod:`lightning_agentrl.tasks`. Raise
+        ``FileNotFoundError`` or ``ValueError`` naming what is wrong; the trainer reports it as ``env.tasks``."""
+        from lightning_agentrl.tasks import load_tasks
+
+        return load_tasks(path, split=split)
+
+    @classmethod
+    def from_settings(cls, task: Any, *, client: Any, settings: EnvSettings, native_tools: bool) -> Environment:
+        """One episode's environment for ``task``. ``client``: a sandbox client (for environments that
+        run code remotely); ``settings``: the ``env`` section; ``native_tools``: the chat template renders
+        :attr:`tools` (else describe them in the opening messages). Default: ``cls(task)``."""
+        return cls(task)
+
+    # -- the episode -------------------------------------------------------------------------------
+    @abstractmethod
     async def reset(self) -> list[dict]:
         """Start the episode; return the opening chat messages (system, user)."""
-        ...
 
-    async def step(self, action_text: str) -> StepResult: ...
+    @abstractmethod
+    async def step(self, action_text: str) -> StepResult:
+        """Apply the agent's action (its decoded text; parse a tool call with
+        :func:`~lightning_agentrl.envs.tools.parse_tool_call`) and say what it led to."""
+
+    async def close(self) -> None:
+        """Release what the episode holds (called once, also after errors). Default: nothing to release."""
+        return None
+
+    # -- GiGPO anchor states -----------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def state_text(self) -> str:
+        """The observable state the next action starts from, as text. GiGPO groups turns that start
+        from the same state (``algorithm.gigpo_similarity``: from similar enough texts): equal states
+        must give equal texts, whatever path led there. Keep it short (the similarity costs the product
+        of two lengths)."""
 
     @property
     def state_key(self) -> str:
-        """A hash of the observable state the next action starts from (GiGPO anchor states)."""
-        ...
+        """The exact GiGPO anchor: by default a hash of :attr:`state_text`."""
+        return hashlib.sha256(self.state_text.encode()).hexdigest()[:16]
 
-    @property
-    def state_text(self) -> str:
-        """The same observable state as text, for ``algorithm.gigpo_similarity``: two states whose
-        texts are similar enough share an anchor group. Equal states must give equal texts; keep it short
-        (the similarity costs the product of two lengths), cutting what matters least."""
-        ...
+    # -- errors and summaries ----------------------------------------------------------------------
+    def classify_error(self, err: Exception) -> EnvInfraError | ToolTimeout | None:
+        """Map an exception of this environment's backend to :class:`EnvInfraError` or
+        :class:`ToolTimeout`; None lets it propagate (a bug: the run fails loudly)."""
+        return None
 
-    async def close(self) -> None: ...
+    def summarize_history(self, history: list[dict], *, max_observation_chars: int = 1000) -> str:
+        """The summary that opens a new segment with ``env.summarizer: rule``. ``history``: one dict per
+        step, ``{"action", "observation", "tool"}`` (the last observation may be unseen by the agent)."""
+        return history_summary(history, max_observation_chars=max_observation_chars)
+
+
+def history_summary(history: list[dict], *, max_observation_chars: int = 1000, facts: tuple[str, ...] = ()) -> str:
+    """A summary of a tool history without a model: the tools used, ``facts`` (environment-specific
+    lines) and the latest tool output.
+
+    >>> print(history_summary([{"action": "...", "observation": "ok", "tool": "run"}], facts=("Files written: a.py",)))
+    Earlier turns of this episode were summarized to fit the context.
+    Tools used: run x1
+    Files written: a.py
+    Latest tool output:
+    ok
+    """
+    tools: dict[str, int] = {}
+    for step in history:
+        name = step.get("tool") or "invalid call"
+        tools[name] = tools.get(name, 0) + 1
+    lines = [SUMMARY_HEADER, "Tools used: " + (", ".join(f"{name} x{n}" for name, n in tools.items()) or "none")]
+    lines.extend(facts)
+    if history:
+        lines.append("Latest tool output:\n" + clip(history[-1].get("observation", ""), max_observation_chars))
+    return "\n".join(lines)
+
+
+def clip(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars`` with a marker saying how much was cut."""
+    return text if len(text) <= max_chars else text[:max_chars] + f"\n[... {len(text) - max_chars} more characters cut]"

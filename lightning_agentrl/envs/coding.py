@@ -15,10 +15,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
-from lightning_agentrl.envs.base import StepResult
-from lightning_agentrl.rollout.tool_calls import CODING_TOOLS, ToolCallError, parse_tool_call
+from lightning_agentrl.envs.base import EnvInfraError, Environment, StepResult, ToolTimeout, history_summary
+from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_call
 from lightning_agentrl.tasks import Task
+
+if TYPE_CHECKING:
+    from lightning_agentrl.settings import EnvSettings
 
 STATE_TEXT_CHARS = 512  # the tail of the state text kept for GiGPO's similarity mode
 
@@ -29,8 +33,19 @@ NATIVE_TOOLS_NOTE = "read_file, write_file, run and submit, as defined for this 
 """What ``{tools}`` becomes when the chat template renders the tool definitions itself."""
 
 
-class CodingEnv:
-    """One episode of a bug-fix task against the sandbox service."""
+class CodingEnv(Environment):
+    """One episode of a bug-fix task against the sandbox service (``env.kind: coding``).
+
+    Its sandbox client's errors reach the agent loop through :meth:`classify_error`:
+    ``SandboxInfraError`` -> :class:`EnvInfraError`, ``CommandTimeout`` -> :class:`ToolTimeout`;
+    ``SandboxRequestError`` (the agent asked for something impossible) is an error observation."""
+
+    @classmethod
+    def from_settings(cls, task: Task, *, client, settings: EnvSettings, native_tools: bool) -> CodingEnv:
+        return cls(
+            client, task, tool_timeout_s=settings.tool_timeout_s, max_observation_chars=settings.max_observation_chars,
+            system_prompt=settings.system_prompt, native_tools=native_tools,
+        )
 
     def __init__(
         self,
@@ -126,6 +141,28 @@ class CodingEnv:
         text = self._clip(text)
         self._last_observation = text
         return StepResult(text, info={**info, "error": error})
+
+    def classify_error(self, err: Exception) -> EnvInfraError | ToolTimeout | None:
+        from sandbox_client import CommandTimeout, SandboxInfraError
+
+        if isinstance(err, CommandTimeout):
+            return ToolTimeout(f"{type(err).__name__}: {err}")
+        if isinstance(err, SandboxInfraError):
+            return EnvInfraError(f"{type(err).__name__}: {err}")
+        return None
+
+    def summarize_history(self, history: list[dict], *, max_observation_chars: int = 1000) -> str:
+        """The generic summary plus the files written so far (from the history's ``write_file`` calls)."""
+        written: list[str] = []
+        for step in history:
+            try:
+                call = parse_tool_call(step.get("action", ""))
+            except ToolCallError:
+                continue
+            if call.name == "write_file" and call.arguments["path"] not in written:
+                written.append(call.arguments["path"])
+        facts = ("Files written: " + (", ".join(written) or "none"),)
+        return history_summary(history, max_observation_chars=max_observation_chars, facts=facts)
 
     def state_dict(self) -> dict:
         """What a parked episode needs to continue in this sandbox (SPEC §6 partial rollouts)."""

@@ -11,10 +11,13 @@ submitted        the environment said ``done`` (the agent submitted; the reward 
 max_turns        ``max_turns`` environment steps were taken
 max_context      the next action or observation does not fit in ``max_context_tokens`` (and no
                  summarizer is configured, or even the summarized context does not fit)
-timeout          a generation past ``generation_timeout_s``, a tool command past the environment's
-                 tool timeout, or the episode past ``episode_timeout_s`` (``info["timeout"]`` says which)
+timeout          a generation past ``generation_timeout_s``, a tool past the environment's tool timeout
+                 (it raised :class:`~lightning_agentrl.envs.base.ToolTimeout`), or the episode past
+                 ``episode_timeout_s`` (``info["timeout"]`` says which)
 tool_error       ``max_tool_errors`` consecutive actions that the environment rejected
-sandbox_error    the sandbox service failed (lost sandbox, server unreachable); excluded from training
+sandbox_error    the environment's infrastructure failed (it raised
+                 :class:`~lightning_agentrl.envs.base.EnvInfraError`, e.g. a lost sandbox, an
+                 unreachable service); excluded from training
 engine_error     the engine's inference server for this episode died or was unreachable
                  (:class:`~lightning_agentrl.rollout.engine.EngineInfraError`); excluded from training
 scoring_timeout  the agent submitted, and the hidden tests ran past the scoring time limit: reward 0
@@ -45,7 +48,7 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 
-from lightning_agentrl.envs.base import Environment
+from lightning_agentrl.envs.base import EnvInfraError, Environment, ToolTimeout
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
@@ -163,6 +166,21 @@ def restore_env_state(env: Environment, state: dict) -> Environment:
 
 
 # -- the loop ---------------------------------------------------------------------------------------
+async def env_call(env: Environment, call):
+    """Await one call of ``env``; an exception of its backend that its ``classify_error`` maps to
+    :class:`EnvInfraError` or :class:`ToolTimeout` is raised as that (from the original)."""
+    try:
+        return await call
+    except (EnvInfraError, ToolTimeout):
+        raise
+    except Exception as err:
+        classify = getattr(env, "classify_error", None)
+        mapped = classify(err) if classify is not None else None
+        if mapped is None:
+            raise
+        raise mapped from err
+
+
 async def run_episode(
     *,
     engine: GenerationEngine,
@@ -205,8 +223,6 @@ async def play_episode(
     episode is parked at the next turn boundary and returned as a :class:`ParkedEpisode` (the
     environment stays open). Otherwise the environment is closed and the trajectory returned.
     """
-    from sandbox_client import CommandTimeout, SandboxInfraError
-
     if park_after_s is not None and park_after_s < 0:
         raise ValueError(f"park_after_s must be >= 0, got {park_after_s}")
     trajectory = resume.trajectory if resume is not None else Trajectory(
@@ -258,7 +274,7 @@ async def play_episode(
             append_action(segment, generation, tool="summarize")
             policy_summary = codec.decode_action(generation.token_ids)
         message = summarizer.summary_message(
-            state.history, policy_summary=policy_summary, pending_observation=pending_observation
+            state.history, policy_summary=policy_summary, pending_observation=pending_observation, env=env
         )
         ids = codec.prompt_ids([*state.messages, message], tools=getattr(env, "tools", None))
         if len(ids) + sampling.max_new_tokens > limit:
@@ -271,7 +287,7 @@ async def play_episode(
     try:
         async with asyncio.timeout(max(budget.episode_timeout_s - (resume.active_s if resume else 0.0), 0.0)) as deadline:
             if state is None:
-                messages = await env.reset()
+                messages = await env_call(env, env.reset())
                 state = EpisodeState(trajectory=trajectory, messages=messages)
                 first = Segment()
                 first.extend(codec.prompt_ids(messages, tools=getattr(env, "tools", None)), mask=0)
@@ -299,7 +315,7 @@ async def play_episode(
                 phase = "tool"
                 t0 = time.monotonic()
                 action_text = codec.decode_action(generation.token_ids)
-                result = await env.step(action_text)
+                result = await env_call(env, env.step(action_text))
                 state.tool_s += time.monotonic() - t0
                 phase = "episode"
                 state.num_steps += 1
@@ -328,16 +344,16 @@ async def play_episode(
                         break
                     continue
                 segment.extend(observation, mask=0)
-    except (TimeoutError, CommandTimeout) as err:
+    except (TimeoutError, ToolTimeout) as err:
         termination = TerminationReason.TIMEOUT
-        if isinstance(err, CommandTimeout):
+        if isinstance(err, ToolTimeout):
             phase = "tool"
         elif deadline is not None and deadline.expired():
             phase = "episode"
         trajectory.info["timeout"] = phase
-    except SandboxInfraError as err:
+    except EnvInfraError as err:
         termination = TerminationReason.SANDBOX_ERROR
-        trajectory.info["sandbox_error"] = f"{type(err).__name__}: {err}"
+        trajectory.info["sandbox_error"] = str(err) if err.__cause__ is not None else f"{type(err).__name__}: {err}"
     except EngineInfraError as err:
         termination = TerminationReason.ENGINE_ERROR
         trajectory.info["engine_error"] = f"{type(err).__name__}: {err}"

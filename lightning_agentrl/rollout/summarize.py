@@ -12,8 +12,10 @@ Who writes the summary decides its loss mask:
   versions) and stay in the segment where they were sampled; the new segment holds their decoded
   text as context only (mask 0). Room for the instruction and the summary is reserved up front, so
   the old segment never exceeds the context limit.
-- ``rule``: this module, from the episode's tool history: the files written so far, the tools used
-  and the latest tool output. The summary is an observation (mask 0).
+- ``rule``: the environment, from the episode's tool history
+  (:meth:`~lightning_agentrl.envs.base.Environment.summarize_history`: the tools used, the latest
+  tool output and what the environment adds, e.g. the coding environment's files written). The
+  summary is an observation (mask 0).
 
 The pending observation (the output of the action that overflowed the context) is never lost: it
 closes the summary message of the new segment.
@@ -23,29 +25,27 @@ from __future__ import annotations
 
 from typing import Literal
 
+from lightning_agentrl.envs.base import SUMMARY_HEADER, clip, history_summary
 from lightning_agentrl.rollout.chat import ChatCodec
-from lightning_agentrl.rollout.tool_calls import ToolCallError, parse_tool_call
 
 SummarizerKind = Literal["none", "policy", "rule"]
 
 SUMMARY_INSTRUCTION = (
     "Your context is full and will be reset to the task plus your summary. Summarize your progress "
-    "in a few lines: what you learned about the bug, which files you changed and how, and what is "
-    "left to do. Do not call a tool."
+    "in a few lines: what you learned about the task, what you changed and how, and what is left to "
+    "do. Do not call a tool."
 )
-SUMMARY_HEADER = "Earlier turns of this episode were summarized to fit the context."
+__all__ = ["SUMMARY_HEADER", "SUMMARY_INSTRUCTION", "Summarizer", "make_summarizer", "rule_summary"]
 
 
 class Summarizer:
     """Writes the summary message that opens a new segment. ``kind`` is ``policy`` or ``rule``.
 
     >>> from lightning_agentrl.rollout.summarize import rule_summary
-    >>> history = [{"action": '<tool_call>{"name": "write_file", "arguments": {"path": "a.py", '
-    ...             '"content": "x"}}</tool_call>', "observation": "wrote 1 characters to a.py", "tool": "write_file"}]
+    >>> history = [{"action": "...", "observation": "wrote 1 characters to a.py", "tool": "write_file"}]
     >>> print(rule_summary(history))
     Earlier turns of this episode were summarized to fit the context.
     Tools used: write_file x1
-    Files written: a.py
     Latest tool output:
     wrote 1 characters to a.py
     """
@@ -78,45 +78,27 @@ class Summarizer:
         (+1 for the end-of-turn id that closes an action cut by its token budget)."""
         return len(self._instruction) + self.max_summary_tokens + 1 if self.writes_actions else 0
 
-    def summary_message(self, history: list[dict], *, policy_summary: str | None, pending_observation: str | None) -> dict:
-        """The user message that follows the opening messages in the new segment."""
+    def summary_message(
+        self, history: list[dict], *, policy_summary: str | None, pending_observation: str | None, env=None,
+    ) -> dict:
+        """The user message that follows the opening messages in the new segment; the ``rule`` summary
+        is ``env``'s ``summarize_history`` where it has one."""
         if self.writes_actions:
             assert policy_summary is not None, "the policy summarizer needs the sampled summary"
             text = f"{SUMMARY_HEADER}\nYour summary:\n{policy_summary.strip()}"
             if pending_observation is not None:
-                text += f"\nLatest tool output:\n{_clip(pending_observation, self.max_observation_chars)}"
+                text += f"\nLatest tool output:\n{clip(pending_observation, self.max_observation_chars)}"
+        elif hasattr(env, "summarize_history"):
+            text = env.summarize_history(history, max_observation_chars=self.max_observation_chars)
         else:
             text = rule_summary(history, max_observation_chars=self.max_observation_chars)
         return {"role": "user", "content": text}
 
 
 def rule_summary(history: list[dict], *, max_observation_chars: int = 1000) -> str:
-    """Summary of an episode's tool history, without a model.
-
-    ``history``: one dict per environment step, ``{"action": text, "observation": text, "tool": name}``;
-    the last entry's observation may be one the agent has not seen yet (it overflowed the context).
-    """
-    tools: dict[str, int] = {}
-    written: list[str] = []
-    for step in history:
-        name = step.get("tool") or "invalid call"
-        tools[name] = tools.get(name, 0) + 1
-        try:
-            call = parse_tool_call(step.get("action", ""))
-        except ToolCallError:
-            continue
-        if call.name == "write_file" and call.arguments["path"] not in written:
-            written.append(call.arguments["path"])
-    lines = [SUMMARY_HEADER]
-    lines.append("Tools used: " + (", ".join(f"{name} x{n}" for name, n in tools.items()) or "none"))
-    lines.append("Files written: " + (", ".join(written) or "none"))
-    if history:
-        lines.append("Latest tool output:\n" + _clip(history[-1].get("observation", ""), max_observation_chars))
-    return "\n".join(lines)
-
-
-def _clip(text: str, max_chars: int) -> str:
-    return text if len(text) <= max_chars else text[:max_chars] + f"\n[... {len(text) - max_chars} more characters cut]"
+    """Summary of an episode's tool history, without a model, for an environment without its own
+    ``summarize_history`` (:func:`~lightning_agentrl.envs.base.history_summary`)."""
+    return history_summary(history, max_observation_chars=max_observation_chars)
 
 
 def make_summarizer(kind: SummarizerKind, codec: ChatCodec, *, max_summary_tokens: int = 128) -> Summarizer | None:

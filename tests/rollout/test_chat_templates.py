@@ -8,8 +8,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_call
 from lightning_agentrl.rollout.chat import ChatCodec, ChatTemplateError
-from lightning_agentrl.rollout.tool_calls import CODING_TOOLS, ToolCallError, parse_tool_call
 from tests.real_tokenizers import TokenizerUnavailable, fetch_tokenizer
 
 

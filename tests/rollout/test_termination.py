@@ -12,9 +12,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from lightning_agentrl.envs.coding import SYSTEM_PROMPT, CodingEnv
+from lightning_agentrl.envs.tools import CODING_TOOLS
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget, check_token_in_token_out, run_episode
 from lightning_agentrl.rollout.engine import SamplingParams, TorchEngine
-from lightning_agentrl.rollout.tool_calls import CODING_TOOLS
 from lightning_agentrl.trajectory import TerminationReason
 from sandbox_client import SandboxClient
 from tests.rollout.conftest import ScriptedEngine, call

@@ -1,4 +1,4 @@
-"""The tool-call formats the agent may write, and their parser.
+"""The tool-call formats the agent may write, and their parser (environments own their tools).
 
 An action is free text that contains one call. Three families' formats are read::
 

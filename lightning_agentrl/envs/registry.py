@@ -1,0 +1,53 @@
+"""``env.kind``: a shipped environment's name or a user's class by dotted path (``my_pkg.envs:SearchEnv``).
+
+>>> env_class("coding").__name__
+'CodingEnv'
+>>> env_class("lightning_agentrl.envs.keydoor:KeyDoorEnv").__name__
+'KeyDoorEnv'
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_agentrl.envs.base import Environment
+
+if TYPE_CHECKING:
+    from lightning_agentrl.settings import Settings
+
+SHIPPED = {
+    "coding": "lightning_agentrl.envs.coding:CodingEnv",
+    "keydoor": "lightning_agentrl.envs.keydoor:KeyDoorEnv",
+}
+"""The environments that come with the package, by the name ``env.kind`` takes."""
+
+
+def env_class(kind: str) -> type[Environment]:
+    """The :class:`Environment` subclass ``kind`` names; ``ValueError`` saying what is wrong otherwise."""
+    path = SHIPPED.get(kind, kind)
+    module_name, sep, class_name = path.partition(":")
+    if not sep or not module_name or not class_name or "." in class_name:
+        raise ValueError(f"{kind!r} is neither a shipped environment ({', '.join(SHIPPED)}) nor a dotted path "
+                         "module.path:ClassName")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import {module_name!r} (from {kind!r}): {err}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"module {module_name!r} has no {class_name!r}")
+    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+        raise ValueError(f"{path} is not a subclass of lightning_agentrl.envs.base.Environment")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise ValueError(f"{path} does not implement {missing} (abstract in Environment)")
+    return cls
+
+
+def load_env_tasks(settings: Settings, split: str, *, tasks: str | Path | None = None) -> list[Any]:
+    """The tasks of ``split`` ("train", "test" or "all") at ``env.tasks``, read by the environment's loader."""
+    path = settings.env.tasks if tasks is None else tasks
+    return env_class(settings.env.kind).load_tasks(path, split=None if split == "all" else split)

@@ -1,0 +1,84 @@
+"""A third-party environment, as a user would write it in their own package: nothing in
+``lightning_agentrl`` knows it; settings name it ``env.kind: tests.envs_thirdparty:CountdownEnv``.
+
+Countdown: the task gives a start number; each turn the agent says the next number down. A right
+number earns 0.1 (a per-turn reward), reaching 0 ends the episode with reward 1; anything else is a
+rejected action (an error observation). Tasks are a JSONL file, one ``{"id", "start", "split"}`` a line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_agentrl.envs.base import Environment, StepResult
+
+STEP_REWARD = 0.1
+
+
+@dataclass(frozen=True)
+class CountdownTask:
+    id: str
+    start: int
+    split: str = "train"
+
+
+class CountdownEnv(Environment):
+    @classmethod
+    def load_tasks(cls, path, *, split):
+        lines = Path(path).read_text().splitlines()
+        tasks = [CountdownTask(**json.loads(line)) for line in lines if line.strip()]
+        return [task for task in tasks if split is None or task.split == split]
+
+    def __init__(self, task: CountdownTask) -> None:
+        self.task = task
+        self.current = task.start
+
+    async def reset(self) -> list[dict]:
+        return [{"role": "system", "content": "Count down by one. Reply with the next number only."},
+                {"role": "user", "content": f"Start: {self.task.start}"}]
+
+    async def step(self, action_text: str) -> StepResult:
+        said = re.findall(r"-?\d+", action_text)
+        if not said or int(said[0]) != self.current - 1:
+            return StepResult(f"no: the next number after {self.current}?", info={"tool": "say", "error": True})
+        self.current -= 1
+        if self.current == 0:
+            return StepResult("done", reward=1.0, done=True, info={"tool": "say", "submitted": True})
+        return StepResult(f"yes, now {self.current}", reward=STEP_REWARD, info={"tool": "say", "error": False})
+
+    @property
+    def state_text(self) -> str:
+        return f"at {self.current}"
+
+
+class BackendDown(Exception):
+    """The third party's own infrastructure error type (say, its database client's)."""
+
+
+class BackendSlow(Exception):
+    """The third party's own timeout type."""
+
+
+class FlakyCountdownEnv(CountdownEnv):
+    """Countdown whose backend fails at the number ``fail_at`` with ``failure`` (an exception type),
+    and maps its backend's errors to the trainer's in :meth:`classify_error`."""
+
+    fail_at = 1
+    failure: type[Exception] = BackendDown
+
+    async def step(self, action_text: str) -> StepResult:
+        if self.current - 1 == self.fail_at:
+            raise self.failure(f"backend failed at {self.fail_at}")
+        return await super().step(action_text)
+
+    def classify_error(self, err: Exception):
+        from lightning_agentrl.envs.base import EnvInfraError, ToolTimeout
+
+        if isinstance(err, BackendDown):
+            return EnvInfraError(f"{type(err).__name__}: {err}")
+        if isinstance(err, BackendSlow):
+            return ToolTimeout(str(err))
+        return None

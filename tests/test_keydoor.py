@@ -1,0 +1,108 @@
+"""The key-and-door environment (``env.kind: keydoor``): its shipped maps, its states, and training
+through ``fit`` with GiGPO merging the states that recur across different paths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from lightning_agentrl.algorithms import advantages as adv
+from lightning_agentrl.envs.keydoor import (
+    DOOR_REWARD,
+    KEY_REWARD,
+    KeyDoorEnv,
+    load_keydoor_tasks,
+    parse_task,
+    solve,
+)
+from lightning_agentrl.trajectory import TerminationReason
+from tests.fitting import REPO, call, learn_settings, scripted_fit
+
+pytestmark = pytest.mark.timeout(300)
+MAP = ["#######",
+       "#S..#G#",
+       "#.#.A.#",
+       "#a#.#.#",
+       "#######"]
+
+
+def moves(*directions: str) -> list[str]:
+    return [call("move", direction=d) for d in directions]
+
+
+def test_every_shipped_map_is_solvable_and_both_splits_exist():
+    tasks = load_keydoor_tasks(REPO / "tasks" / "keydoor")
+    assert {t.split for t in tasks} == {"train", "test"} and len(tasks) >= 10
+    lengths = {t.id: len(solve(t) or []) for t in tasks}
+    assert all(n > 0 for n in lengths.values()), lengths
+    assert lengths["kd_000"] == 10
+
+
+def test_equal_states_reached_by_different_paths_have_equal_text():
+    async def walk(directions):
+        env = KeyDoorEnv(parse_task({"id": "t", "map": MAP}, "test"))
+        await env.reset()
+        results = [await env.step(action) for action in moves(*directions)]
+        return env, results
+
+    around, rewards = asyncio.run(walk(["south", "south", "north", "east", "west", "north"]))
+    direct, _ = asyncio.run(walk(["south", "south", "north", "north"]))
+    assert around.state_text == direct.state_text == "#######\n#@..#G#\n#.#.A.#\n#.#.#.#\n#######\nkeys: a"
+    assert around.state_key == direct.state_key
+    assert [r.reward for r in rewards] == [0.0, KEY_REWARD, 0.0, 0.0, 0.0, 0.0]
+    assert rewards[3].observation.startswith("A wall blocks the way.")  # a bump keeps the state
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    ({"id": "x", "map": ["###", "#S#", "###"]}, "exactly one S (start) and one G"),
+    ({"id": "x", "map": ["####", "#SG.", "####"]}, "border must be walls"),
+    ({"id": "x", "map": ["#####", "#S?G#", "#####"]}, "unknown map glyphs ['?']"),
+    ({"id": "x", "maze": []}, "keys id, map and optionally split"),
+])
+def test_a_malformed_task_line_is_refused_naming_the_line(line, problem):
+    with pytest.raises(ValueError, match="tasks.jsonl:3") as err:
+        parse_task(line, "tasks.jsonl:3")
+    assert problem in str(err.value)
+
+
+def test_keydoor_trains_through_fit_and_gigpo_merges_recurring_states(tmp_path):
+    """Per group, episode 0 solves the map (10 moves: key, door, goal); episode 1 walks east and
+    west for 10 turns. Episode 1's states recur within it and its start state is episode 0's: per
+    group 11 anchor states for 20 turns, the start state shared by 6 turns, in similarity mode (only
+    equal texts are above 0.99) as with exact keys."""
+    tasks = tmp_path / "maze.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"m{i}", "map": MAP}) + "\n" for i in range(2)))
+    settings = learn_settings(tmp_path, "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.max_turns=10",
+                              "--algorithm.advantage=gigpo", "--algorithm.gigpo_similarity=0.99",
+                              "--trainer.max_steps=1")
+    solution = solve(parse_task({"id": "m", "map": MAP}, "test"))
+    _, log = scripted_fit(settings, {"e0": moves(*solution), "e1": moves(*["east", "west"] * 5)})
+    (batch,), (step,) = log.batches, log.metrics
+    assert step["gigpo/num_anchor_groups"] == 22.0
+    assert step["gigpo/max_anchor_group_size"] == 6.0
+    assert step["gigpo/anchor_hit_rate"] == pytest.approx(11 / 20)
+    exact = adv.anchor_group_ids(batch.turn_state_keys, batch.group_ids[batch.turn_traj])
+    assert int(exact.max()) + 1 == 22  # the hashes of equal texts group the same turns
+    solved = [t for t in batch.trajectories if t.episode_id.endswith("e0")]
+    assert [t.termination for t in solved] == [TerminationReason.SUBMITTED] * 2
+    rewards = [turn.reward for turn in solved[0].turns]
+    assert rewards == [0.0, KEY_REWARD, 0.0, 0.0, 0.0, 0.0, 0.0, DOOR_REWARD, 0.0, 1.0]
+    assert step["reward/mean"] == pytest.approx(0.5)
+
+
+
+def test_preflight_reads_keydoor_tasks_through_the_environment(tmp_path):
+    from lightning_agentrl.preflight import PreflightError, check_tasks
+    from lightning_agentrl.settings import load_settings
+
+    shipped = ["--env.kind=keydoor", f"--env.tasks={REPO / 'tasks' / 'keydoor'}", "--eval.every_n_steps=1"]
+    check_tasks(load_settings(None, shipped))  # train and test splits in the shipped JSONL
+    only_train = tmp_path / "train.jsonl"
+    only_train.write_text(json.dumps({"id": "m", "map": MAP}) + "\n")
+    with pytest.raises(PreflightError, match=f"eval.split: no test tasks in {only_train}"):
+        check_tasks(load_settings(None, [*shipped[:1], f"--env.tasks={only_train}", *shipped[2:]]))
+    only_train.write_text('{"id": "m"}\n')
+    with pytest.raises(PreflightError, match=r"env.tasks: .*train.jsonl:1: a task is an object"):
+        check_tasks(load_settings(None, [*shipped[:1], f"--env.tasks={only_train}"]))
