@@ -109,9 +109,11 @@ def all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
-def _check_local_judge(url: str, token: str, policy: str) -> None:
+def _check_local_judge(url: str, token: str, policy: str | None) -> None:
     """The reference server just started here isolates its judges as ``sandbox.judge_isolation`` asks
-    (it does only when this process runs as root)."""
+    (it does only when this process runs as root); ``policy`` None: no check."""
+    if policy is None:
+        return
     import httpx
 
     from lightning_agentrl.preflight import check_judge_isolation
@@ -130,7 +132,7 @@ class NodeSandbox(L.Callback):
     """
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
-                 log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str = "require") -> None:
+                 log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str | None = "require") -> None:
         self.url, self.token = url, token
         self.judge_isolation = judge_isolation
         self.timeout_s = timeout_s

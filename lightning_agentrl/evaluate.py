@@ -78,6 +78,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
     from lightning_agentrl.callbacks.evaluation import score_episodes
     from lightning_agentrl.distributed import NodeSandbox
     from lightning_agentrl.envs.registry import load_env_tasks
+    from lightning_agentrl.preflight import check_sandbox, judge_policy
     from lightning_agentrl.train import build_rollout_service, chat_codec, make_engine, start_local_servers
 
     tasks = load_env_tasks(settings, settings.eval.split)
@@ -86,15 +87,13 @@ def _run(policy: Path, settings: Settings, folder: Path):
     tokenizer = AutoTokenizer.from_pretrained(policy)
     s = settings.sandbox
     sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries, log_dir=folder,
-                          judge_isolation=s.judge_isolation)
+                          judge_isolation=judge_policy(settings))
     servers = None
     try:
         if s.url is None:
             sandbox.start()
         else:  # the same health, token and judge-isolation checks as `fit` and `validate`
-            from lightning_agentrl.preflight import check_sandbox
-
-            check_sandbox(s)
+            check_sandbox(s, judge_policy(settings))
         servers = start_local_servers(settings, str(policy), folder)
         engine = make_engine(settings, str(policy), tokenizer, urls=servers.urls if servers else None)
         service = build_rollout_service(settings, engine, sandbox, chat_codec(settings, tokenizer), tasks)

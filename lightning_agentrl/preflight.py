@@ -49,7 +49,7 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
     check_chat_template(settings)
     if not network:
         return
-    check_sandbox(settings.sandbox)
+    check_sandbox(settings.sandbox, judge_policy(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
 
@@ -190,9 +190,17 @@ def _check_on_hub(repo_id: str) -> None:
 
 
 # -- network ---------------------------------------------------------------------------------------
-def check_sandbox(sandbox: SandboxSettings, timeout_s: float = TIMEOUT_S) -> None:
-    """``sandbox.url`` answers ``GET /v1/health`` with ``sandbox.token`` (unset url: the local server,
-    started and health-checked later by ``NodeSandbox``)."""
+def judge_policy(settings: Settings) -> str | None:
+    """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
+    (nothing to check) for environments that reward without it."""
+    from lightning_agentrl.envs.registry import env_class
+
+    return settings.sandbox.judge_isolation if env_class(settings.env.kind).runs_hidden_tests else None
+
+
+def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S) -> None:
+    """``sandbox.url`` answers ``GET /v1/health`` with ``sandbox.token`` and isolates its judges as ``judge``
+    (:func:`judge_policy`) asks (unset url: the local server, started and checked later by ``NodeSandbox``)."""
     if sandbox.url is None:
         return
     if not sandbox.token:
@@ -214,14 +222,16 @@ def check_sandbox(sandbox: SandboxSettings, timeout_s: float = TIMEOUT_S) -> Non
         ) from None
     if not isinstance(answer, dict) or answer.get("status") != "ok":
         raise PreflightError(f"sandbox.url: the sandbox service at {sandbox.url} is not healthy: {answer!r}")
-    check_judge_isolation(answer, sandbox.judge_isolation, where=f"the sandbox service at {sandbox.url}")
+    check_judge_isolation(answer, judge, where=f"the sandbox service at {sandbox.url}")
 
 
-def check_judge_isolation(health: dict, policy: str, *, where: str) -> bool:
+def check_judge_isolation(health: dict, policy: str | None, *, where: str) -> bool:
     """Whether the service's health answer says how each sandbox's judge runs under its own uid
     (``isolation.enforced.judge_uid_per_sandbox``, a non-empty string); when it does not (null, another
     type, a health answer of another shape), a :class:`PreflightError` naming
-    ``sandbox.judge_isolation`` with ``policy="require"``, a warning with ``"warn"``."""
+    ``sandbox.judge_isolation`` with ``policy="require"``, a warning with ``"warn"``; ``None``: no check."""
+    if policy is None:
+        return True
     isolation = health.get("isolation") if isinstance(health, dict) else None
     enforced = isolation.get("enforced") if isinstance(isolation, dict) else None
     how = enforced.get("judge_uid_per_sandbox") if isinstance(enforced, dict) else None
@@ -359,5 +369,5 @@ def check_inference_servers(urls: list[str], *, min_model_len: int, timeout_s: f
 
 __all__ = [
     "PreflightError", "check_health", "check_inference_servers", "check_judge_isolation", "check_model_path",
-    "check_sandbox", "check_tasks", "check_tracking", "model_folder_problem", "preflight",
+    "check_sandbox", "check_tasks", "judge_policy", "check_tracking", "model_folder_problem", "preflight",
 ]

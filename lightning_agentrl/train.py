@@ -249,7 +249,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     from lightning_agentrl.envs.registry import load_env_tasks
     from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.plan import check_memory_plan
-    from lightning_agentrl.preflight import preflight
+    from lightning_agentrl.preflight import judge_policy, preflight
     from lightning_agentrl.shutdown import StopOnSignal
 
     for pattern in _EXPECTED_WARNINGS:
@@ -271,7 +271,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     codec = chat_codec(settings, tokenizer)
     s = settings.sandbox
     sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
-                          call_timeout_s=s.call_timeout_s, log_dir=run_dir, judge_isolation=s.judge_isolation)
+                          call_timeout_s=s.call_timeout_s, log_dir=run_dir, judge_isolation=judge_policy(settings))
     servers = start_local_servers(settings, model_path, run_dir)
     try:
         engine = make_engine(settings, model_path, tokenizer, urls=servers.urls if servers else None)

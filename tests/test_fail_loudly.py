@@ -203,6 +203,8 @@ def test_a_sandbox_service_whose_judge_shares_the_agents_uid_is_refused_unless_w
             "hidden tests under the agent's own uid")
         with pytest.warns(UserWarning, match="sandbox.judge_isolation=warn: .* an agent can read the tests"):
             assert main([*args, "--sandbox.judge_isolation=warn"]) == 0
+        # An environment whose reward does not come from the service's judge is not held to it.
+        assert main(["validate", "--config", "configs/keydoor.yaml", *args[3:]]) == 0, capsys.readouterr().err
         done = subprocess.run([sys.executable, "-m", "lightning_agentrl", "fit", *args[1:], f"--run.dir={tmp_path}"],
                               capture_output=True, text=True, timeout=300, cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})

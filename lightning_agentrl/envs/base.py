@@ -55,6 +55,10 @@ class Environment(ABC):
     """One episode's world. Subclass it, implement :meth:`reset`, :meth:`step` and :attr:`state_text`,
     and override the rest where the defaults do not fit."""
 
+    runs_hidden_tests: bool = False
+    """Its reward comes from hidden tests that the sandbox service's judge runs (the coding environment):
+    the service must then keep the judge from the agent's code (``sandbox.judge_isolation``)."""
+
     tools: list[dict] | None = None
     """The tools as JSON schemas (OpenAI function format, :meth:`~lightning_agentrl.envs.tools.ToolSpec.schema`)
     for the chat template's ``tools=`` argument; None when the opening messages describe them."""

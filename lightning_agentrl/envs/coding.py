@@ -40,6 +40,8 @@ class CodingEnv(Environment):
     ``SandboxInfraError`` -> :class:`EnvInfraError`, ``CommandTimeout`` -> :class:`ToolTimeout`;
     ``SandboxRequestError`` (the agent asked for something impossible) is an error observation."""
 
+    runs_hidden_tests = True
+
     @classmethod
     def from_settings(cls, task: Task, *, client, settings: EnvSettings, native_tools: bool) -> CodingEnv:
         return cls(
