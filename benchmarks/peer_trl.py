@@ -13,7 +13,9 @@ figure is the median. Throughput is completion (generated) tokens per second of 
 
 - TRL: ``GRPOTrainer`` with its default loss, prompts "Repeat the digit N:" (N random, as a chat
   message), reward 1 when the completion contains N, per-device batch 64 with 8 generations (one
-  generation round per step), gradient checkpointing off, ``transformers.generate``.
+  generation round per step), gradient checkpointing off, ``transformers.generate``, in float32
+  like the project (``bf16=False``; TRL's own default is bf16 autocast, ``--trl-bf16``, which on a
+  CPU without bf16 instructions is several times slower).
 - This project: ``fit`` with its torch engine and the shipped coding environment cut to one turn
   (``env.max_turns=1``) on ``tasks/learn`` with a one-line system prompt. Settings accept no custom
   environment yet, so the prompts are the copy-the-key tasks', not the digit prompts, and the
@@ -55,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-python", default=sys.executable,
                         help="interpreter with trl installed (the `bench` extra); default: this one")
+    parser.add_argument("--trl-bf16", action="store_true",
+                        help="TRL's own default, bf16 autocast (off: float32, the project's default precision)")
     parser.add_argument("--run-dir", default=None, help="the project's run folder; default runs/peer_trl-<time>")
     parser.add_argument("--out", default=str(RESULTS / "peer_trl.json"))
     parser.add_argument("--side", choices=["trl", "project"], help=argparse.SUPPRESS)  # one side, in a subprocess
@@ -110,7 +114,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         per_device_train_batch_size=batch, num_generations=NUM_GENERATIONS, max_completion_length=NEW_TOKENS,
         steps_per_generation=1, beta=0.0, learning_rate=LR, gradient_checkpointing=False, use_vllm=False,
         use_cpu=True, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
-        temperature=1.0, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        temperature=1.0, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=args.trl_bf16,
     )
     clock = StepClock()
     trainer = GRPOTrainer(
@@ -132,7 +136,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         "settings": {"per_device_train_batch_size": batch, "num_generations": NUM_GENERATIONS,
                      "max_completion_length": NEW_TOKENS, "beta": 0.0, "learning_rate": LR,
                      "loss_type": config.loss_type, "use_vllm": False, "gradient_checkpointing": False,
-                     "torch_threads": THREADS},
+                     "bf16": args.trl_bf16, "torch_threads": THREADS},
     }
 
 
@@ -232,6 +236,8 @@ def run_side(side: str, python: str, args: argparse.Namespace) -> dict:
                    "--warmup", str(args.warmup), "--seed", str(args.seed)]
         if args.run_dir:
             command += ["--run-dir", args.run_dir]
+        if args.trl_bf16:
+            command.append("--trl-bf16")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
         started, load_before = time.perf_counter(), os.getloadavg()[0]
