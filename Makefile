@@ -47,6 +47,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/peer_trl.py
+	$(PY) benchmarks/logprob_memory_bench.py
 	$(PY) benchmarks/sandbox_bench.py
 	$(PY) benchmarks/engine_compare.py
 	$(PY) benchmarks/packed_attention_bench.py
