@@ -53,3 +53,11 @@ def test_learn_writes_the_record_and_the_figure(tmp_path):
     assert record["seed"] == 0 and "benchmarks/learn_cpu.py" in record["command"]
     assert len(record["train_reward_per_step"]) == 2
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_peer_benchmark_help_and_argument_errors():
+    help_text = run_benchmark("benchmarks/peer_trl.py", "--help").stdout
+    assert "--steps" in help_text and "--trl-python" in help_text and "--side" not in help_text
+    done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--warmup", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--warmup must be at least 1" in done.stderr

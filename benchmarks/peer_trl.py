@@ -1,0 +1,327 @@
+"""This project's ``fit`` against TRL's ``GRPOTrainer`` on the same GRPO step, side by side.
+
+    python benchmarks/peer_trl.py                      # make bench (needs the `bench` extra: trl)
+    python benchmarks/peer_trl.py --steps 3 --warmup 1
+
+Both sides train the project's tiny local model (``model.path: tiny``) on CPU with two torch
+threads: 8 prompts x 8 generations x at most 64 new tokens per optimizer step, beta 0 (no
+reference model), lr 1e-5, sampling at temperature 1, no vLLM. Each side runs in its own
+subprocess, ``--warmup`` steps and then ``--steps`` measured ones; a step's time is the wall time
+between the ends of two consecutive optimizer steps (generation, scoring, forward/backward,
+optimizer, and whatever the trainer does between steps, checkpoints included), and the reported
+figure is the median. Throughput is completion (generated) tokens per second of step time.
+
+- TRL: ``GRPOTrainer`` with its default loss, prompts "Repeat the digit N:" (N random, as a chat
+  message), reward 1 when the completion contains N, per-device batch 64 with 8 generations (one
+  generation round per step), gradient checkpointing off, ``transformers.generate``, in float32
+  like the project (``bf16=False``; TRL's own default is bf16 autocast, ``--trl-bf16``, which on a
+  CPU without bf16 instructions is several times slower).
+- This project: ``fit`` with its torch engine and the shipped coding environment cut to one turn
+  (``env.max_turns=1``) on ``tasks/learn`` with a one-line system prompt. Settings accept no custom
+  environment yet, so the prompts are the copy-the-key tasks', not the digit prompts, and the
+  reward is the task's (0 for an episode that has not submitted by its one turn); the JSON records
+  the measured prompt lengths of both sides. Everything else is the defaults a user gets
+  (``trainer.micro_batch_tokens``, a checkpoint every step, MLflow on).
+
+Writes ``benchmarks/results/peer_trl.json`` (both sides' step times, tokens and settings, and the
+ratio) and ``benchmarks/results/peer_trl_profile.json`` (the share of the project's step taken by
+each stage, from a callback's timestamps and the episodes' own timings), and prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+CACHE_DIR = REPO / ".cache" / "lightning_agentrl"
+NUM_PROMPTS, NUM_GENERATIONS, NEW_TOKENS, LR, THREADS = 8, 8, 64, 1e-5, 2
+SYSTEM_PROMPT = "Use one tool per turn: read_file(path), write_file(path, content), run(command), submit()."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps per side")
+    parser.add_argument("--warmup", type=int, default=1, help="optimizer steps per side before measuring")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trl-python", default=sys.executable,
+                        help="interpreter with trl installed (the `bench` extra); default: this one")
+    parser.add_argument("--trl-bf16", action="store_true",
+                        help="TRL's own default, bf16 autocast (off: float32, the project's default precision)")
+    parser.add_argument("--run-dir", default=None, help="the project's run folder; default runs/peer_trl-<time>")
+    parser.add_argument("--out", default=str(RESULTS / "peer_trl.json"))
+    parser.add_argument("--side", choices=["trl", "project"], help=argparse.SUPPRESS)  # one side, in a subprocess
+    parser.add_argument("--side-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1 (the first step's time has no previous step end)")
+    return args
+
+
+def step_times(ends: list[float], warmup: int) -> list[float]:
+    """Durations between consecutive optimizer-step ends, the warm-up steps left out."""
+    return [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=False)]
+
+
+# -- TRL side -------------------------------------------------------------------------------------
+def run_trl(args: argparse.Namespace) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lightning_agentrl.models.tiny import build_tiny_model
+
+    torch.set_num_threads(THREADS)
+    model_path = build_tiny_model(CACHE_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    draw = random.Random(args.seed)
+    digits = [str(draw.randrange(10)) for _ in range(NUM_PROMPTS * (args.warmup + args.steps) * 4)]
+    dataset = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"Repeat the digit {d}:"}] for d in digits],
+        "digit": digits,
+    })
+
+    def contains_digit(completions, digit, **_) -> list[float]:
+        return [float(d in c[0]["content"]) for c, d in zip(completions, digit, strict=True)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.completion_lengths: list[float] = []
+
+        def on_step_end(self, *_, **__):
+            self.ends.append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "completions/mean_length" in logs:
+                self.completion_lengths.append(logs["completions/mean_length"])
+
+    batch = NUM_PROMPTS * NUM_GENERATIONS
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="peer_trl-"),
+        per_device_train_batch_size=batch, num_generations=NUM_GENERATIONS, max_completion_length=NEW_TOKENS,
+        steps_per_generation=1, beta=0.0, learning_rate=LR, gradient_checkpointing=False, use_vllm=False,
+        use_cpu=True, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
+        temperature=1.0, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=args.trl_bf16,
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_path), reward_funcs=contains_digit, args=config,
+        train_dataset=dataset, processing_class=tokenizer, callbacks=[clock],
+    )
+    trainer.train()
+    times = step_times(clock.ends, args.warmup)
+    lengths = clock.completion_lengths[args.warmup :]
+    prompt = tokenizer(tokenizer.apply_chat_template(dataset[0]["prompt"], add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"]
+    import trl
+
+    return {
+        "version": f"trl {trl.__version__}",
+        "step_s": times,
+        "completion_tokens_per_step": [round(n * batch, 1) for n in lengths],
+        "prompt_tokens_mean": len(prompt),
+        "settings": {"per_device_train_batch_size": batch, "num_generations": NUM_GENERATIONS,
+                     "max_completion_length": NEW_TOKENS, "beta": 0.0, "learning_rate": LR,
+                     "loss_type": config.loss_type, "use_vllm": False, "gradient_checkpointing": False,
+                     "bf16": args.trl_bf16, "torch_threads": THREADS},
+    }
+
+
+# -- project side ---------------------------------------------------------------------------------
+def project_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    return [
+        f"--run.dir={run_dir}", f"--run.seed={args.seed}", "--model.path=tiny", f"--model.cache_dir={CACHE_DIR}",
+        "--engine.kind=torch", f"--engine.max_new_tokens={NEW_TOKENS}",
+        f"--engine.max_batch_size={NUM_PROMPTS * NUM_GENERATIONS}", "--engine.temperature=1.0",
+        f"--env.tasks={REPO / 'tasks' / 'learn'}", "--env.max_turns=1", f"--env.system_prompt={json.dumps(SYSTEM_PROMPT)}",
+        f"--rollout.groups_per_step={NUM_PROMPTS}", f"--rollout.group_size={NUM_GENERATIONS}",
+        f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0",
+        f"--trainer.lr={LR}", f"--trainer.threads={THREADS}", f"--trainer.max_steps={args.warmup + args.steps}",
+        "--tracking.experiment=peer_trl",
+    ]
+
+
+def stage_clock():
+    """A Lightning callback that timestamps each training step's stages (built here so that the
+    TRL subprocess never imports Lightning)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StageClock(Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+            self._last_end: float | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            now = time.perf_counter()
+            self._step = {"start": now, "between": None if self._last_end is None else now - self._last_end,
+                          "backward": 0.0, "optimizer_from": None}
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self._backward_from = time.perf_counter()
+
+        def on_after_backward(self, trainer, pl_module):
+            self._step["backward"] += time.perf_counter() - self._backward_from
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self._step["optimizer_from"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            now = self._last_end = time.perf_counter()
+            step, trajectories = self._step, batch.trajectories
+            optimizer_from = step["optimizer_from"] or now
+            self.steps.append({
+                "end": now,
+                "between_steps": step["between"],
+                "train": now - step["start"],
+                "backward": step["backward"],
+                "optimizer_and_logging": now - optimizer_from,
+                "forward_and_rest": optimizer_from - step["start"] - step["backward"],
+                "completion_tokens": float(batch.loss_mask.sum()),
+                "tokens": batch.input_ids.numel(),
+                "episodes": len(trajectories),
+                "episode_s_max": max(t.timings.get("episode_s", 0.0) for t in trajectories),
+                "generation_s_mean": statistics.fmean(t.timings.get("generation_s", 0.0) for t in trajectories),
+                "tool_s_mean": statistics.fmean(t.timings.get("tool_s", 0.0) for t in trajectories),
+                "prompt_tokens_mean": statistics.fmean(t.turns[0].action_start for t in trajectories if t.turns),
+                "reward_mean": statistics.fmean(t.reward for t in trajectories),
+            })
+
+    return StageClock()
+
+
+def run_project(args: argparse.Namespace) -> dict:
+    from lightning_agentrl.settings import load_settings
+    from lightning_agentrl.train import fit
+
+    run_dir = Path(args.run_dir or f"runs/peer_trl-{time.strftime('%Y%m%d-%H%M%S')}")
+    overrides = project_overrides(args, run_dir)
+    clock = stage_clock()
+    fit(load_settings(None, overrides), callbacks=[clock])
+    measured = clock.steps[args.warmup :]
+    return {
+        "version": "lightning-agentrl " + git_commit(),
+        "step_s": step_times([s["end"] for s in clock.steps], args.warmup),
+        "completion_tokens_per_step": [s["completion_tokens"] for s in measured],
+        "prompt_tokens_mean": round(statistics.fmean(s["prompt_tokens_mean"] for s in measured), 1),
+        "reward_mean": round(statistics.fmean(s["reward_mean"] for s in measured), 3),
+        "stages": measured,
+        "settings_overrides": overrides,
+        "run_dir": str(run_dir),
+    }
+
+
+# -- both sides -----------------------------------------------------------------------------------
+def git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def run_side(side: str, python: str, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{side}.json"
+        command = [python, __file__, "--side", side, "--side-out", str(out), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--seed", str(args.seed)]
+        if args.run_dir:
+            command += ["--run-dir", args.run_dir]
+        if args.trl_bf16:
+            command.append("--trl-bf16")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
+        started, load_before = time.perf_counter(), os.getloadavg()[0]
+        subprocess.run(command, cwd=REPO, env=env, check=True)
+        record = json.loads(out.read_text())
+        record["wall_s"] = round(time.perf_counter() - started, 1)
+        record["load_avg_1min"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
+        return record
+
+
+def summarize(record: dict) -> dict:
+    step_s = statistics.median(record["step_s"])
+    tokens = statistics.median(record["completion_tokens_per_step"])
+    return {"median_step_s": round(step_s, 3), "completion_tokens_per_step": tokens,
+            "completion_tokens_per_s": round(tokens / step_s, 1)}
+
+
+def profile(project: dict) -> dict:
+    """Share of the project's median step taken by each stage (medians over the measured steps)."""
+    stages = project["stages"]
+
+    def median(key: str) -> float:
+        return statistics.median(s[key] for s in stages)
+
+    step = statistics.median(project["step_s"])
+    rollout = median("episode_s_max")
+    parts = {
+        "rollout (slowest episode: generation + environment + scoring)": rollout,
+        "between steps, outside episodes (checkpoint, weight sync, batch assembly)": median("between_steps") - rollout,
+        "forward (log-probs, loss) and rest of training_step": median("forward_and_rest"),
+        "backward": median("backward"),
+        "optimizer step and logging": median("optimizer_and_logging"),
+    }
+    return {
+        "median_step_s": round(step, 3),
+        "stages": [{"stage": name, "seconds": round(sec, 3), "share": round(sec / step, 3)}
+                   for name, sec in sorted(parts.items(), key=lambda kv: -kv[1])],
+        "inside_rollout": {"generation_s_mean_per_episode": round(median("generation_s_mean"), 3),
+                           "tool_s_mean_per_episode": round(median("tool_s_mean"), 3)},
+        "tokens_per_step": median("tokens"),
+        "source": "callback timestamps around Lightning hooks + Trajectory.timings (benchmarks/peer_trl.py)",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.side:
+        record = run_trl(args) if args.side == "trl" else run_project(args)
+        Path(args.side_out).write_text(json.dumps(record))
+        return
+    trl_record = run_side("trl", args.trl_python, args)
+    project_record = run_side("project", sys.executable, args)
+    trl, project = summarize(trl_record), summarize(project_record)
+    ratio = round(project["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 2)
+    load = os.getloadavg()
+    record = {
+        "command": shlex.join(["python", "benchmarks/peer_trl.py", *argv]),
+        "host": platform.platform(), "cpu_count": os.cpu_count(),
+        "load_avg_at_end": [round(x, 2) for x in load],  # 1, 5, 15 min; the machine may be shared
+        "shape": {"prompts": NUM_PROMPTS, "generations": NUM_GENERATIONS, "max_new_tokens": NEW_TOKENS,
+                  "lr": LR, "beta": 0.0, "torch_threads": THREADS, "warmup_steps": args.warmup,
+                  "measured_steps": args.steps},
+        "ratio_project_over_trl": ratio,
+        "target_ratio": 2.0,
+        "trl": {**trl, **{k: v for k, v in trl_record.items() if k != "stages"}},
+        "project": {**project, **{k: v for k, v in project_record.items() if k != "stages"}},
+        "differences": [
+            "project prompts: tasks/learn (copy-the-key) opening messages with a one-line system prompt, not "
+            "'Repeat the digit N:' (settings take no custom environment yet); see prompt_tokens_mean of each side",
+            "project reward: the coding environment's (an episode that has not submitted in its one turn "
+            "scores 0), not 'contains N'; neither reward changes the work of a step",
+            "project step includes its defaults: a checkpoint every step, MLflow logging, trajectory files",
+        ],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    out.with_name(out.stem + "_profile.json").write_text(json.dumps(profile(project_record), indent=2) + "\n")
+    print(f"peer_trl ({NUM_PROMPTS}x{NUM_GENERATIONS}x{NEW_TOKENS} tokens/step, {THREADS} threads): "
+          f"TRL {trl['completion_tokens_per_s']} completion tok/s ({trl['median_step_s']} s/step), "
+          f"project {project['completion_tokens_per_s']} tok/s ({project['median_step_s']} s/step), "
+          f"ratio {ratio}x (target 2x); load {load[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
