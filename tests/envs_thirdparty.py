@@ -82,3 +82,35 @@ class FlakyCountdownEnv(CountdownEnv):
         if isinstance(err, BackendSlow):
             return ToolTimeout(str(err))
         return None
+
+
+class NanCountdownEnv(CountdownEnv):
+    """A user's bug: a reward computed as 0/0."""
+
+    async def step(self, action_text: str) -> StepResult:
+        result = await super().step(action_text)
+        return StepResult(result.observation, reward=float("nan"), done=result.done, info=result.info)
+
+
+class TupleStepEnv(CountdownEnv):
+    """A gym habit: ``step`` returns a tuple."""
+
+    async def step(self, action_text: str):
+        result = await super().step(action_text)
+        return result.observation, result.reward, result.done, result.info
+
+
+class SyncStepEnv(CountdownEnv):
+    """``step`` written as a plain method."""
+
+    def step(self, action_text: str) -> StepResult:  # type: ignore[override]
+        return StepResult("no")
+
+
+class FailingCloseEnv(CountdownEnv):
+    """Its backend fails while the episode's resources are released."""
+
+    async def close(self) -> None:
+        from lightning_agentrl.envs.base import EnvInfraError
+
+        raise EnvInfraError("backend gone while releasing the episode")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 import torch
@@ -71,6 +72,57 @@ def test_a_third_party_backend_error_is_classified_by_the_environment(tiny_token
 def test_an_unclassified_error_fails_loudly(tiny_tokenizer):
     with pytest.raises(ZeroDivisionError):
         play_flaky(tiny_tokenizer, ZeroDivisionError)
+
+
+def test_a_sync_step_is_refused_at_settings_time():
+    with pytest.raises(SettingsError, match="invalid settings") as err:
+        load_settings(None, ["--env.kind=tests.envs_thirdparty:SyncStepEnv"])
+    assert "tests.envs_thirdparty:SyncStepEnv: step must be `async def`" in str(err.value)
+
+
+@pytest.mark.parametrize(("env_class", "message"), [
+    ("NanCountdownEnv", "NanCountdownEnv.step returned reward nan; it must be a finite number"),
+    ("TupleStepEnv", "TupleStepEnv.step must return a StepResult, got tuple"),
+])
+def test_what_an_environment_returns_is_checked_naming_its_class_and_method(tiny_tokenizer, env_class, message):
+    """A NaN reward would train every weight to NaN; a gym tuple would fail far from its cause."""
+    from lightning_agentrl.envs.base import EnvContractError
+
+    with pytest.raises(EnvContractError, match=message):
+        play(tiny_tokenizer, getattr(thirdparty, env_class)(thirdparty.CountdownTask("c", start=3)))
+
+
+def test_a_failing_close_does_not_end_the_run_or_change_the_episode(tiny_tokenizer):
+    trajectory = play(tiny_tokenizer, thirdparty.FailingCloseEnv(thirdparty.CountdownTask("c", start=3)))
+    assert trajectory.termination.value == "submitted" and trajectory.reward == 1.0
+
+
+@pytest.mark.parametrize(("lines", "message"), [
+    ([{"id": "c0", "start": 2}, {"id": "c0", "start": 3}], "two tasks share the id 'c0'"),
+    ([{"id": "", "start": 2}], "task 0 (CountdownTask) has no `id`"),
+])
+def test_tasks_without_an_id_or_with_a_shared_one_are_refused_at_start(tmp_path, lines, message):
+    from lightning_agentrl.preflight import PreflightError, check_tasks
+
+    tasks = tmp_path / "countdown.jsonl"
+    tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    settings = load_settings(None, ["--env.kind=tests.envs_thirdparty:CountdownEnv", f"--env.tasks={tasks}"])
+    with pytest.raises(PreflightError, match=f"^env.tasks: .*{re.escape(message)}"):
+        check_tasks(settings)
+
+
+def play(tokenizer, env):
+    from lightning_agentrl.rollout.agent_loop import EpisodeBudget, run_episode
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.rollout.engine import SamplingParams
+    from tests.rollout.conftest import ScriptedEngine
+
+    codec = ChatCodec(tokenizer)
+    engine = ScriptedEngine(codec, {"*": ["2", "1", "0"]})
+    return asyncio.run(run_episode(
+        engine=engine, env=env, codec=codec, sampling=SamplingParams(max_new_tokens=8), budget=EpisodeBudget(),
+        episode_id="g0-e0", task_id="c", group_id=0,
+    ))
 
 
 def play_flaky(tokenizer, failure):

@@ -38,6 +38,11 @@ def test_every_shipped_map_is_solvable_and_both_splits_exist():
     lengths = {t.id: len(solve(t) or []) for t in tasks}
     assert all(n > 0 for n in lengths.values()), lengths
     assert lengths["kd_000"] == 10
+    # The shipped recipe gives every map enough turns to reach its goal.
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "configs" / "keydoor.yaml").read_text())
+    assert recipe["env"]["max_turns"] >= max(lengths.values()), lengths
 
 
 def test_equal_states_reached_by_different_paths_have_equal_text():

@@ -16,6 +16,7 @@ these two types. docs/environments.md walks through writing one.
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,50 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=dict)
+
+
+class EnvContractError(TypeError):
+    """An environment returned something its contract does not allow (the message names its class and method)."""
+
+
+def checked_messages(env: Environment, messages: Any) -> list[dict]:
+    """``reset``'s opening messages, checked: a list of ``{"role": str, "content": str, ...}``."""
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+        raise EnvContractError(f"{type(env).__qualname__}.reset must return a non-empty list of "
+                               f"{{'role': str, 'content': str}} messages, got {_short(messages)}")
+    return messages
+
+
+def checked_step(env: Environment, result: Any) -> StepResult:
+    """``step``'s result, checked: a :class:`StepResult` with a str observation, a finite number reward
+    (a NaN reward would train every weight to NaN), a bool ``done`` and a dict ``info``."""
+    name = f"{type(env).__qualname__}.step"
+    if not isinstance(result, StepResult):
+        raise EnvContractError(f"{name} must return a StepResult, got {_short(result)}")
+    reward = result.reward
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise EnvContractError(f"{name} returned reward {reward!r}; it must be a finite number")
+    if not isinstance(result.observation, str):
+        raise EnvContractError(f"{name} returned observation {_short(result.observation)}; it must be a str")
+    if not isinstance(result.done, bool) or not isinstance(result.info, dict):
+        raise EnvContractError(f"{name} returned done={result.done!r} and info={_short(result.info)}; they must "
+                               "be a bool and a dict")
+    return result
+
+
+def checked_state_text(env: Environment) -> str:
+    """``env.state_text``, checked to be a str (GiGPO groups turns by it)."""
+    text = env.state_text
+    if not isinstance(text, str):
+        raise EnvContractError(f"{type(env).__qualname__}.state_text must be a str, got {_short(text)}")
+    return text
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:120]}{'...' if len(text) > 120 else ''}"
 
 
 class Environment(ABC):

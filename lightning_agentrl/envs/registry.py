@@ -44,10 +44,31 @@ def env_class(kind: str) -> type[Environment]:
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise ValueError(f"{path} does not implement {missing} (abstract in Environment)")
+    sync = [name for name in ("reset", "step", "close") if not inspect.iscoroutinefunction(getattr(cls, name))]
+    if sync:
+        raise ValueError(f"{path}: {', '.join(sync)} must be `async def` (the rollout service awaits them on its "
+                         "event loop; run blocking work with `await asyncio.to_thread(...)`)")
     return cls
 
 
 def load_env_tasks(settings: Settings, split: str, *, tasks: str | Path | None = None) -> list[Any]:
-    """The tasks of ``split`` ("train", "test" or "all") at ``env.tasks``, read by the environment's loader."""
+    """The tasks of ``split`` ("train", "test" or "all") at ``env.tasks``, read by the environment's loader;
+    ``ValueError`` when a task has no ``id`` (a non-empty str) or two share one (results are kept by id)."""
     path = settings.env.tasks if tasks is None else tasks
-    return env_class(settings.env.kind).load_tasks(path, split=None if split == "all" else split)
+    cls = env_class(settings.env.kind)
+    try:
+        loaded = list(cls.load_tasks(path, split=None if split == "all" else split))
+    except Exception as err:  # a user's loader failing otherwise: still a problem of env.tasks
+        if isinstance(err, OSError | ValueError):
+            raise
+        raise ValueError(f"{cls.__name__}.load_tasks({str(path)!r}) failed: {type(err).__name__}: {err}") from err
+    seen: set[str] = set()
+    for index, task in enumerate(loaded):
+        task_id = getattr(task, "id", None)
+        if not isinstance(task_id, str) or not task_id:
+            raise ValueError(f"{cls.__name__}.load_tasks: task {index} ({type(task).__name__}) has no `id` "
+                             f"(a non-empty str), got {task_id!r}")
+        if task_id in seen:
+            raise ValueError(f"{cls.__name__}.load_tasks: two tasks share the id {task_id!r} (ids must be unique)")
+        seen.add(task_id)
+    return loaded

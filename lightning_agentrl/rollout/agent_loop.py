@@ -45,16 +45,26 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from lightning_agentrl.envs.base import EnvInfraError, Environment, ToolTimeout
+from lightning_agentrl.envs.base import (
+    EnvInfraError,
+    Environment,
+    ToolTimeout,
+    checked_messages,
+    checked_state_text,
+    checked_step,
+)
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
 from lightning_agentrl.trajectory import RolloutBatch, Segment, TerminationReason, Trajectory, Turn
 
 DIGESTS_KEY = "action_digests"  # Trajectory.info key: one digest per turn, in the order of ``trajectory.turns``
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,6 +191,15 @@ async def env_call(env: Environment, call):
         raise mapped from err
 
 
+async def close_env(env: Environment) -> None:
+    """Release the episode's resources; a failure there is logged, never the end of the run (the
+    episode's outcome is already known)."""
+    try:
+        await env.close()
+    except Exception as err:  # noqa: BLE001 - whatever a user's close raises
+        log.warning("%s.close failed (ignored): %s: %s", type(env).__qualname__, type(err).__name__, err)
+
+
 async def run_episode(
     *,
     engine: GenerationEngine,
@@ -258,7 +277,7 @@ async def play_episode(
         start = len(segment.token_ids)
         segment.extend(generation.token_ids, mask=1, logprobs=generation.logprobs, version=generation.policy_version)
         turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=env.state_key,
-                    state_text=getattr(env, "state_text", ""), tool=tool)
+                    state_text=checked_state_text(env), tool=tool)
         segment.turns.append(turn)
         return turn
 
@@ -287,7 +306,7 @@ async def play_episode(
     try:
         async with asyncio.timeout(max(budget.episode_timeout_s - (resume.active_s if resume else 0.0), 0.0)) as deadline:
             if state is None:
-                messages = await env_call(env, env.reset())
+                messages = checked_messages(env, await env_call(env, env.reset()))
                 state = EpisodeState(trajectory=trajectory, messages=messages)
                 first = Segment()
                 first.extend(codec.prompt_ids(messages, tools=getattr(env, "tools", None)), mask=0)
@@ -315,7 +334,7 @@ async def play_episode(
                 phase = "tool"
                 t0 = time.monotonic()
                 action_text = codec.decode_action(generation.token_ids)
-                result = await env_call(env, env.step(action_text))
+                result = checked_step(env, await env_call(env, env.step(action_text)))
                 state.tool_s += time.monotonic() - t0
                 phase = "episode"
                 state.num_steps += 1
@@ -359,7 +378,7 @@ async def play_episode(
         trajectory.info["engine_error"] = f"{type(err).__name__}: {err}"
     finally:
         if not parked:
-            await env.close()
+            await close_env(env)
     if state is not None:
         state.active_s += time.monotonic() - started
     if parked:
