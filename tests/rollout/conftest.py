@@ -99,6 +99,10 @@ class CountingEnv:
     def state_key(self) -> str:
         return f"step-{self.num_steps}"
 
+    @property
+    def state_text(self) -> str:
+        return f"step {self.num_steps}"
+
     async def close(self) -> None:
         self.closed = True
 
