@@ -364,6 +364,8 @@ DIFFERENCES = [
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # benchmarks.peer_env, as the subprocesses import it
     if args.side:
         record = run_trl(args) if args.side == "trl" else run_project(args)
         Path(args.side_out).write_text(json.dumps(record))
