@@ -16,12 +16,16 @@ figure is the median. Throughput is completion (generated) tokens per second of 
   generation round per step), gradient checkpointing off, ``transformers.generate``, in float32
   like the project (``bf16=False``; TRL's own default is bf16 autocast, ``--trl-bf16``, which on a
   CPU without bf16 instructions is several times slower).
-- This project: ``fit`` with its torch engine and the shipped coding environment cut to one turn
-  (``env.max_turns=1``) on ``tasks/learn`` with a one-line system prompt. Settings accept no custom
-  environment yet, so the prompts are the copy-the-key tasks', not the digit prompts, and the
-  reward is the task's (0 for an episode that has not submitted by its one turn); the JSON records
-  the measured prompt lengths of both sides. Everything else is the defaults a user gets
-  (``trainer.micro_batch_tokens``, a checkpoint every step, MLflow on).
+- This project: ``fit`` with its torch engine and the benchmark's own environment,
+  ``env.kind=benchmarks.peer_env:RepeatDigitEnv``: the same user message, no system prompt, one
+  action per episode, the same reward, and no observation after the action. Its tasks are the
+  digits the TRL side's sampler gave each step, laid out so that the project's task order gives
+  step k the same 8 prompts (the record checks it: ``same_prompts_per_step``). Everything else is the
+  defaults a user gets (``trainer.micro_batch_tokens``, a checkpoint every step, MLflow on).
+
+The sides run alternately, ``--rounds`` times each (TRL, project, TRL, project, ...), so that both
+see the same spread of load on a shared machine; the reported step time of a side is the median
+over all its measured steps, and the record keeps each round's median and the load around it.
 
 Writes ``benchmarks/results/peer_trl.json`` (both sides' step times, tokens and settings, and the
 ratio) and ``benchmarks/results/peer_trl_profile.json`` (the share of the project's step taken by
@@ -47,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 CACHE_DIR = REPO / ".cache" / "lightning_agentrl"
 NUM_PROMPTS, NUM_GENERATIONS, NEW_TOKENS, LR, THREADS = 8, 8, 64, 1e-5, 2
-SYSTEM_PROMPT = "Use one tool per turn: read_file(path), write_file(path, content), run(command), submit()."
+ENV_KIND = "benchmarks.peer_env:RepeatDigitEnv"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps per side")
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps per side before measuring")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating TRL and project")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="interpreter with trl installed (the `bench` extra); default: this one")
     parser.add_argument("--trl-bf16", action="store_true",
@@ -63,9 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(RESULTS / "peer_trl.json"))
     parser.add_argument("--side", choices=["trl", "project"], help=argparse.SUPPRESS)  # one side, in a subprocess
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
+    parser.add_argument("--tasks", help=argparse.SUPPRESS)  # the project side's tasks file
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step's time has no previous step end)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     return args
 
 
@@ -81,6 +89,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from benchmarks.peer_env import prompt_text
     from lightning_agentrl.models.tiny import build_tiny_model
 
     torch.set_num_threads(THREADS)
@@ -89,11 +98,13 @@ def run_trl(args: argparse.Namespace) -> dict:
     draw = random.Random(args.seed)
     digits = [str(draw.randrange(10)) for _ in range(NUM_PROMPTS * (args.warmup + args.steps) * 4)]
     dataset = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"Repeat the digit {d}:"}] for d in digits],
+        "prompt": [[{"role": "user", "content": prompt_text(d)}] for d in digits],
         "digit": digits,
     })
+    group_digits: list[str] = []  # the prompt of each group, in the order the sampler gave them
 
     def contains_digit(completions, digit, **_) -> list[float]:
+        group_digits.extend(digit[::NUM_GENERATIONS])
         return [float(d in c[0]["content"]) for c, d in zip(completions, digit, strict=True)]
 
     class StepClock(TrainerCallback):
@@ -133,6 +144,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         "step_s": times,
         "completion_tokens_per_step": [round(n * batch, 1) for n in lengths],
         "prompt_tokens_mean": len(prompt),
+        "group_digits": group_digits,
         "settings": {"per_device_train_batch_size": batch, "num_generations": NUM_GENERATIONS,
                      "max_completion_length": NEW_TOKENS, "beta": 0.0, "learning_rate": LR,
                      "loss_type": config.loss_type, "use_vllm": False, "gradient_checkpointing": False,
@@ -141,14 +153,29 @@ def run_trl(args: argparse.Namespace) -> dict:
 
 
 # -- project side ---------------------------------------------------------------------------------
+def project_tasks(group_digits: list[str], seed: int, path: Path) -> Path:
+    """The project's tasks file: group ``g`` of the project's task order gets ``group_digits[g]``,
+    the TRL side's prompt for its group ``g`` (the order is the rollout service's own)."""
+    from types import SimpleNamespace
+
+    from benchmarks.peer_env import write_tasks
+    from lightning_agentrl.rollout.service import RolloutService
+
+    order = SimpleNamespace(tasks=list(range(len(group_digits))), plan=SimpleNamespace(seed=seed))
+    digits = [""] * len(group_digits)
+    for group, digit in enumerate(group_digits):
+        digits[RolloutService.task_for_group(order, group)] = digit
+    return write_tasks(path, digits)
+
+
 def project_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return [
         f"--run.dir={run_dir}", f"--run.seed={args.seed}", "--model.path=tiny", f"--model.cache_dir={CACHE_DIR}",
         "--engine.kind=torch", f"--engine.max_new_tokens={NEW_TOKENS}",
         f"--engine.max_batch_size={NUM_PROMPTS * NUM_GENERATIONS}", "--engine.temperature=1.0",
-        f"--env.tasks={REPO / 'tasks' / 'learn'}", "--env.max_turns=1", f"--env.system_prompt={json.dumps(SYSTEM_PROMPT)}",
+        f"--env.kind={ENV_KIND}", f"--env.tasks={args.tasks}", "--env.max_turns=1",
         f"--rollout.groups_per_step={NUM_PROMPTS}", f"--rollout.group_size={NUM_GENERATIONS}",
-        f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0",
+        f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0", "--algorithm.grpo_std=sample",
         f"--trainer.lr={LR}", f"--trainer.threads={THREADS}", f"--trainer.max_steps={args.warmup + args.steps}",
         "--tracking.experiment=peer_trl",
     ]
@@ -197,6 +224,7 @@ def stage_clock():
                 "tool_s_mean": statistics.fmean(t.timings.get("tool_s", 0.0) for t in trajectories),
                 "prompt_tokens_mean": statistics.fmean(t.turns[0].action_start for t in trajectories if t.turns),
                 "reward_mean": statistics.fmean(t.reward for t in trajectories),
+                "task_ids": sorted({t.task_id for t in trajectories}),
             })
 
     return StageClock()
@@ -211,6 +239,7 @@ def run_project(args: argparse.Namespace) -> dict:
     clock = stage_clock()
     fit(load_settings(None, overrides), callbacks=[clock])
     measured = clock.steps[args.warmup :]
+    digit_of = {json.loads(line)["id"]: json.loads(line)["digit"] for line in Path(args.tasks).read_text().splitlines()}
     return {
         "version": "lightning-agentrl " + git_commit(),
         "step_s": step_times([s["end"] for s in clock.steps], args.warmup),
@@ -218,6 +247,7 @@ def run_project(args: argparse.Namespace) -> dict:
         "prompt_tokens_mean": round(statistics.fmean(s["prompt_tokens_mean"] for s in measured), 1),
         "reward_mean": round(statistics.fmean(s["reward_mean"] for s in measured), 3),
         "stages": measured,
+        "step_digits": [sorted(digit_of[i] for i in s["task_ids"]) for s in clock.steps],
         "settings_overrides": overrides,
         "run_dir": str(run_dir),
     }
@@ -229,13 +259,16 @@ def git_commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def run_side(side: str, python: str, args: argparse.Namespace) -> dict:
+def run_side(side: str, python: str, args: argparse.Namespace, *, tasks: Path | None = None,
+             run_dir: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{side}.json"
         command = [python, __file__, "--side", side, "--side-out", str(out), "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--seed", str(args.seed)]
-        if args.run_dir:
-            command += ["--run-dir", args.run_dir]
+        if run_dir:
+            command += ["--run-dir", run_dir]
+        if tasks:
+            command += ["--tasks", str(tasks)]
         if args.trl_bf16:
             command.append("--trl-bf16")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -282,15 +315,63 @@ def profile(project: dict) -> dict:
     }
 
 
+def pooled(rounds: list[dict]) -> dict:
+    """One side's rounds as one record: the measured steps of all rounds, and each round's summary."""
+    record = {**rounds[-1], "round_wall_s": [r.pop("wall_s") for r in rounds]}
+    for key in ("step_s", "completion_tokens_per_step", "stages"):
+        if key in rounds[0]:
+            record[key] = [x for r in rounds for x in r[key]]
+    record["rounds"] = [{**summarize(r), "load_avg_1min": r["load_avg_1min"]} for r in rounds]
+    record.pop("load_avg_1min")
+    return record
+
+
+def run_rounds(args: argparse.Namespace, tasks_dir: Path) -> tuple[dict, dict, bool]:
+    """TRL and the project alternately, ``args.rounds`` times each; the project's tasks are the prompts
+    of the first TRL round. Also says whether every TRL round drew the same prompts."""
+    trl_rounds, project_rounds, tasks = [], [], None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k in range(args.rounds):
+        trl_rounds.append(run_side("trl", args.trl_python, args))
+        if tasks is None:
+            tasks = project_tasks(trl_rounds[0]["group_digits"], args.seed, tasks_dir / "digits.jsonl")
+        run_dir = f"{args.run_dir or f'runs/peer_trl-{stamp}'}-r{k}"
+        project_rounds.append(run_side("project", sys.executable, args, tasks=tasks, run_dir=run_dir))
+    same_trl = all(r["group_digits"] == trl_rounds[0]["group_digits"] for r in trl_rounds)
+    return pooled(trl_rounds), pooled(project_rounds), same_trl
+
+
+def same_prompts_per_step(trl: dict, project: dict) -> bool:
+    """Each project step trained on the 8 prompts of the same TRL step."""
+    groups = trl["group_digits"]
+    trl_steps = [sorted(groups[i : i + NUM_PROMPTS]) for i in range(0, len(groups), NUM_PROMPTS)]
+    return project["step_digits"] == trl_steps[: len(project["step_digits"])]
+
+
+DIFFERENCES = [
+    "none in the loss: both take a token-level mean over the batch (TRL loss_type 'dapo', the project's default "
+    "algorithm.aggregation 'token-mean'), clip 0.2, beta 0, advantages scaled by the group's sample std (the "
+    "project's algorithm.grpo_std=sample, set here to match TRL's torch.std)",
+    "project step includes its defaults: a checkpoint every step, MLflow logging, trajectory files (TRL: "
+    "save_strategy='no', report_to='none')",
+    "project sequences end with the end-of-turn id after an action cut at max_new_tokens (one context token, "
+    "mask 0, not a completion token); TRL trains on the cut completion as it is",
+    "sampling: each side draws its own completions (same prompts, temperature 1, different generators), so "
+    "completion lengths differ slightly; throughput is per completion token",
+]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # benchmarks.peer_env, as the subprocesses import it
     if args.side:
         record = run_trl(args) if args.side == "trl" else run_project(args)
         Path(args.side_out).write_text(json.dumps(record))
         return
-    trl_record = run_side("trl", args.trl_python, args)
-    project_record = run_side("project", sys.executable, args)
+    with tempfile.TemporaryDirectory() as tasks_dir:
+        trl_record, project_record, same_trl = run_rounds(args, Path(tasks_dir))
     trl, project = summarize(trl_record), summarize(project_record)
     ratio = round(project["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 2)
     load = os.getloadavg()
@@ -300,27 +381,24 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_at_end": [round(x, 2) for x in load],  # 1, 5, 15 min; the machine may be shared
         "shape": {"prompts": NUM_PROMPTS, "generations": NUM_GENERATIONS, "max_new_tokens": NEW_TOKENS,
                   "lr": LR, "beta": 0.0, "torch_threads": THREADS, "warmup_steps": args.warmup,
-                  "measured_steps": args.steps},
+                  "measured_steps": args.steps, "rounds_per_side": args.rounds, "order": "TRL, project, alternating",
+                  "environment": ENV_KIND},
         "ratio_project_over_trl": ratio,
         "target_ratio": 2.0,
-        "trl": {**trl, **{k: v for k, v in trl_record.items() if k != "stages"}},
+        "same_prompts_per_step": same_trl and same_prompts_per_step(trl_record, project_record),
+        "trl": {**trl, **trl_record},
         "project": {**project, **{k: v for k, v in project_record.items() if k != "stages"}},
-        "differences": [
-            "project prompts: tasks/learn (copy-the-key) opening messages with a one-line system prompt, not "
-            "'Repeat the digit N:' (settings take no custom environment yet); see prompt_tokens_mean of each side",
-            "project reward: the coding environment's (an episode that has not submitted in its one turn "
-            "scores 0), not 'contains N'; neither reward changes the work of a step",
-            "project step includes its defaults: a checkpoint every step, MLflow logging, trajectory files",
-        ],
+        "differences": DIFFERENCES,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     out.with_name(out.stem + "_profile.json").write_text(json.dumps(profile(project_record), indent=2) + "\n")
-    print(f"peer_trl ({NUM_PROMPTS}x{NUM_GENERATIONS}x{NEW_TOKENS} tokens/step, {THREADS} threads): "
-          f"TRL {trl['completion_tokens_per_s']} completion tok/s ({trl['median_step_s']} s/step), "
-          f"project {project['completion_tokens_per_s']} tok/s ({project['median_step_s']} s/step), "
-          f"ratio {ratio}x (target 2x); load {load[0]:.1f}")
+    loads = [r["load_avg_1min"]["before"] for side in (trl_record, project_record) for r in side["rounds"]]
+    print(f"peer_trl ({NUM_PROMPTS}x{NUM_GENERATIONS}x{NEW_TOKENS} tokens/step, {THREADS} threads, "
+          f"{args.rounds} alternating rounds): TRL {trl['completion_tokens_per_s']} completion tok/s "
+          f"({trl['median_step_s']} s/step), project {project['completion_tokens_per_s']} tok/s "
+          f"({project['median_step_s']} s/step), ratio {ratio}x (target 2x); load {min(loads):.1f} to {max(loads):.1f}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,26 @@ def test_learn_writes_the_record_and_the_figure(tmp_path):
 
 def test_peer_benchmark_help_and_argument_errors():
     help_text = run_benchmark("benchmarks/peer_trl.py", "--help").stdout
-    assert "--steps" in help_text and "--trl-python" in help_text and "--side" not in help_text
+    assert "--steps" in help_text and "--rounds" in help_text and "--side" not in help_text and "--tasks" not in help_text
     done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--warmup", "0"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "--warmup must be at least 1" in done.stderr
+    done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--rounds", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
+
+
+def test_peer_environment_loads_by_dotted_path_and_scores_a_completion(tmp_path):
+    import asyncio
+
+    from benchmarks.peer_env import write_tasks
+    from lightning_agentrl.envs.registry import env_class
+
+    cls = env_class("benchmarks.peer_env:RepeatDigitEnv")
+    tasks = cls.load_tasks(write_tasks(tmp_path / "digits.jsonl", ["3", "8"]), split="train")
+    assert [(t.id, t.digit) for t in tasks] == [("d0", "3"), ("d1", "8")]
+    env = cls(tasks[1])
+    assert asyncio.run(env.reset()) == [{"role": "user", "content": "Repeat the digit 8:"}]
+    hit, miss = asyncio.run(env.step("sure: 8")), asyncio.run(cls(tasks[1]).step("3 3 3"))
+    assert (hit.reward, hit.done, hit.observation) == (1.0, True, "")
+    assert (miss.reward, miss.done) == (0.0, True)
