@@ -184,8 +184,7 @@ async def env_call(env: Environment, call):
     except (EnvInfraError, ToolTimeout):
         raise
     except Exception as err:
-        classify = getattr(env, "classify_error", None)
-        mapped = classify(err) if classify is not None else None
+        mapped = env.classify_error(err)
         if mapped is None:
             raise
         raise mapped from err
@@ -295,7 +294,7 @@ async def play_episode(
         message = summarizer.summary_message(
             state.history, policy_summary=policy_summary, pending_observation=pending_observation, env=env
         )
-        ids = codec.prompt_ids([*state.messages, message], tools=getattr(env, "tools", None))
+        ids = codec.prompt_ids([*state.messages, message], tools=env.tools)
         if len(ids) + sampling.max_new_tokens > limit:
             return False
         segment = Segment()
@@ -309,7 +308,7 @@ async def play_episode(
                 messages = checked_messages(env, await env_call(env, env.reset()))
                 state = EpisodeState(trajectory=trajectory, messages=messages)
                 first = Segment()
-                first.extend(codec.prompt_ids(messages, tools=getattr(env, "tools", None)), mask=0)
+                first.extend(codec.prompt_ids(messages, tools=env.tools), mask=0)
                 trajectory.segments.append(first)
             steps_this_call = 0
             while True:

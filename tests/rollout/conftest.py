@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_agentrl.envs.base import StepResult
+from lightning_agentrl.envs.base import Environment, StepResult
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import Generation
 from lightning_agentrl.tasks import load_tasks
@@ -74,7 +74,7 @@ class NoClient:
         pass
 
 
-class CountingEnv:
+class CountingEnv(Environment):
     """A message-space environment without a sandbox: step n answers a fixed observation of
     ``observation_chars`` characters, and ``done`` with reward 1 at step ``submit_at`` (never if None)."""
 
