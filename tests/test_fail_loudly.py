@@ -205,12 +205,19 @@ def test_a_sandbox_service_whose_judge_shares_the_agents_uid_is_refused_unless_w
             assert main([*args, "--sandbox.judge_isolation=warn"]) == 0
         # An environment whose reward does not come from the service's judge is not held to it.
         assert main(["validate", "--config", "configs/keydoor.yaml", *args[3:]]) == 0, capsys.readouterr().err
-        done = subprocess.run([sys.executable, "-m", "lightning_agentrl", "fit", *args[1:], f"--run.dir={tmp_path}"],
-                              capture_output=True, text=True, timeout=300, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        fit = [sys.executable, "-m", "lightning_agentrl", "fit", *args[1:], *SMALL, "--trainer.max_steps=1"]
+        done = subprocess.run([*fit, f"--run.dir={tmp_path / 'refused'}"], capture_output=True, text=True,
+                              timeout=300, cwd=REPO, env=env)
+        warned = subprocess.run([*fit, f"--run.dir={tmp_path / 'warned'}", "--sandbox.judge_isolation=warn"],
+                                capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert done.returncode == 2, done.stderr[-2000:]
     assert error_line(done.stderr).startswith("error: sandbox.judge_isolation: ")
-    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+    # warn: the run trains on that service, and says why its rewards are not to be trusted.
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    assert "sandbox.judge_isolation=warn: the sandbox service at" in warned.stderr
+    assert list((tmp_path / "warned" / "checkpoints").glob("*.ckpt"))
 
 
 # -- during the run --------------------------------------------------------------------------------
