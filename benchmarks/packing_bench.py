@@ -37,6 +37,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "packing.json"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's package first
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -50,9 +50,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--turns", type=int, default=1, help="base turns per episode")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="base engine.max_new_tokens")
+    parser.add_argument("--axes", default=",".join(AXES), help="the axes to double, of " + ", ".join(AXES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    args.axis_list = [a for a in args.axes.split(",") if a]
+    if not args.axis_list or set(args.axis_list) - set(AXES):
+        parser.error(f"--axes must name some of {', '.join(AXES)}")
     if min(args.doublings, args.steps, args.warmup, args.groups, args.turns) < 1 or args.group_size < 2:
         parser.error("--doublings, --steps, --warmup, --groups and --turns must be >= 1, --group-size >= 2")
     return args
@@ -90,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="scaling-bench-") as tmp:
         base_run = one_run(args, base, Path(tmp))
         axes = {axis: [base_run] + [one_run(args, {**base, axis: base[axis] * 2**d}, Path(tmp))
-                                    for d in range(1, args.doublings + 1)] for axis in AXES}
-    runs = [base_run] + [r for axis in AXES for r in axes[axis][1:]]
+                                    for d in range(1, args.doublings + 1)] for axis in args.axis_list}
+    runs = [base_run] + [r for axis in args.axis_list for r in axes[axis][1:]]
     exponents = {axis: round(statistics.fmean(math.log2(b["median_step_s"] / a["median_step_s"])
                                               for a, b in zip(chain, chain[1:], strict=False)), 2)
                  for axis, chain in axes.items()}

@@ -4,6 +4,7 @@ the records the README cites; the numbers themselves come from ``make learn`` / 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,65 @@ def test_peer_environment_loads_by_dotted_path_and_scores_a_completion(tmp_path)
     hit, miss = asyncio.run(env.step("sure: 8")), asyncio.run(cls(tasks[1]).step("3 3 3"))
     assert (hit.reward, hit.done, hit.observation) == (1.0, True, "")
     assert (miss.reward, miss.done) == (0.0, True)
+
+
+def test_latency_environment_draws_the_same_heavy_tailed_sleeps_per_task_and_episode():
+    from benchmarks.latency_env import LatencyTask, latencies
+
+    task = LatencyTask("t0", "4", turns=400, latency_median_s=0.2, latency_sigma=1.0)
+    first = latencies(task, 0)
+    assert first == latencies(task, 0) and first != latencies(task, 1)
+    assert all(s > 0 for s in first)
+    ordered = sorted(first)
+    assert 0.15 < ordered[200] < 0.27  # median about 0.2 s
+    assert ordered[-1] > 5 * ordered[200]  # a heavy right tail
+    assert latencies(LatencyTask("t1", "4", turns=3), 0) == [0.0, 0.0, 0.0]
+
+
+def test_async_benchmark_runs_both_bounds_through_the_sandbox_and_writes_ratios(tmp_path):
+    out = tmp_path / "async.json"
+    line = run_benchmark("benchmarks/async_bench.py", "--bounds", "0,1", "--steps", "1", "--warmup", "1", "--groups",
+                         "1", "--group-size", "2", "--turns", "1", "--max-new-tokens", "4", "--latency-median", "0.05",
+                         "--threads", "1", "--out", str(out)).stdout.strip().splitlines()[-1]
+    record = json.loads(out.read_text())
+    assert line.startswith("async (1x2 episodes x 1 turns") and "bound 1:" in line
+    sync, bound1 = record["arms"]
+    assert (sync["max_staleness"], bound1["max_staleness"]) == (0, 1) and sync["ratio"] == 1.0
+    for a in record["arms"]:
+        assert a["episodes_per_step"] == 2 and len(a["step_s"]) == 1 and a["mean_step_s"] > 0
+        assert a["tool_s_mean_per_episode"] > 0  # each action slept in a real sandbox
+        assert "--rollout.max_in_flight=4" in a["overrides"]  # the same episodes in flight at every bound
+        assert abs(sum(a["profile"].values()) - 1) < 0.01 and a["load_avg_1min"]["before"] >= 0
+    assert abs(bound1["ratio"] - sync["mean_step_s"] / bound1["mean_step_s"]) < 0.01
+    model = record["ideal_model"]
+    assert model["sync_step_s"] == sync["mean_step_s"] and 0 <= model["trainer_s"] <= model["sync_step_s"]
+    assert bound1["ideal_ratio"] == round(min(2, model["sync_step_s"] / model["trainer_s"]), 2)
+
+
+def test_packing_benchmark_compares_both_paths_on_the_same_tokens(tmp_path):
+    out = tmp_path / "packing.json"
+    run_benchmark("benchmarks/packing_bench.py", "--sequences", "6", "--median-length", "12", "--rows", "3",
+                  "--micro-batch-tokens", "64", "--repeats", "1", "--threads", "1", "--out", str(out))
+    record = json.loads(out.read_text())
+    lengths = record["lengths"]["all"]
+    assert len(lengths) == 6 and record["tokens"] == sum(lengths) and min(lengths) >= 8
+    padded = sum(3 * max(lengths[i : i + 3]) for i in (0, 3))
+    assert record["padded"]["tokens_with_padding"] == padded and record["padded"]["decoder_calls"] == 2
+    assert record["padded"]["padding_fraction"] == round(1 - sum(lengths) / padded, 3)
+    assert record["packed"]["decoder_calls"] >= 1
+    for side in ("padded", "packed"):
+        assert record[side]["seconds"] > 0
+        assert abs(record[side]["tokens_per_s"] - record["tokens"] / record[side]["seconds"]) / record[side]["tokens_per_s"] < 0.01
+    assert abs(record["speedup"] - record["padded"]["seconds"] / record["packed"]["seconds"]) < 0.02
+
+
+def test_scaling_benchmark_doubles_an_axis_and_reports_the_exponent(tmp_path):
+    out = tmp_path / "scaling.json"
+    run_benchmark("benchmarks/scaling_bench.py", "--axes", "groups", "--steps", "1", "--warmup", "1", "--groups", "1",
+                  "--group-size", "2", "--max-new-tokens", "4", "--threads", "1", "--out", str(out))
+    record = json.loads(out.read_text())
+    base, doubled = record["runs"]
+    assert (base["shape"]["groups"], doubled["shape"]["groups"]) == (1, 2)
+    assert doubled["tokens_per_step"] > base["tokens_per_step"] > 0 and base["median_step_s"] > 0
+    assert record["exponent_per_axis"]["groups"] == round(math.log2(doubled["median_step_s"] / base["median_step_s"]), 2)
+    assert set(record["exponent_per_axis"]) == {"groups"}
