@@ -51,6 +51,9 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/sandbox_bench.py
 	$(PY) benchmarks/engine_compare.py
 	$(PY) benchmarks/packed_attention_bench.py
+	$(PY) benchmarks/async_bench.py
+	$(PY) benchmarks/packing_bench.py
+	$(PY) benchmarks/scaling_bench.py
 
 # Proof that it learns: warm start + GRPO on the copy-the-key suite, held-out success per step
 # (benchmarks/results/learn_cpu.json and .png).

@@ -126,9 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from lightning_agentrl.models.tiny import build_tiny_model
 
+    hf_logging.disable_progress_bar()  # one line of output
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(REPO / ".cache" / "lightning_agentrl"),
                                                  attn_implementation="sdpa").float()
