@@ -143,3 +143,16 @@ def test_scaling_benchmark_doubles_an_axis_and_reports_the_exponent(tmp_path):
     assert doubled["tokens_per_step"] > base["tokens_per_step"] > 0 and base["median_step_s"] > 0
     assert record["exponent_per_axis"]["groups"] == round(math.log2(doubled["median_step_s"] / base["median_step_s"]), 2)
     assert set(record["exponent_per_axis"]) == {"groups"}
+
+
+def test_peer_profile_shares_add_up_to_the_median_step():
+    from benchmarks.peer_trl import profile
+
+    stages = [{"episode_s_max": 2.0 + i, "between_steps": 3.0 + i, "forward_and_rest": 0.5, "backward": 1.0,
+               "optimizer_and_logging": 0.5, "generation_s_mean": 1.5, "tool_s_mean": 0.0, "tokens": 100 * i}
+              for i in range(3)]
+    summary = profile({"stages": stages, "step_s": [6.0, 6.0, 6.0]})  # 3 + (4 - 3) + 0.5 + 1 + 0.5
+    assert summary["median_step_s"] == 6.0 and summary["tokens_per_step"] == 100
+    shares = {s["stage"].split(" ")[0]: s["share"] for s in summary["stages"]}
+    assert shares["rollout"] == 0.5 and shares["backward"] == 0.167 and abs(sum(shares.values()) - 1) < 0.01
+    assert [s["seconds"] for s in summary["stages"]] == sorted((s["seconds"] for s in summary["stages"]), reverse=True)
