@@ -1,6 +1,6 @@
 """Async vs sync: throughput at staleness bounds 0, 1, 2, 4 with environment latency served by the real sandbox.
 
-    python benchmarks/async_bench.py [--bounds 0,1,2,4] [--steps 6] [--warmup 2] [--latency-median 0.4]
+    python benchmarks/async_bench.py [--bounds 0,1,2,4] [--steps 6] [--warmup 2] [--latency-median 1.0]
 
 The same trainer, tasks, episodes per step and episodes in flight (``rollout.max_in_flight`` =
 (largest bound + 1) x episodes per step in every run) at each ``rollout.max_staleness``; only the
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--turns", type=int, default=2, help="actions per episode, each one sandbox sleep")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--latency-median", type=float, default=0.4, help="median sleep per action, seconds")
+    parser.add_argument("--latency-median", type=float, default=1.0, help="median sleep per action, seconds")
     parser.add_argument("--latency-sigma", type=float, default=1.0, help="lognormal sigma (log-space std)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS))
