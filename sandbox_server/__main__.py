@@ -1,6 +1,6 @@
 """``python -m sandbox_server --host 127.0.0.1 --port 8080 [--max-sandboxes N ...]``: serve protocol v1.
 
-Every option is a ``--flag-name VALUE`` (booleans take ``true``/``false``) and a
+Every option is a ``--flag-name VALUE`` (a boolean: ``--flag-name`` / ``--no-flag-name``) and a
 ``SANDBOX_SERVER_<NAME>`` environment variable (``SANDBOX_SERVER_MAX_SANDBOXES=16``); a flag wins
 over its variable. ``--help`` lists them with their documentation (``ServerOptions``' field docs).
 Pass the token as ``SANDBOX_SERVER_TOKEN`` rather than ``--token``: command lines are visible to
@@ -28,7 +28,7 @@ class ServeCommand(BaseSettings, ServerOptions):
     which other users of the host can see in `ps`); a flag wins over its variable."""
 
     model_config = SettingsConfigDict(env_prefix="SANDBOX_SERVER_", cli_prog_name="python -m sandbox_server",
-                                      cli_kebab_case=True, cli_implicit_flags=False, use_attribute_docstrings=True,
+                                      cli_kebab_case=True, cli_implicit_flags=True, use_attribute_docstrings=True,
                                       extra="forbid")
 
     host: str = "127.0.0.1"

@@ -63,7 +63,8 @@ class LocalSandboxServer:
         argv = [sys.executable, "-m", "sandbox_server", "--host", host, "--port", str(self.port),
                 "--log-level", "warning"]
         for name, value in server_options.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
+            flag = name.replace("_", "-")
+            argv += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
         env = {**os.environ, TOKEN_ENV: token}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH", "")]))
         self._log_path = log_file
