@@ -1,4 +1,6 @@
-"""The FastAPI application: protocol v1 routes, bearer auth, limits, reaper, idempotency and metrics.
+"""The FastAPI application of protocol v1: a :class:`SandboxManager` (the live sandboxes and every
+operation on them: create, fork, exec, files, delete, reaping, capacity, idempotent retries, metrics)
+behind thin routes, with bearer auth and the request-size cap in an ASGI guard before any parsing.
 
 Error bodies are always ``{"error": {"code": str, "message": str}}`` so any client (or fleet
 implementation) can classify them without parsing prose; the codes are listed in docs/sandbox.md.
