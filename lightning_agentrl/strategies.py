@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,8 @@ import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from typing_extensions import override
+
+from sandbox_server.launch import free_port
 
 STRATEGY_NAMES = ("auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3")
 TORCH_EXTENSIONS_DIR = Path(".cache/torch_extensions")
@@ -137,13 +138,7 @@ def prepare_cpu_deepspeed_environment() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR.resolve()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def gather_full_state_dict(

@@ -29,12 +29,10 @@ import httpx
 
 from sandbox_client.errors import (
     CommandTimeout,
-    SandboxAuthError,
-    SandboxCapacityError,
     SandboxError,
     SandboxInfraError,
-    SandboxNotFound,
     SandboxRequestError,
+    error_for,
 )
 from sandbox_client.models import ExecResult
 
@@ -247,12 +245,4 @@ def _classify(response: httpx.Response, method: str, path: str, attempts: int = 
     text = f"{method} {path} -> {status}{f' {code}' if code else ''}: {message}"
     if attempts > 1:
         text += f" (after {attempts} attempts)"
-    if status in (401, 403):
-        return SandboxAuthError(text, status=status, code=code)
-    if status == 404 and code in ("sandbox_not_found", None):
-        return SandboxNotFound(text, status=status, code=code)
-    if status == 429:
-        return SandboxCapacityError(text, status=status, code=code)
-    if status >= 500 or code == "idempotency_key_reused":  # this client's keys are fresh per call: not the agent's doing
-        return SandboxInfraError(text, status=status, code=code)
-    return SandboxRequestError(text, status=status, code=code)
+    return error_for(status, code, text)

@@ -54,3 +54,16 @@ class CommandTimeout(SandboxError):
 
 class SandboxRequestError(SandboxError):
     """The server refused a request the agent caused (bad path, missing file, too big): show it to the agent."""
+
+
+def error_for(status: int, code: str | None, text: str) -> SandboxError:
+    """The error class of a service's refusal (HTTP ``status`` and the body's ``code``), per the taxonomy above."""
+    if status in (401, 403):
+        return SandboxAuthError(text, status=status, code=code)
+    if status == 404 and code in ("sandbox_not_found", None):
+        return SandboxNotFound(text, status=status, code=code)
+    if status == 429:
+        return SandboxCapacityError(text, status=status, code=code)
+    if status >= 500 or code == "idempotency_key_reused":  # this client's keys are fresh per call: not the agent's doing
+        return SandboxInfraError(text, status=status, code=code)
+    return SandboxRequestError(text, status=status, code=code)

@@ -1,13 +1,15 @@
-"""Result types returned by the client."""
+"""The protocol's result types: the server answers with them (its OpenAPI schema names them) and the
+client returns them, so both sides read one definition."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pydantic import BaseModel, ConfigDict
 
 
-@dataclass(frozen=True)
-class ExecResult:
+class ExecResult(BaseModel):
     """Outcome of one command. ``exit_code`` is negative (-signal) when the process was killed."""
+
+    model_config = ConfigDict(frozen=True)
 
     exit_code: int
     stdout: str
@@ -22,6 +24,5 @@ class ExecResult:
 
     @classmethod
     def from_json(cls, data: dict) -> ExecResult:
-        return cls(exit_code=int(data["exit_code"]), stdout=str(data["stdout"]), stderr=str(data["stderr"]),
-                   timed_out=bool(data["timed_out"]), truncated=bool(data["truncated"]),
-                   duration_s=float(data["duration_s"]))
+        """The result in a server's answer; a ValueError (pydantic's ValidationError) when it is not one."""
+        return cls.model_validate(data)

@@ -117,6 +117,9 @@ def _ref(obj):
 
 
 def encode(value):
+    # The judge (score_runner.py) writes and reads the same tags for standard values. Two copies on
+    # purpose: each side is one standalone source run as `python -c`, and the judge must not run code
+    # from the agent's side; tests/sandbox/test_scoring.py round-trips every tag between the two.
     kind = type(value)
     if kind in _values:
         return value

@@ -1,47 +1,60 @@
-"""``python -m sandbox_server --host 127.0.0.1 --port 8080 [--token T] [--max-sandboxes N ...]``.
+"""``python -m sandbox_server --host 127.0.0.1 --port 8080 [--max-sandboxes N ...]``: serve protocol v1.
 
-The token may also come from the SANDBOX_SERVER_TOKEN environment variable (preferred: command
-lines are visible to every user of the host).
+Every option is a ``--flag-name VALUE`` (a boolean: ``--flag-name`` / ``--no-flag-name``) and a
+``SANDBOX_SERVER_<NAME>`` environment variable (``SANDBOX_SERVER_MAX_SANDBOXES=16``); a flag wins
+over its variable. ``--help`` lists them with their documentation (``ServerOptions``' field docs).
+Pass the token as ``SANDBOX_SERVER_TOKEN`` rather than ``--token``: command lines are visible to
+every user of the host.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
+import inspect
 import logging
-import os
 import sys
-import typing
+from typing import Literal
 
-from sandbox_server.options import ServerOptions
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+from sandbox_server.options import ServerOptions, describe
 
 TOKEN_ENV = "SANDBOX_SERVER_TOKEN"
 
 
-def _flag(text: str) -> bool:
-    lowered = text.lower()
-    if lowered not in ("true", "false", "1", "0", "yes", "no"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return lowered in ("true", "1", "yes")
+class ServeCommand(BaseSettings, ServerOptions):
+    """Reference sandbox service for lightning-agentrl (protocol v1, docs/sandbox.md). Every option is also
+    an environment variable SANDBOX_SERVER_<NAME> (the token: SANDBOX_SERVER_TOKEN, preferred over --token,
+    which other users of the host can see in `ps`); a flag wins over its variable."""
+
+    model_config = SettingsConfigDict(env_prefix="SANDBOX_SERVER_", cli_prog_name="python -m sandbox_server",
+                                      cli_kebab_case=True, cli_implicit_flags=True, use_attribute_docstrings=True,
+                                      extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+
+    port: int = 8080
+    """Port to listen on."""
+
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    """Log level of the server and of uvicorn's access log (method, path and status; never headers)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sandbox_server", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--log-level", default="info")
-    hints = typing.get_type_hints(ServerOptions)
-    for f in dataclasses.fields(ServerOptions):
-        kind = hints[f.name]
-        flag = "--" + f.name.replace("_", "-")
-        if kind is bool:
-            parser.add_argument(flag, type=_flag, nargs="?", const=True, default=f.default)
-        elif kind in (int, float):
-            parser.add_argument(flag, type=kind, default=f.default)
-        else:
-            parser.add_argument(flag, default=f.default)
-    return parser
+ServeCommand.__doc__ = inspect.cleandoc(ServeCommand.__doc__ or "")  # --help prints it as written
+
+
+def parse(argv: list[str] | None = None) -> tuple[ServeCommand, ServerOptions]:
+    """The command line and environment as (where to listen, the server's options); exits with a message
+    naming the option when one is invalid or the token is missing."""
+    try:
+        command = CliApp.run(ServeCommand, cli_args=sys.argv[1:] if argv is None else argv)
+        options = ServerOptions.model_validate(command.model_dump(exclude={"host", "port", "log_level"}))
+    except ValidationError as exc:
+        sys.exit(f"error: {describe(exc)}")
+    if not options.token:
+        sys.exit(f"error: a token is required: --token T or the {TOKEN_ENV} environment variable")
+    return command, options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,19 +62,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from sandbox_server.app import create_app
 
-    args = vars(build_parser().parse_args(argv))
-    host, port, log_level = args.pop("host"), args.pop("port"), args.pop("log_level")
-    args["token"] = args["token"] or os.environ.get(TOKEN_ENV, "")
-    if not args["token"]:
-        sys.exit(f"error: a token is required: --token T or the {TOKEN_ENV} environment variable")
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    command, options = parse(argv)
+    logging.basicConfig(level=command.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        options = ServerOptions(**args)
         app = create_app(options)
     except (ValueError, RuntimeError) as exc:
         sys.exit(f"error: {exc}")
     # Access logs carry method, path and status only; headers (and so the token) are never logged.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=command.host, port=command.port, log_level=command.log_level, timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The FastAPI application: protocol v1 routes, bearer auth, limits, reaper, idempotency and metrics.
+"""The FastAPI application of protocol v1: a :class:`SandboxManager` (the live sandboxes and every
+operation on them: create, fork, exec, files, delete, reaping, capacity, idempotent retries, metrics)
+behind thin routes, with bearer auth and the request-size cap in an ASGI guard before any parsing.
 
 Error bodies are always ``{"error": {"code": str, "message": str}}`` so any client (or fleet
 implementation) can classify them without parsing prose; the codes are listed in docs/sandbox.md.
@@ -11,6 +13,7 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -23,14 +26,15 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sandbox_client.models import ExecResult
 from sandbox_server import PROTOCOL_VERSION
 from sandbox_server.isolation import Isolation, refused_env_name
 from sandbox_server.limits import Cgroups, claim_root, default_root, mount_tmpfs, unmount
@@ -99,15 +103,6 @@ class ExecRequest(StrictRequest):
         "from its stderr (scoring: docs/sandbox.md)")
     timeout_s: float = 30.0
     idempotency_key: str | None = Field(default=None, max_length=200)
-
-
-class ExecResponse(BaseModel):
-    exit_code: int
-    stdout: str
-    stderr: str
-    timed_out: bool
-    truncated: bool
-    duration_s: float
 
 
 class FileBody(StrictRequest):
@@ -264,12 +259,213 @@ class GuardMiddleware:
         return await self.app(scope, replay, send)
 
 
-# ---- the application ----------------------------------------------------------------------------
-def create_app(options: ServerOptions) -> FastAPI:
-    if not options.token:
-        raise ValueError("a token is required (--token or SANDBOX_SERVER_TOKEN)")
-    # A stable root, locked while this server lives and emptied at start: a killed server's leftovers
-    # are removed by the next one instead of piling up.
+# ---- the service: state and operations, apart from HTTP ----------------------------------------
+class SandboxManager:
+    """Every live sandbox and what can be done to it: create, fork, exec, files, delete, reaping.
+
+    The routes below are thin: they parse the request and hand it here. Capacity is a pool of slots
+    (slot i runs as uid ``sandbox_uid + i``); keyed requests go through the idempotency cache; every
+    outcome is counted in ``metrics``. One manager per server; :meth:`close` removes every sandbox."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.root, self._root_lock, self.isolation, self.cgroups, self.disk_quota = _prepare_host(options)
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._free_slots = list(range(options.max_sandboxes - 1, -1, -1))  # pop() hands out slot 0 first
+        self.idempotency = IdempotencyCache(options.idempotency_ttl_s)
+        self.metrics = Metrics()
+
+    # ---- lifecycle
+    def get(self, sandbox_id: str) -> Sandbox:
+        box = self.sandboxes.get(sandbox_id) if _ID.match(sandbox_id) else None
+        if box is None:
+            raise ApiError(404, "sandbox_not_found", f"no sandbox {sandbox_id[:80]!r} (deleted, reaped or never created)")
+        box.touch()
+        return box
+
+    def ttl(self, requested: float | None) -> float:
+        if requested is None:
+            return self.options.default_ttl_s
+        if not 0 < requested <= self.options.max_ttl_s:
+            raise ApiError(400, "invalid_request", f"ttl_s must be in (0, {self.options.max_ttl_s}], got {requested}")
+        return requested
+
+    async def _open_box(self, network: bool, ttl_s: float) -> Sandbox:
+        """Take a slot (429 when none is left), then the sandbox's folder, disk quota and cgroup."""
+        if not self._free_slots:
+            self.metrics.inc("create_rejected_total")
+            raise ApiError(429, "capacity", f"server is full ({self.options.max_sandboxes} sandboxes)",
+                           {"Retry-After": str(self.options.capacity_retry_after_s)})
+        sandbox_id = uuid.uuid4().hex
+        box = Sandbox(sandbox_id, self.root / sandbox_id, network, ttl_s, slot=self._free_slots.pop())
+        try:
+            await asyncio.to_thread(_make_box_dirs, box, self.options, self.disk_quota, self.cgroups)
+        except BaseException:
+            await self._discard(box)
+            raise
+        return box
+
+    async def _discard(self, box: Sandbox) -> None:
+        """Undo _open_box: processes, cgroup, mount, folder, slot."""
+        try:
+            await asyncio.to_thread(_remove_box_dirs, box, self.disk_quota, self.cgroups)
+        finally:
+            self._free_slots.append(box.slot)
+
+    async def _fill_and_register(self, box: Sandbox, fill) -> None:
+        """Run ``fill`` (a blocking function writing the workspace), hand the tree to the sandbox's uid
+        and make it live; on any failure the box is discarded."""
+        try:
+            await asyncio.to_thread(fill)
+            owner = self.isolation.owner(box.slot)
+            if owner is not None:
+                await asyncio.to_thread(chown_tree, box.root, owner)
+            self.sandboxes[box.id] = box
+            self.metrics.inc("created_total")
+        except BaseException:
+            await self._discard(box)
+            raise
+
+    async def _destroy(self, box: Sandbox, reason: str) -> None:
+        if self.sandboxes.pop(box.id, None) is None:
+            return  # a concurrent delete got there first
+        for task in list(box.tasks):
+            task.cancel()
+        if box.tasks:
+            await asyncio.wait(box.tasks, timeout=10)
+        await self._discard(box)
+        self.metrics.inc("deleted_total", reason=reason)
+
+    async def reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.reap_interval_s)
+            for box in list(self.sandboxes.values()):
+                if not box.tasks and box.expires_in() < 0:
+                    log.info("reaping idle sandbox %s", box.id)
+                    await self._destroy(box, "reaped")
+
+    async def close(self) -> None:
+        """Remove every sandbox, then release the root for the next server."""
+        try:
+            for box in list(self.sandboxes.values()):
+                await self._destroy(box, "shutdown")
+        finally:
+            os.close(self._root_lock)
+
+    # ---- operations
+    async def create(self, body: CreateRequest, header_key: str | None) -> SandboxInfo:
+        key = _scoped("create", "", body.idempotency_key or header_key)
+        return await self.idempotency.run(key, body, functools.partial(self._create, body))
+
+    async def _create(self, body: CreateRequest) -> SandboxInfo:
+        ttl_s = self.ttl(body.ttl_s)
+        blobs = _snapshot(body)
+        if len(blobs) > self.options.max_files:
+            raise ApiError(413, "payload_too_large", f"snapshot has more than {self.options.max_files} files")
+        box = await self._open_box(body.network, ttl_s)
+        await self._fill_and_register(box, functools.partial(_write_all, box.workspace, blobs,
+                                                             self.options.max_file_bytes))
+        return _info(box, box.ttl_s)
+
+    async def fork(self, sandbox_id: str, body: ForkRequest, header_key: str | None) -> SandboxInfo:
+        source = self.get(sandbox_id)
+        key = _scoped("fork", sandbox_id, body.idempotency_key or header_key)
+        return await self.idempotency.run(key, body, functools.partial(self._fork, source, body))
+
+    async def _fork(self, source: Sandbox, body: ForkRequest) -> SandboxInfo:
+        ttl_s = self.ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
+        box = await self._open_box(source.network, ttl_s)
+        await self._fill_and_register(box, functools.partial(copy_tree, source.workspace, box.workspace,
+                                                             owner=None, max_files=self.options.max_files))
+        self.metrics.inc("forked_total")
+        return _info(box, box.ttl_s)
+
+    def info(self, sandbox_id: str) -> SandboxInfo:
+        box = self.get(sandbox_id)
+        return _info(box, box.expires_in())
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self._destroy(self.get(sandbox_id), "deleted")
+
+    async def exec(self, sandbox_id: str, body: ExecRequest, header_key: str | None) -> bytes:
+        """Run a command; the answer is ExecResult's JSON, encoded here (FastAPI's validate-then-encode
+        of the answer costs more than the rest of the route on ``echo hi``)."""
+        box = self.get(sandbox_id)
+        command = _prepare_exec(body, self.options.max_timeout_s)
+        key = _scoped("exec", sandbox_id, body.idempotency_key or header_key)
+        try:
+            return await self.idempotency.run(key, body, functools.partial(self._exec, box, command))
+        except asyncio.CancelledError:
+            if sandbox_id not in self.sandboxes:
+                raise ApiError(404, "sandbox_not_found", f"sandbox {sandbox_id} was deleted during exec") from None
+            raise
+
+    async def _exec(self, box: Sandbox, command: _Command) -> bytes:
+        task = asyncio.current_task()
+        assert task is not None
+        box.tasks.add(task)
+        try:
+            result = await self.isolation.run(box.workspace, box.home, command.argv, stdin=command.stdin,
+                                              env=command.env, slot=box.slot, cgroup=box.id, peer=command.peer,
+                                              timeout_s=command.timeout_s, network=box.network)
+        finally:
+            box.tasks.discard(task)
+            box.touch()
+        outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
+        self.metrics.inc("exec_total", outcome=outcome)
+        self.metrics.inc("exec_seconds_total", result.duration_s)
+        if result.truncated:
+            self.metrics.inc("exec_truncated_total")
+        answer = {"exit_code": result.exit_code, "stdout": result.stdout.decode("utf-8", errors="replace"),
+                  "stderr": result.stderr.decode("utf-8", errors="replace"), "timed_out": result.timed_out,
+                  "truncated": result.truncated, "duration_s": round(result.duration_s, 6)}
+        return json.dumps(answer, ensure_ascii=False).encode()
+
+    async def list_files(self, sandbox_id: str) -> FileList:
+        box = self.get(sandbox_id)
+        return FileList(files=await asyncio.to_thread(list_files, box.workspace, self.options.max_files))
+
+    async def read_file(self, sandbox_id: str, path: str) -> FileBody:
+        box = self.get(sandbox_id)
+        data = await asyncio.to_thread(read_bytes, box.workspace, path, self.options.max_file_bytes)
+        try:
+            return FileBody(path=path, content=data.decode("utf-8"), encoding="utf-8")
+        except UnicodeDecodeError:
+            return FileBody(path=path, content=base64.b64encode(data).decode(), encoding="base64")
+
+    async def write_file(self, sandbox_id: str, body: FileBody) -> None:
+        box = self.get(sandbox_id)
+        if body.encoding == "base64":
+            data = _base64(body.content, "content")
+        else:
+            data = _text(body.content, "content").encode()
+        await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=self.isolation.owner(box.slot),
+                                max_bytes=self.options.max_file_bytes)
+
+    # ---- reports
+    def health(self) -> dict:
+        options = self.options
+        limits = {name: getattr(options, name) for name in _HEALTH_LIMITS}
+        limits["total_memory_bytes"] = self.cgroups.total_memory_bytes if self.cgroups is not None else None
+        return {"status": "ok", "protocol": PROTOCOL_VERSION, "isolation": dataclasses.asdict(self.isolation.report),
+                "sandboxes": {"active": len(self.sandboxes), "max": options.max_sandboxes}, "limits": limits}
+
+    def metrics_text(self) -> str:
+        return self.metrics.render({"active": len(self.sandboxes), "max": self.options.max_sandboxes,
+                                    "running_execs": sum(len(b.tasks) for b in self.sandboxes.values())})
+
+
+# /v1/health's limits (total_memory_bytes: what the cgroups enforce, the option's 0 resolved)
+_HEALTH_LIMITS = ("output_limit_bytes", "max_request_bytes", "max_file_bytes", "max_timeout_s", "default_ttl_s",
+                  "cpu_time_s", "address_space_bytes", "max_processes", "file_size_bytes", "open_files",
+                  "memory_bytes", "total_memory_bytes", "max_sandboxes", "disk_bytes", "tmp_bytes")
+
+
+def _prepare_host(options: ServerOptions) -> tuple[Path, int, Isolation, Cgroups | None, bool]:
+    """Claim the sandboxes' root and probe what the host allows: cgroups, tmpfs quotas, the backend.
+
+    A stable root, locked while this server lives and emptied at start: a killed server's leftovers
+    are removed by the next one instead of piling up."""
     root, root_lock = claim_root(Path(options.root_dir) if options.root_dir else default_root(),
                                  stable_default=not options.root_dir)
     root.chmod(0o711)  # the sandbox uids may traverse, not list
@@ -288,295 +484,150 @@ def create_app(options: ServerOptions) -> FastAPI:
     log.info("isolation backend: %s (uid %s)", isolation.backend, isolation.report.uid)
     for note in isolation.report.notes:
         log.warning(note)
+    return root, root_lock, isolation, cgroups, disk_quota
 
-    sandboxes: dict[str, Sandbox] = {}
-    free_slots = list(range(options.max_sandboxes - 1, -1, -1))  # pop() hands out slot 0 first
-    idempotency = IdempotencyCache(options.idempotency_ttl_s)
-    metrics = Metrics()
 
-    def get(sandbox_id: str) -> Sandbox:
-        box = sandboxes.get(sandbox_id) if _ID.match(sandbox_id) else None
-        if box is None:
-            raise ApiError(404, "sandbox_not_found", f"no sandbox {sandbox_id[:80]!r} (deleted, reaped or never created)")
-        box.touch()
-        return box
-
-    def ttl(requested: float | None) -> float:
-        if requested is None:
-            return options.default_ttl_s
-        if not 0 < requested <= options.max_ttl_s:
-            raise ApiError(400, "invalid_request", f"ttl_s must be in (0, {options.max_ttl_s}], got {requested}")
-        return requested
-
-    async def open_box(network: bool, ttl_s: float) -> Sandbox:
-        """Take a slot (429 when none is left), then the sandbox's folder, disk quota and cgroup."""
-        if not free_slots:
-            metrics.inc("create_rejected_total")
-            raise ApiError(429, "capacity", f"server is full ({options.max_sandboxes} sandboxes)",
-                           {"Retry-After": str(options.capacity_retry_after_s)})
-        sandbox_id = uuid.uuid4().hex
-        box = Sandbox(sandbox_id, root / sandbox_id, network, ttl_s, slot=free_slots.pop())
-        try:
-            await asyncio.to_thread(_make_box_dirs, box, options, disk_quota, cgroups)
-        except BaseException:
-            await discard(box)
-            raise
-        return box
-
-    async def discard(box: Sandbox) -> None:
-        """Undo open_box: processes, cgroup, mount, folder, slot."""
-        def clean() -> None:
-            if cgroups is not None:
-                cgroups.remove(box.id)
-            if disk_quota:
-                unmount(box.root)
-            remove_tree(box.root)
-
-        try:
-            await asyncio.to_thread(clean)
-        finally:
-            free_slots.append(box.slot)
-
-    async def register(box: Sandbox) -> None:
-        owner = isolation.owner(box.slot)
-        if owner is not None:
-            await asyncio.to_thread(chown_tree, box.root, owner)
-        sandboxes[box.id] = box
-        metrics.inc("created_total")
-
-    async def destroy(box: Sandbox, reason: str) -> None:
-        if sandboxes.pop(box.id, None) is None:
-            return  # a concurrent delete got there first
-        for task in list(box.tasks):
-            task.cancel()
-        if box.tasks:
-            await asyncio.wait(box.tasks, timeout=10)
-        await discard(box)
-        metrics.inc("deleted_total", reason=reason)
-
-    async def reaper() -> None:
-        while True:
-            await asyncio.sleep(options.reap_interval_s)
-            for box in list(sandboxes.values()):
-                if not box.tasks and box.expires_in() < 0:
-                    log.info("reaping idle sandbox %s", box.id)
-                    await destroy(box, "reaped")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        task = asyncio.create_task(reaper())
-        try:
-            yield
-        finally:
-            task.cancel()
-            for box in list(sandboxes.values()):
-                await destroy(box, "shutdown")
-            os.close(root_lock)
-
-    app = FastAPI(title="lightning-agentrl sandbox service", version=PROTOCOL_VERSION, lifespan=lifespan,
+# ---- HTTP: the application, its error handlers and thin routes --------------------------------
+def create_app(options: ServerOptions) -> FastAPI:
+    if not options.token:
+        raise ValueError("a token is required (--token or SANDBOX_SERVER_TOKEN)")
+    manager = SandboxManager(options)
+    app = FastAPI(title="lightning-agentrl sandbox service", version=PROTOCOL_VERSION, lifespan=_lifespan,
                   openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None)
-    app.state.options = options
-    app.state.isolation = isolation
-    app.state.sandboxes = sandboxes
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError):
-        metrics.inc("errors_total", code=exc.code)
-        return _error(exc.status, exc.code, exc.message, exc.headers)
-
-    @app.exception_handler(WorkspaceError)
-    async def _workspace_error(_: Request, exc: WorkspaceError):
-        metrics.inc("errors_total", code=exc.code)
-        return _error(exc.status, exc.code, exc.message)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        # Still a typed JSON error (the client retries 5xx, then raises SandboxInfraError); logged with its trace.
-        log.exception("unexpected error", exc_info=exc)
-        metrics.inc("errors_total", code="internal")
-        return _error(500, "internal", f"{type(exc).__name__}: {exc}")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        # The router's own answers (unknown path, wrong method) in the same typed shape as every other error.
-        if exc.status_code == 400 and exc.__cause__ is not None:
-            # FastAPI's body parser: JSON nested past the decoder's depth (RecursionError) or bytes that
-            # are not UTF-8. A malformed body, like any other: the documented 422 invalid_request.
-            return await _validation_error(request, RequestValidationError([{
-                "loc": ("body",), "msg": f"not valid JSON ({_parse_failure(exc.__cause__)})"}]))
-        code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        parts = request.url.path.split("/")
-        if exc.status_code == 404 and parts[1:3] == ["v1", "sandboxes"] and len(parts) > 3 and not _ID.match(parts[3]):
-            code = "sandbox_not_found"  # no sandbox has that id (it does not even route)
-        metrics.inc("errors_total", code=code)
-        return _error(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        metrics.inc("errors_total", code="invalid_request")
-        details = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
-        return _error(422, "invalid_request", details)
-
-    # ---- routes ----
-    @app.get("/v1/health")
-    async def health() -> dict:
-        return {
-            "status": "ok",
-            "protocol": PROTOCOL_VERSION,
-            "isolation": dataclasses.asdict(isolation.report),
-            "sandboxes": {"active": len(sandboxes), "max": options.max_sandboxes},
-            "limits": {
-                "output_limit_bytes": options.output_limit_bytes,
-                "max_request_bytes": options.max_request_bytes,
-                "max_file_bytes": options.max_file_bytes,
-                "max_timeout_s": options.max_timeout_s,
-                "default_ttl_s": options.default_ttl_s,
-                "cpu_time_s": options.cpu_time_s,
-                "address_space_bytes": options.address_space_bytes,
-                "max_processes": options.max_processes,
-                "file_size_bytes": options.file_size_bytes,
-                "open_files": options.open_files,
-                "memory_bytes": options.memory_bytes,
-                "total_memory_bytes": cgroups.total_memory_bytes if cgroups is not None else None,
-                "max_sandboxes": options.max_sandboxes,
-                "disk_bytes": options.disk_bytes,
-                "tmp_bytes": options.tmp_bytes,
-            },
-        }
-
-    @app.get("/v1/metrics", response_class=PlainTextResponse)
-    async def prometheus() -> str:
-        return metrics.render({"active": len(sandboxes), "max": options.max_sandboxes,
-                               "running_execs": sum(len(b.tasks) for b in sandboxes.values())})
-
-    @app.get("/v1/sandboxes")
-    async def list_sandboxes() -> dict:
-        return {"sandboxes": sorted(sandboxes)}
-
-    @app.post("/v1/sandboxes", status_code=201)
-    async def create(body: CreateRequest, idempotency_key: str | None = Header(default=None)) -> SandboxInfo:
-        async def make() -> SandboxInfo:
-            ttl_s = ttl(body.ttl_s)
-            blobs = _snapshot(body)
-            if len(blobs) > options.max_files:
-                raise ApiError(413, "payload_too_large", f"snapshot has more than {options.max_files} files")
-            box = await open_box(body.network, ttl_s)
-            try:
-                await asyncio.to_thread(_write_all, box.workspace, blobs, options.max_file_bytes)
-                await register(box)
-            except BaseException:
-                await discard(box)
-                raise
-            return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
-
-        return await idempotency.run(_scoped("create", "", body.idempotency_key or idempotency_key),
-                                     body, make)
-
-    @app.get("/v1/sandboxes/{sandbox_id}")
-    async def info(sandbox_id: str) -> SandboxInfo:
-        box = get(sandbox_id)
-        return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.expires_in())
-
-    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
-    async def delete(sandbox_id: str) -> Response:
-        await destroy(get(sandbox_id), "deleted")
-        return Response(status_code=204)
-
-    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201)
-    async def fork(sandbox_id: str, body: ForkRequest | None = None,
-                   idempotency_key: str | None = Header(default=None)) -> SandboxInfo:
-        body = body or ForkRequest()
-        source = get(sandbox_id)
-
-        async def make() -> SandboxInfo:
-            ttl_s = ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
-            box = await open_box(source.network, ttl_s)
-            try:
-                await asyncio.to_thread(copy_tree, source.workspace, box.workspace, owner=None,
-                                        max_files=options.max_files)
-                await register(box)
-            except BaseException:
-                await discard(box)
-                raise
-            metrics.inc("forked_total")
-            return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=box.ttl_s)
-
-        return await idempotency.run(_scoped("fork", sandbox_id, body.idempotency_key or idempotency_key),
-                                     body, make)
-
-    # Returns the JSON bytes itself (the schema still says ExecResponse): FastAPI's validate-then-encode
-    # of the answer costs more than the rest of the route on `echo hi`.
-    @app.post("/v1/sandboxes/{sandbox_id}/exec", response_model=ExecResponse)
-    async def exec_command(sandbox_id: str, body: ExecRequest,
-                           idempotency_key: str | None = Header(default=None)) -> Response:
-        box = get(sandbox_id)
-        argv = _argv(body.command)
-        env = _env(body.env)
-        _check_exec_size(argv, env)
-        peer = _argv(body.peer_command) if body.peer_command is not None else None
-        if peer is not None:
-            _check_exec_size(peer, {})
-        if not 0 < body.timeout_s <= options.max_timeout_s:
-            raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {options.max_timeout_s}], got {body.timeout_s}")
-        stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
-
-        async def run() -> Response:
-            task = asyncio.current_task()
-            assert task is not None
-            box.tasks.add(task)
-            try:
-                result = await isolation.run(box.workspace, box.home, argv, stdin=stdin, env=env, slot=box.slot,
-                                             cgroup=box.id, peer=peer,
-                                             timeout_s=body.timeout_s, network=box.network)
-            finally:
-                box.tasks.discard(task)
-                box.touch()
-            outcome = "timeout" if result.timed_out else ("ok" if result.exit_code == 0 else "nonzero")
-            metrics.inc("exec_total", outcome=outcome)
-            metrics.inc("exec_seconds_total", result.duration_s)
-            if result.truncated:
-                metrics.inc("exec_truncated_total")
-            answer = {"exit_code": result.exit_code, "stdout": result.stdout.decode("utf-8", errors="replace"),
-                      "stderr": result.stderr.decode("utf-8", errors="replace"), "timed_out": result.timed_out,
-                      "truncated": result.truncated, "duration_s": round(result.duration_s, 6)}
-            return Response(json.dumps(answer, ensure_ascii=False).encode(), media_type="application/json")
-
-        try:
-            return await idempotency.run(_scoped("exec", sandbox_id, body.idempotency_key or idempotency_key),
-                                         body, run)
-        except asyncio.CancelledError:
-            if sandbox_id not in sandboxes:
-                raise ApiError(404, "sandbox_not_found", f"sandbox {sandbox_id} was deleted during exec") from None
-            raise
-
-    @app.get("/v1/sandboxes/{sandbox_id}/files")
-    async def files(sandbox_id: str) -> FileList:
-        box = get(sandbox_id)
-        return FileList(files=await asyncio.to_thread(list_files, box.workspace, options.max_files))
-
-    @app.get("/v1/sandboxes/{sandbox_id}/file")
-    async def read_file(sandbox_id: str, path: str = Query(...)) -> FileBody:
-        box = get(sandbox_id)
-        data = await asyncio.to_thread(read_bytes, box.workspace, path, options.max_file_bytes)
-        try:
-            return FileBody(path=path, content=data.decode("utf-8"), encoding="utf-8")
-        except UnicodeDecodeError:
-            return FileBody(path=path, content=base64.b64encode(data).decode(), encoding="base64")
-
-    @app.put("/v1/sandboxes/{sandbox_id}/file", status_code=204)
-    async def write_file(sandbox_id: str, body: FileBody) -> Response:
-        box = get(sandbox_id)
-        if body.encoding == "base64":
-            data = _base64(body.content, "content")
-        else:
-            data = _text(body.content, "content").encode()
-        await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=isolation.owner(box.slot),
-                                max_bytes=options.max_file_bytes)
-        return Response(status_code=204)
-
+    app.state.manager = manager
+    app.state.options, app.state.isolation, app.state.sandboxes = options, manager.isolation, manager.sandboxes
+    for error, handler in _ERROR_HANDLERS.items():
+        app.add_exception_handler(error, handler)
+    app.include_router(router)
     # The guard wraps everything, the OpenAPI schema included.
     app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    manager: SandboxManager = app.state.manager
+    task = asyncio.create_task(manager.reap_forever())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await manager.close()
+
+
+def _metrics(request: Request) -> Metrics:
+    return request.app.state.manager.metrics
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    _metrics(request).inc("errors_total", code=exc.code)
+    return _error(exc.status, exc.code, exc.message, exc.headers)
+
+
+async def _workspace_error(request: Request, exc: WorkspaceError) -> JSONResponse:
+    _metrics(request).inc("errors_total", code=exc.code)
+    return _error(exc.status, exc.code, exc.message)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # Still a typed JSON error (the client retries 5xx, then raises SandboxInfraError); logged with its trace.
+    log.exception("unexpected error", exc_info=exc)
+    _metrics(request).inc("errors_total", code="internal")
+    return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # The router's own answers (unknown path, wrong method) in the same typed shape as every other error.
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's body parser: JSON nested past the decoder's depth (RecursionError) or bytes that
+        # are not UTF-8. A malformed body, like any other: the documented 422 invalid_request.
+        return await _validation_error(request, RequestValidationError([{
+            "loc": ("body",), "msg": f"not valid JSON ({_parse_failure(exc.__cause__)})"}]))
+    code = {404: "route_not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    parts = request.url.path.split("/")
+    if exc.status_code == 404 and parts[1:3] == ["v1", "sandboxes"] and len(parts) > 3 and not _ID.match(parts[3]):
+        code = "sandbox_not_found"  # no sandbox has that id (it does not even route)
+    _metrics(request).inc("errors_total", code=code)
+    return _error(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    _metrics(request).inc("errors_total", code="invalid_request")
+    details = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+    return _error(422, "invalid_request", details)
+
+
+_ERROR_HANDLERS = {ApiError: _api_error, WorkspaceError: _workspace_error, Exception: _unexpected,
+                   StarletteHTTPException: _http_error, RequestValidationError: _validation_error}
+
+
+async def _manager(request: Request) -> SandboxManager:  # async: no thread-pool hop per request
+    return request.app.state.manager
+
+
+Manager = Annotated[SandboxManager, Depends(_manager)]
+IdempotencyHeader = Annotated[str | None, Header()]
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/health")
+async def health(manager: Manager) -> dict:
+    return manager.health()
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def prometheus(manager: Manager) -> str:
+    return manager.metrics_text()
+
+
+@router.get("/sandboxes")
+async def list_sandboxes(manager: Manager) -> dict:
+    return {"sandboxes": sorted(manager.sandboxes)}
+
+
+@router.post("/sandboxes", status_code=201)
+async def create(body: CreateRequest, manager: Manager, idempotency_key: IdempotencyHeader = None) -> SandboxInfo:
+    return await manager.create(body, idempotency_key)
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def info(sandbox_id: str, manager: Manager) -> SandboxInfo:
+    return manager.info(sandbox_id)
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def delete(sandbox_id: str, manager: Manager) -> Response:
+    await manager.delete(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(sandbox_id: str, manager: Manager, body: ForkRequest | None = None,
+               idempotency_key: IdempotencyHeader = None) -> SandboxInfo:
+    return await manager.fork(sandbox_id, body or ForkRequest(), idempotency_key)
+
+
+@router.post("/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
+async def exec_command(sandbox_id: str, body: ExecRequest, manager: Manager,
+                       idempotency_key: IdempotencyHeader = None) -> Response:
+    answer = await manager.exec(sandbox_id, body, idempotency_key)
+    return Response(answer, media_type="application/json")
+
+
+@router.get("/sandboxes/{sandbox_id}/files")
+async def files(sandbox_id: str, manager: Manager) -> FileList:
+    return await manager.list_files(sandbox_id)
+
+
+@router.get("/sandboxes/{sandbox_id}/file")
+async def read_file(sandbox_id: str, manager: Manager, path: str = Query(...)) -> FileBody:
+    return await manager.read_file(sandbox_id, path)
+
+
+@router.put("/sandboxes/{sandbox_id}/file", status_code=204)
+async def write_file(sandbox_id: str, body: FileBody, manager: Manager) -> Response:
+    await manager.write_file(sandbox_id, body)
+    return Response(status_code=204)
 
 
 def _can_mount_tmpfs(probe_dir: Path) -> bool:
@@ -600,6 +651,42 @@ def _make_box_dirs(box: Sandbox, options: ServerOptions, disk_quota: bool, cgrou
     box.home.mkdir()
     if cgroups is not None:
         cgroups.create(box.id)
+
+
+def _remove_box_dirs(box: Sandbox, disk_quota: bool, cgroups: Cgroups | None) -> None:
+    if cgroups is not None:
+        cgroups.remove(box.id)
+    if disk_quota:
+        unmount(box.root)
+    remove_tree(box.root)
+
+
+def _info(box: Sandbox, expires_in_s: float) -> SandboxInfo:
+    return SandboxInfo(id=box.id, network=box.network, ttl_s=box.ttl_s, expires_in_s=expires_in_s)
+
+
+@dataclass(frozen=True)
+class _Command:
+    """An exec request, checked and ready to run."""
+
+    argv: list[str]
+    env: dict[str, str]
+    peer: list[str] | None
+    stdin: bytes | None
+    timeout_s: float
+
+
+def _prepare_exec(body: ExecRequest, max_timeout_s: float) -> _Command:
+    argv = _argv(body.command)
+    env = _env(body.env)
+    _check_exec_size(argv, env)
+    peer = _argv(body.peer_command) if body.peer_command is not None else None
+    if peer is not None:
+        _check_exec_size(peer, {})
+    if not 0 < body.timeout_s <= max_timeout_s:
+        raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {max_timeout_s}], got {body.timeout_s}")
+    stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
+    return _Command(argv, env, peer, stdin, body.timeout_s)
 
 
 def _snapshot(body: CreateRequest) -> dict[str, bytes]:

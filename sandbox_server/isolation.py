@@ -280,8 +280,21 @@ class Isolation:
         return ok
 
     def _make_report(self, notes: list[str]) -> IsolationReport:
-        options = self.options
         uid = self.uid if self.uid is not None else os.geteuid()
+        enforced = self._enforced(uid)
+        limits = ["rlimits per process: CPU time, address space, file size, open files, core dumps off",
+                  *(f"{name}: {how}" for name, how in enforced.items() if how and "RLIMIT" not in how)]
+        missing = [f"not enforced: {name}" for name, how in enforced.items() if how is None]
+        scope = self._bwrap_scope if self.backend == "bwrap" else self._process_scope
+        namespaces, isolated, not_isolated = scope(limits, missing)
+        return IsolationReport(backend=self.backend, uid=uid, namespaces=namespaces,
+                               network_isolated_by_default=self.backend == "bwrap" or self._process_netns,
+                               process_limit_enforced=enforced["processes_per_sandbox"] is not None,
+                               enforced=enforced, isolated=isolated, not_isolated=not_isolated, notes=notes)
+
+    def _enforced(self, uid: int) -> dict[str, str | None]:
+        """Each limit the report names, with how it is enforced here (None: it is not)."""
+        options = self.options
         cgroup = f"cgroup v{self.cgroups.version}" if self.cgroups is not None else None
         per_uid = self.per_sandbox_uids
         enforced: dict[str, str | None] = {
@@ -302,51 +315,48 @@ class Isolation:
             "cpu_time_per_process": f"RLIMIT_CPU={options.cpu_time_s}",
             "file_size": f"RLIMIT_FSIZE={options.file_size_bytes}",
         }
-        limits = ["rlimits per process: CPU time, address space, file size, open files, core dumps off",
-                  *(f"{name}: {how}" for name, how in enforced.items() if how and "RLIMIT" not in how)]
-        missing = [name for name, how in enforced.items() if how is None]
-        if self.backend == "bwrap":
-            namespaces = ["mount", "pid", "ipc", "uts", "network (unless network=true)"]
-            if self._bwrap_mode == "userns":
-                namespaces.append("user")
-            isolated = [
-                "private workspace directory per sandbox, mounted at /workspace",
-                "filesystem: only /usr, the Python prefix and a few /etc files (read-only), private /tmp",
-                "processes: own pid namespace; the whole tree dies with the command or on timeout",
-                "network: none by default (own network namespace with loopback only)",
-                "host side: bwrap and setpriv start with a fixed environment; options via a memfd, not argv",
-                *limits,
-            ]
-            not_isolated = [
-                "kernel: shared with the host (namespaces, not a VM); kernel exploits escape",
-                "CPU: no CPU quota; only RLIMIT_CPU per process and the wall-clock timeout",
-                *(["/proc/self/mountinfo shows the host path of the workspace bind mount"] if not self.disk_quota else []),
-                "network=true shares the host network namespace",
-                *(f"not enforced: {name}" for name in missing),
-            ]
-        else:
-            namespaces = ["network (unless network=true)"] if self._process_netns else []
-            isolated = [
-                "private workspace directory per sandbox (the working directory, not a chroot)",
-                "processes: own session; the process group is killed on timeout, escaped daemons by marker",
-                *limits,
-            ]
-            if self._process_netns:
-                isolated.append("network: none by default (unshare --net)")
-            not_isolated = [
-                "filesystem: the command sees the host filesystem with the permissions of its uid",
-                "kernel and CPU: no namespaces",
-                "network" + ("" if not self._process_netns else " when network=true"),
-                *(f"not enforced: {name}" for name in missing),
-            ]
-            if not per_uid:
-                not_isolated.insert(1, "other sandboxes' workspaces: all sandboxes share one uid")
-            if self.host_uid() == 0:
-                not_isolated.insert(0, "privileges: commands run as root (allow_root_commands)")
-        return IsolationReport(backend=self.backend, uid=uid, namespaces=namespaces,
-                               network_isolated_by_default=self.backend == "bwrap" or self._process_netns,
-                               process_limit_enforced=enforced["processes_per_sandbox"] is not None,
-                               enforced=enforced, isolated=isolated, not_isolated=not_isolated, notes=notes)
+        return enforced
+
+    def _bwrap_scope(self, limits: list[str], missing: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """(namespaces, what is isolated, what is not) with the bwrap backend."""
+        namespaces = ["mount", "pid", "ipc", "uts", "network (unless network=true)"]
+        if self._bwrap_mode == "userns":
+            namespaces.append("user")
+        isolated = [
+            "private workspace directory per sandbox, mounted at /workspace",
+            "filesystem: only /usr, the Python prefix and a few /etc files (read-only), private /tmp",
+            "processes: own pid namespace; the whole tree dies with the command or on timeout",
+            "network: none by default (own network namespace with loopback only)",
+            "host side: bwrap and setpriv start with a fixed environment; options via a memfd, not argv",
+            *limits,
+        ]
+        not_isolated = [
+            "kernel: shared with the host (namespaces, not a VM); kernel exploits escape",
+            "CPU: no CPU quota; only RLIMIT_CPU per process and the wall-clock timeout",
+            *(["/proc/self/mountinfo shows the host path of the workspace bind mount"] if not self.disk_quota else []),
+            "network=true shares the host network namespace",
+            *missing,
+        ]
+        return namespaces, isolated, not_isolated
+
+    def _process_scope(self, limits: list[str], missing: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """(namespaces, what is isolated, what is not) with the process backend."""
+        namespaces = ["network (unless network=true)"] if self._process_netns else []
+        isolated = [
+            "private workspace directory per sandbox (the working directory, not a chroot)",
+            "processes: own session; the process group is killed on timeout, escaped daemons by marker",
+            *limits,
+            *(["network: none by default (unshare --net)"] if self._process_netns else []),
+        ]
+        not_isolated = [
+            *(["privileges: commands run as root (allow_root_commands)"] if self.host_uid() == 0 else []),
+            "filesystem: the command sees the host filesystem with the permissions of its uid",
+            *([] if self.per_sandbox_uids else ["other sandboxes' workspaces: all sandboxes share one uid"]),
+            "kernel and CPU: no namespaces",
+            "network" + ("" if not self._process_netns else " when network=true"),
+            *missing,
+        ]
+        return namespaces, isolated, not_isolated
 
     # ---- command lines -------------------------------------------------------------------------
     def workdir(self, workspace: Path) -> str:
@@ -474,27 +484,35 @@ class Isolation:
             uid = None  # the pair launcher switches uids
         procs = self.cgroups.procs_files(cgroup) if self.cgroups is not None and cgroup else []
         start = time.monotonic()
-
         stdin_mode = subprocess.PIPE if stdin else subprocess.DEVNULL
-
-        def spawn() -> subprocess.Popen:
-            # In a worker thread: fork, the child's setup and exec block the caller until exec;
-            # on the event loop that would serialise every command of every sandbox.
-            return subprocess.Popen(launch.argv, cwd=workspace, env=launch.env, start_new_session=True,
-                                    stdin=stdin_mode, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=_child_setup(self.limits, uid, procs))
-
         try:
             if launch.bwrap_args is not None:
                 proc = await self._start_bwrap(launch, workspace, stdin_mode, procs)
             else:
-                proc = await asyncio.get_running_loop().run_in_executor(_SPAWN_POOL, spawn)
+                proc = await self._start_process(launch, workspace, stdin_mode, uid, procs)
         except (FileNotFoundError, PermissionError) as exc:
             # argv[0] not found / not executable (process backend): report like a shell would.
             return RunResult(127, b"", f"{exc}\n".encode(), False, False, time.monotonic() - start)
         except OSError as exc:  # E2BIG and the like: the command could not start, as a shell says it
             return RunResult(126, b"", f"cannot execute: {exc.strerror or exc}\n".encode(), False, False,
                              time.monotonic() - start)
+        return await self._collect(proc, stdin, timeout_s, marker, start)
+
+    async def _start_process(self, launch: Launch, workspace: Path, stdin_mode: int, uid: int | None,
+                             procs: list[str]) -> subprocess.Popen:
+        def spawn() -> subprocess.Popen:
+            return subprocess.Popen(launch.argv, cwd=workspace, env=launch.env, start_new_session=True,
+                                    stdin=stdin_mode, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=_child_setup(self.limits, uid, procs))
+
+        # In a worker thread: fork, the child's setup and exec block the caller until exec;
+        # on the event loop that would serialise every command of every sandbox.
+        return await asyncio.get_running_loop().run_in_executor(_SPAWN_POOL, spawn)
+
+    async def _collect(self, proc: subprocess.Popen, stdin: bytes | None, timeout_s: float, marker: str,
+                       start: float) -> RunResult:
+        """Feed stdin, capture both outputs up to the limit, wait for the exit or the timeout, then kill
+        the command's whole tree (background children must not outlive it)."""
         limit = self.options.output_limit_bytes
         out, err = _Capture(limit), _Capture(limit)
         assert proc.stdout is not None and proc.stderr is not None

@@ -17,16 +17,17 @@ import time
 from pathlib import Path
 
 import httpx
+from pydantic import ValidationError
 
 from sandbox_server.__main__ import TOKEN_ENV
-from sandbox_server.options import ServerOptions
+from sandbox_server.options import ServerOptions, describe
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux), so a
-    killed trainer never leaves a server (and its sandboxes) behind. Elsewhere: a no-op."""
+def die_with_parent() -> None:
+    """In the child, before exec (``preexec_fn``): get SIGTERM when the parent dies, even by SIGKILL
+    (Linux), so a killed trainer never leaves a server (and its sandboxes) behind. Elsewhere: a no-op."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -35,7 +36,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS's pick), for a server about to start on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -50,22 +52,26 @@ class LocalSandboxServer:
         unknown = set(server_options) - known
         if unknown:
             raise ValueError(f"unknown sandbox server options {sorted(unknown)}; known: {sorted(known)}")
-        ServerOptions(token=token, **server_options)  # validate here, with a Python traceback
+        try:  # validate here, with a Python traceback
+            ServerOptions(token=token, **server_options)
+        except ValidationError as exc:
+            raise ValueError(f"invalid sandbox server options: {describe(exc)}") from None
         self.host = host
-        self.port = port or _free_port(host)
+        self.port = port or free_port(host)
         self.token = token
         self.url = f"http://{host}:{self.port}"
         argv = [sys.executable, "-m", "sandbox_server", "--host", host, "--port", str(self.port),
                 "--log-level", "warning"]
         for name, value in server_options.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
+            flag = name.replace("_", "-")
+            argv += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
         env = {**os.environ, TOKEN_ENV: token}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH", "")]))
         self._log_path = log_file
         # A file, never a pipe: nobody drains a pipe during a long run, and a full pipe blocks the server.
         self._log = open(log_file, "ab") if log_file else tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(argv, env=env, stdout=self._log, stderr=self._log,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=die_with_parent)
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:

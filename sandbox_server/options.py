@@ -1,17 +1,32 @@
-"""Server options: one dataclass, one docstring per field, turned into CLI flags by ``__main__``."""
+"""Server options: one pydantic model, one docstring per field.
+
+The same text is the field's documentation here, its ``--flag-name`` help in
+``python -m sandbox_server --help`` and the description of its ``SANDBOX_SERVER_<NAME>`` variable
+(``__main__`` reads both with pydantic-settings). From Python, pass the fields as keywords
+(``ServerOptions(token=..., max_sandboxes=16)``, ``start_local_server(max_sandboxes=16)``).
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Literal
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
-@dataclass
-class ServerOptions:
+
+class ServerOptions(BaseModel):
     """Limits and behaviour of the sandbox service. Every field is a ``--flag-name`` on the CLI."""
 
-    token: str = field(default="", repr=False)
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    token: str = Field(default="", repr=False)
     """Bearer token every request must carry. Never logged; prefer the SANDBOX_SERVER_TOKEN variable
     over ``--token`` because command lines are visible to other users of the host (``ps``)."""
 
@@ -33,87 +48,83 @@ class ServerOptions:
     """Let commands run as root when no unprivileged uid works (no bwrap and the interpreter is
     unreachable for other uids, or ``sandbox_uid=-1``). Off: the server refuses to start instead."""
 
-    max_sandboxes: int = 256
+    max_sandboxes: PositiveInt = 256
     """Live sandboxes allowed at once; create and fork answer 429 + Retry-After beyond it."""
 
-    default_ttl_s: float = 1800.0
+    default_ttl_s: PositiveFloat = 1800.0
     """Idle time after which a sandbox is reaped (every call on a sandbox renews it)."""
 
-    max_ttl_s: float = 86400.0
+    max_ttl_s: PositiveFloat = 86400.0
     """Largest ttl_s a client may ask for."""
 
-    reap_interval_s: float = 5.0
+    reap_interval_s: PositiveFloat = 5.0
     """How often the reaper looks for expired sandboxes."""
 
-    max_timeout_s: float = 3600.0
+    max_timeout_s: PositiveFloat = 3600.0
     """Largest exec timeout a client may ask for."""
 
-    output_limit_bytes: int = 1 << 20
+    output_limit_bytes: PositiveInt = 1 << 20
     """Stdout and stderr are each cut at this many bytes; the result is then flagged ``truncated``."""
 
-    max_request_bytes: int = 32 << 20
+    max_request_bytes: PositiveInt = 32 << 20
     """Largest request body; bigger requests get 413."""
 
-    max_file_bytes: int = 16 << 20
+    max_file_bytes: PositiveInt = 16 << 20
     """Largest file that read_file returns or write_file accepts (413 beyond)."""
 
-    max_files: int = 20000
+    max_files: PositiveInt = 20000
     """Most files a snapshot may hold or list_files returns."""
 
-    cpu_time_s: int = 600
+    cpu_time_s: PositiveInt = 600
     """RLIMIT_CPU per process (seconds of CPU time)."""
 
-    address_space_bytes: int = 4 << 30
+    address_space_bytes: PositiveInt = 4 << 30
     """RLIMIT_AS per process (virtual memory)."""
 
-    max_processes: int = 512
+    max_processes: PositiveInt = 512
     """Processes per sandbox: cgroup ``pids.max`` where cgroups are writable, and RLIMIT_NPROC of the
     sandbox's own uid (server as root)."""
 
-    memory_bytes: int = 2 << 30
+    memory_bytes: PositiveInt = 2 << 30
     """Memory per sandbox (cgroup ``memory.limit_in_bytes`` / ``memory.max``, swap included), over all
     of its processes and the tmpfs pages they write."""
 
-    total_memory_bytes: int = 0
+    total_memory_bytes: int = Field(default=0, ge=0)
     """Memory of all sandboxes together: a limit on the parent cgroup of every sandbox's group, so N
     sandboxes each under ``memory_bytes`` cannot together starve the host (the kernel reclaims, then
     OOM-kills inside the sandboxes, never the server). 0: three quarters of the host's RAM."""
 
-    disk_bytes: int = 512 << 20
+    disk_bytes: PositiveInt = 512 << 20
     """Disk per sandbox: its folder (workspace and home) is a tmpfs of this size when the server is
     root (RAM-backed: size max_sandboxes x disk_bytes to the host); writes past it fail with ENOSPC."""
 
-    tmp_bytes: int = 256 << 20
+    tmp_bytes: PositiveInt = 256 << 20
     """Size of each command's private /tmp (bwrap backend)."""
 
-    file_size_bytes: int = 256 << 20
+    file_size_bytes: PositiveInt = 256 << 20
     """RLIMIT_FSIZE: largest file a command can write."""
 
-    open_files: int = 1024
+    open_files: PositiveInt = 1024
     """RLIMIT_NOFILE per process."""
 
-    idempotency_ttl_s: float = 600.0
+    idempotency_ttl_s: PositiveFloat = 600.0
     """How long results of keyed requests (exec, create, fork) are kept to answer retries."""
 
     capacity_retry_after_s: int = 2
     """Retry-After (seconds) sent with 429 when the server is full."""
 
-    def __post_init__(self) -> None:
-        if self.isolation not in ("auto", "bwrap", "process"):
-            raise ValueError(f"isolation must be auto, bwrap or process, got {self.isolation!r}")
-        for name in ("max_sandboxes", "output_limit_bytes", "max_request_bytes", "max_file_bytes",
-                     "max_files", "cpu_time_s", "address_space_bytes", "max_processes",
-                     "file_size_bytes", "open_files", "memory_bytes", "disk_bytes", "tmp_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("default_ttl_s", "max_ttl_s", "reap_interval_s", "max_timeout_s", "idempotency_ttl_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.total_memory_bytes < 0:
-            raise ValueError(f"total_memory_bytes must be >= 0 (0: 3/4 of the host's RAM), got {self.total_memory_bytes}")
+    @model_validator(mode="after")
+    def _ttl_within_bounds(self) -> ServerOptions:
         if self.default_ttl_s > self.max_ttl_s:
             raise ValueError(f"default_ttl_s ({self.default_ttl_s}) exceeds max_ttl_s ({self.max_ttl_s})")
+        return self
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return list(cls.model_fields)
+
+
+def describe(error: ValidationError) -> str:
+    """A validation error as ``field: why`` lines, without the input values (they include the token)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}"
+                     for e in error.errors(include_input=False, include_url=False))

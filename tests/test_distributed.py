@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_server.launch import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 
 CASES = {
@@ -81,14 +83,6 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from sandbox_server.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = ["binary_search_first", "balanced_brackets_unclosed"]
@@ -150,12 +151,6 @@ def test_a_resume_with_another_process_count_or_strategy_is_refused(two_processe
     done = fit(run.parent, name, "--resume", "last", "--trainer.strategy=deepspeed_stage_2", config=False)
     assert done.returncode == 2 and "'ddp'" in done.stderr and "'deepspeed_stage_2'" in done.stderr
     assert sorted(metric(run, "loss/total")) == [0, 1, 2]  # nothing ran
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_nodes_of_one_process_train_like_one_process(root, one_process):

@@ -52,9 +52,9 @@ def test_settings_refuse_fleet_options_that_do_not_apply():
 
 def test_preflight_names_a_server_url_that_does_not_answer():
     from lightning_agentrl.preflight import PreflightError, check_inference_servers
-    from sandbox_server.launch import _free_port
+    from sandbox_server.launch import free_port
 
-    url = f"http://127.0.0.1:{_free_port('127.0.0.1')}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     with pytest.raises(PreflightError, match=f"engine.urls: 1 of 1 servers do not answer GET /health within .*{url}"):
         check_inference_servers([url], min_model_len=2049, timeout_s=1.0)
 

@@ -82,7 +82,7 @@ class LocalVLLMServers:
         return [server.url for server in self.servers]
 
     def start(self) -> LocalVLLMServers:
-        from sandbox_server.launch import _die_with_parent, _free_port
+        from sandbox_server.launch import die_with_parent, free_port
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
@@ -90,14 +90,14 @@ class LocalVLLMServers:
         started = time.monotonic()
         try:
             for index in range(self.num_servers):
-                port = _free_port("127.0.0.1")
+                port = free_port("127.0.0.1")
                 log_path = self.log_dir / f"server-{index}.log"
                 argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.serve_args,
                         "--host", "127.0.0.1", "--port", str(port)]
                 with open(log_path, "ab") as log:  # a file, never a pipe nobody drains
                     # cwd: `python -m` puts it first on sys.path, where a stray folder can shadow a package
                     process = subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=self.log_dir,
-                                               start_new_session=True, preexec_fn=_die_with_parent)
+                                               start_new_session=True, preexec_fn=die_with_parent)
                 self.servers.append(LaunchedServer(f"http://127.0.0.1:{port}", process, log_path))
             self._write_manifest()
             self._wait_healthy(started + self.startup_timeout_s)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +128,27 @@ def test_an_exception_reaches_the_hidden_tests_with_its_own_arguments(server):
 
     result = asyncio.run(main())
     assert (result.reward, result.num_passed, result.num_failed) == (1.0, 2, 0), result.output
+
+
+_WIRE_CHECK = r"""
+import datetime, decimal, fractions, json
+import sandbox_client.score_peer as peer, sandbox_client.score_runner as judge
+values = [None, True, 3, 2.5, "s", (1, "a"), frozenset({1, 2}), b"\x00\xff", decimal.Decimal("1.10"),
+          fractions.Fraction(1, 3), 1 + 2j, range(1, 9, 2), datetime.date(2024, 1, 2),
+          datetime.datetime(2024, 1, 2, 3, 4, 5), datetime.time(3, 4), datetime.timedelta(1, 2, 3)]
+wire = lambda v: json.loads(json.dumps(v))
+for value in values:
+    for sender, receiver in ((peer, judge), (judge, peer)):
+        back = receiver.decode(wire(sender.encode(value)))
+        assert back == value and type(back) is type(value), (sender.__name__, value, back)
+print("same wire format")
+"""
+
+
+def test_the_judge_and_the_peer_read_each_others_standard_values():
+    """score_runner and score_peer are separate single-file programs on either side of the trust
+    boundary (each runs as ``python -I -B -c SOURCE``, standard library only), so each writes its own
+    copy of the wire format for standard values; this keeps the two copies from drifting apart."""
+    done = subprocess.run([sys.executable, "-c", _WIRE_CHECK], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and "same wire format" in done.stdout, done.stderr[-2000:]

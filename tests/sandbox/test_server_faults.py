@@ -161,5 +161,25 @@ def test_launcher_keeps_the_token_out_of_argv_and_logs_and_cleans_up(tmp_path):
         start_local_server(max_sandbox=3)
 
 
+def test_every_option_is_a_documented_flag_and_an_environment_variable(tmp_path, monkeypatch, capsys):
+    from sandbox_server.__main__ import parse
+    from sandbox_server.options import ServerOptions
+
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    help_text = capsys.readouterr().out
+    flat = "".join(help_text.split())  # argparse wraps lines, also at hyphens
+    for name, field in ServerOptions.model_fields.items():
+        assert f"--{name.replace('_', '-')}" in help_text
+        assert "".join(field.description.split()) in flat  # the field's docstring is its help
+    with pytest.raises(SystemExit, match=r"default_ttl_s \(10.0\) exceeds max_ttl_s \(5.0\)") as refused:
+        parse(["--max-ttl-s", "5", "--default-ttl-s", "10", "--token", "secret-token-value"])
+    assert "secret-token-value" not in str(refused.value)  # the refusal never echoes the token
+    # a variable reaches the server (here through start_local_server, which passes the environment on)
+    monkeypatch.setenv("SANDBOX_SERVER_MAX_SANDBOXES", "3")
+    with start_local_server(root_dir=str(tmp_path / "boxes")) as server:
+        assert server.health()["limits"]["max_sandboxes"] == 3
+
+
 def _sandbox_dirs(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if not p.name.startswith(".")]  # .lock marks the root as taken
