@@ -49,7 +49,8 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
     check_chat_template(settings)
     if not network:
         return
-    check_sandbox(settings.sandbox, judge_policy(settings))
+    if env_uses_sandbox(settings):  # only the environments that run actions there need the service
+        check_sandbox(settings.sandbox, judge_policy(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
 
@@ -190,6 +191,13 @@ def _check_on_hub(repo_id: str) -> None:
 
 
 # -- network ---------------------------------------------------------------------------------------
+def env_uses_sandbox(settings: Settings) -> bool:
+    """Whether ``env.kind``'s environment runs actions in the sandbox service (``Environment.uses_sandbox``)."""
+    from lightning_agentrl.envs.registry import env_class
+
+    return env_class(settings.env.kind).uses_sandbox
+
+
 def judge_policy(settings: Settings) -> str | None:
     """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
     (nothing to check) for environments that reward without it."""

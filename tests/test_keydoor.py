@@ -111,3 +111,33 @@ def test_preflight_reads_keydoor_tasks_through_the_environment(tmp_path):
     only_train.write_text('{"id": "m"}\n')
     with pytest.raises(PreflightError, match=r"env.tasks: .*train.jsonl:1: a task is an object"):
         check_tasks(load_settings(None, [*shipped[:1], f"--env.tasks={only_train}"]))
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("url", ["closed", None])
+def test_keydoor_trains_without_the_sandbox_service(tmp_path, url):
+    """``keydoor`` does not use the sandbox service (``uses_sandbox`` False): with ``sandbox.url`` at a closed
+    port, preflight does not check it (the same settings under ``coding`` fail preflight); unset, no local
+    server is started (it would write ``sandbox_server.log`` into the run folder)."""
+    from lightning_agentrl.preflight import PreflightError, check_sandbox
+
+    tasks = tmp_path / "maze.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"m{i}", "map": MAP}) + "\n" for i in range(2)))
+    sandbox = [] if url is None else [f"--sandbox.url=http://127.0.0.1:{_closed_port()}", "--sandbox.token=t"]
+    settings = learn_settings(tmp_path, "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.max_turns=2",
+                              "--trainer.max_steps=1", *sandbox)
+    if url is not None:
+        with pytest.raises(PreflightError, match="sandbox.url"):
+            check_sandbox(settings.sandbox, None)
+    result, log = scripted_fit(settings, {"*": moves("east", "south")})
+    assert result.global_step == 1
+    (batch,) = log.batches
+    assert len(batch.trajectories) == 4 and all(t.info.get("sandbox_error") is None for t in batch.trajectories)
+    assert not list(result.run_dir.glob("sandbox_server*.log"))

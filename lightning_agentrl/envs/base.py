@@ -100,6 +100,11 @@ class Environment(ABC):
     """One episode's world. Subclass it, implement :meth:`reset`, :meth:`step` and :attr:`state_text`,
     and override the rest where the defaults do not fit."""
 
+    uses_sandbox: bool = False
+    """It runs the agent's actions in the sandbox service (the coding environment). When False, ``fit``,
+    ``evaluate`` and ``validate`` neither start nor check the service, and :meth:`from_settings` gets
+    ``client=None``."""
+
     runs_hidden_tests: bool = False
     """Its reward comes from hidden tests that the sandbox service's judge runs (the coding environment):
     the service must then keep the judge from the agent's code (``sandbox.judge_isolation``)."""
@@ -120,8 +125,8 @@ class Environment(ABC):
 
     @classmethod
     def from_settings(cls, task: Any, *, client: Any, settings: EnvSettings, native_tools: bool) -> Environment:
-        """One episode's environment for ``task``. ``client``: a sandbox client (for environments that
-        run code remotely); ``settings``: the ``env`` section; ``native_tools``: the chat template renders
+        """One episode's environment for ``task``. ``client``: a sandbox client where :attr:`uses_sandbox`
+        (environments that run code remotely), else None; ``settings``: the ``env`` section; ``native_tools``: the chat template renders
         :attr:`tools` (else describe them in the opening messages). Default: ``cls(task)``."""
         return cls(task)
 

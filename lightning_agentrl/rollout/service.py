@@ -323,7 +323,8 @@ class RolloutService:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
-            await client.close()
+            if client is not None:  # None: the environment uses no sandbox service
+                await client.close()
 
     def _check_failed(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -426,7 +427,8 @@ class RolloutService:
                 *(play(index, task, sample) for index, task in enumerate(tasks) for sample in range(samples_per_task))
             )
         finally:
-            await client.close()
+            if client is not None:  # None: the environment uses no sandbox service
+                await client.close()
 
     # -- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
