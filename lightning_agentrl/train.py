@@ -373,15 +373,20 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
+    from lightning_agentrl.rollout.sub_agent import build_sub_agent
     from lightning_agentrl.rollout.summarize import make_summarizer
 
     e, r, env = settings.engine, settings.rollout, settings.env
     tools_in_template = native_tools(settings, codec)
 
     cls = env_class(env.kind)
+    sub_agent = build_sub_agent(settings)  # env.sub_agent: a frozen model the environment calls as a tool
 
     def make_env(client, task):
-        return cls.from_settings(task, client=client, settings=env, native_tools=tools_in_template)
+        made = cls.from_settings(task, client=client, settings=env, native_tools=tools_in_template)
+        if sub_agent is not None:
+            made.sub_agent = sub_agent
+        return made
 
     return RolloutService(
         engine=engine,

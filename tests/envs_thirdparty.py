@@ -114,3 +114,20 @@ class FailingCloseEnv(CountdownEnv):
         from lightning_agentrl.envs.base import EnvInfraError
 
         raise EnvInfraError("backend gone while releasing the episode")
+
+
+class AskEnv(CountdownEnv):
+    """Countdown with a second tool: an action starting with ``ask:`` asks the frozen sub-agent
+    (``env.sub_agent``) the rest of the line; its answer is the observation. Every answer is kept in
+    :attr:`answers` (the test reads them back), with the sub-agent that gave it."""
+
+    answers: list[tuple[str, object]] = []
+
+    async def step(self, action_text: str) -> StepResult:
+        if not action_text.startswith("ask:"):
+            return await super().step(action_text)
+        if self.sub_agent is None:
+            return StepResult("no sub-agent in this run", info={"tool": "ask", "error": True})
+        answer = await self.sub_agent.generate([{"role": "user", "content": action_text.removeprefix("ask:")}])
+        type(self).answers.append((answer, self.sub_agent))
+        return StepResult(f"sub-agent: {answer}", info={"tool": "ask"})

@@ -20,7 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from lightning_agentrl.settings import EnvSettings
@@ -96,6 +96,17 @@ def _short(value: Any) -> str:
     return f"{type(value).__name__} {text[:120]}{'...' if len(text) > 120 else ''}"
 
 
+@runtime_checkable
+class SubAgent(Protocol):
+    """A frozen second model an environment may call as a tool (multi-agent, ``env.sub_agent``): the rollout
+    side builds it and sets :attr:`Environment.sub_agent`. Its answer is what the environment makes of it, an
+    observation: it enters the trajectory with loss mask 0, and its weights never train."""
+
+    async def generate(self, messages: list[dict]) -> str:
+        """The sub-agent's answer (text) to a chat conversation (``{"role", "content"}`` messages)."""
+        ...
+
+
 class Environment(ABC):
     """One episode's world. Subclass it, implement :meth:`reset`, :meth:`step` and :attr:`state_text`,
     and override the rest where the defaults do not fit."""
@@ -108,6 +119,11 @@ class Environment(ABC):
     runs_hidden_tests: bool = False
     """Its reward comes from hidden tests that the sandbox service's judge runs (the coding environment):
     the service must then keep the judge from the agent's code (``sandbox.judge_isolation``)."""
+
+    sub_agent: SubAgent | None = None
+    """The frozen sub-agent named by ``env.sub_agent`` (set on each episode's environment after
+    :meth:`from_settings`), or None when the settings name none. An environment offers it as a tool:
+    ``StepResult(observation=await self.sub_agent.generate(messages))``."""
 
     tools: list[dict] | None = None
     """The tools as JSON schemas (OpenAI function format, :meth:`~lightning_agentrl.envs.tools.ToolSpec.schema`)

@@ -208,6 +208,10 @@ class RolloutService:
             self.buffer.fail(err)
         finally:
             self._loop.run_until_complete(self.engine.close())
+            leftover = asyncio.all_tasks(self._loop)  # e.g. a sub-agent engine's worker: cancelled, not leaked
+            for task in leftover:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
             self._loop.close()
 
     def stop(self) -> None:
