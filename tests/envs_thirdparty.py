@@ -131,3 +131,13 @@ class AskEnv(CountdownEnv):
         answer = await self.sub_agent.generate([{"role": "user", "content": action_text.removeprefix("ask:")}])
         type(self).answers.append((answer, self.sub_agent))
         return StepResult(f"sub-agent: {answer}", info={"tool": "ask"})
+
+
+def _same_parity(a: str, b: str) -> float:
+    return 1.0 if int(a.split()[-1]) % 2 == int(b.split()[-1]) % 2 else 0.0
+
+
+class ParityCountdownEnv(CountdownEnv):
+    """Countdown whose GiGPO similarity says two states are alike when their numbers share a parity."""
+
+    state_similarity = staticmethod(_same_parity)

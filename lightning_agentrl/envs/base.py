@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -168,6 +169,12 @@ class Environment(ABC):
         from the same state (``algorithm.gigpo_similarity``: from similar enough texts): equal states
         must give equal texts, whatever path led there. Keep it short (the similarity costs the product
         of two lengths)."""
+
+    state_similarity: Callable[[str, str], float] | None = None
+    """GiGPO's similarity of two :attr:`state_text` values, in [0, 1] (similarity mode,
+    ``algorithm.gigpo_similarity``: a turn joins an anchor group whose first state is more similar than
+    that). None: the default text similarity (longest common subsequence). Override it as a
+    ``staticmethod`` where your states have a better measure (the same room, the same page)."""
 
     @property
     def state_key(self) -> str:
