@@ -139,8 +139,9 @@ class EnvSettings(_Section):
     user's class by dotted path, `my_pkg.envs:SearchEnv` (a subclass of `lightning_agentrl.envs.base.Environment`,
     importable where the run starts; docs/environments.md)."""
     tasks: Path = Path("tasks/smoke")
-    """The tasks, in the format `env.kind` reads: for `coding` a task suite folder (one sub-folder per task) or
-    one task folder; for `keydoor` a JSONL file."""
+    """The tasks, in the format `env.kind` reads: for `coding` a task suite folder (one sub-folder per task), one
+    task folder, a JSONL file (one task a line) or a `datasets` dataset saved with `save_to_disk`; for `keydoor` a
+    JSONL file."""
 
     @field_validator("kind")
     @classmethod
