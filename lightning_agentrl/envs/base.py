@@ -98,6 +98,15 @@ def _short(value: Any) -> str:
 
 
 @runtime_checkable
+class EnvTask(Protocol):
+    """A task as the trainer sees it, whatever the environment: any object with an ``id`` (a non-empty str,
+    unique in its source). What else it holds is the environment's (the coding environment's
+    :class:`~lightning_agentrl.tasks.Task`, a key-and-door map, a user's dataclass)."""
+
+    id: str
+
+
+@runtime_checkable
 class SubAgent(Protocol):
     """A frozen second model an environment may call as a tool (multi-agent, ``env.sub_agent``): the rollout
     side builds it and sets :attr:`Environment.sub_agent`. Its answer is what the environment makes of it, an

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lightning_agentrl.envs.registry import EnvTask as Task  # any environment's task: an object with an id
 from lightning_agentrl.rollout.agent_loop import (
     EpisodeBudget,
     EpisodeState,
@@ -50,7 +51,6 @@ from lightning_agentrl.rollout.buffer import RolloutBuffer, RolloutServiceError
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
-from lightning_agentrl.tasks import Task
 from lightning_agentrl.trajectory import Trajectory
 
 
