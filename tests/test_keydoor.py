@@ -122,10 +122,11 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("url", ["closed", None])
-def test_keydoor_trains_without_the_sandbox_service(tmp_path, url):
+def test_keydoor_trains_and_evaluates_without_the_sandbox_service(tmp_path, url, capsys):
     """``keydoor`` does not use the sandbox service (``uses_sandbox`` False): with ``sandbox.url`` at a closed
-    port, preflight does not check it (the same settings under ``coding`` fail preflight); unset, no local
-    server is started (it would write ``sandbox_server.log`` into the run folder)."""
+    port, neither ``fit`` nor ``evaluate`` checks it (the service check itself fails on it); unset, neither
+    starts a local server (it would write ``sandbox_server.log`` into the output folder)."""
+    from lightning_agentrl.__main__ import main
     from lightning_agentrl.preflight import PreflightError, check_sandbox
 
     tasks = tmp_path / "maze.jsonl"
@@ -141,3 +142,9 @@ def test_keydoor_trains_without_the_sandbox_service(tmp_path, url):
     (batch,) = log.batches
     assert len(batch.trajectories) == 4 and all(t.info.get("sandbox_error") is None for t in batch.trajectories)
     assert not list(result.run_dir.glob("sandbox_server*.log"))
+    # `evaluate` on the saved run: the same settings, no service started or checked either
+    out = tmp_path / "evaluation"
+    code = main(["evaluate", str(result.run_dir), "--split", "all", "--samples", "1", "--out", str(out), "--json"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((out / "evaluation.json").read_text())["episodes"] == 2
+    assert not list(out.glob("sandbox_server*.log"))
