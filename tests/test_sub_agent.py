@@ -59,3 +59,18 @@ def test_a_sub_agent_answers_as_an_observation_and_stays_frozen(tmp_path):
 def test_a_sub_agent_needs_the_torch_engine():
     with pytest.raises(SettingsError, match="env.sub_agent: the sub-agent is served by the torch engine"):
         load_settings(None, ["--env.sub_agent.model_path=tiny", "--engine.kind=vllm"])
+
+
+def test_a_missing_sub_agent_model_is_refused_at_preflight_naming_the_setting(tmp_path):
+    from lightning_agentrl.preflight import PreflightError, check_sub_agent_path, preflight
+    from tests.fitting import REPO, TINY
+
+    settings = load_settings(None, ["--env.kind=keydoor", f"--env.tasks={REPO / 'tasks' / 'keydoor'}", "--model.path=tiny",
+                                    f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}",
+                                    f"--env.sub_agent.model_path={tmp_path / 'nowhere'}", *TINY])
+    with pytest.raises(PreflightError, match=f"env.sub_agent.model_path: no such folder: {tmp_path / 'nowhere'}"):
+        preflight(settings, network=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreflightError, match="env.sub_agent.model_path: .*empty has no config.json"):
+        check_sub_agent_path(str(tmp_path / "empty"), network=False)
+    check_sub_agent_path("tiny", network=False)
