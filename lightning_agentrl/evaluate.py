@@ -76,21 +76,27 @@ def _run(policy: Path, settings: Settings, folder: Path):
     from transformers import AutoTokenizer
 
     from lightning_agentrl.callbacks.evaluation import score_episodes
-    from lightning_agentrl.distributed import NodeSandbox
     from lightning_agentrl.envs.registry import load_env_tasks
-    from lightning_agentrl.preflight import check_sandbox, judge_policy
-    from lightning_agentrl.train import build_rollout_service, chat_codec, make_engine, start_local_servers
+    from lightning_agentrl.preflight import check_sandbox, env_uses_sandbox, judge_policy
+    from lightning_agentrl.train import (
+        build_rollout_service,
+        chat_codec,
+        make_engine,
+        make_sandbox,
+        start_local_servers,
+    )
 
     tasks = load_env_tasks(settings, settings.eval.split)
     if not tasks:
         raise SettingsError(f"--split: no {settings.eval.split} tasks in {settings.env.tasks}")
     tokenizer = AutoTokenizer.from_pretrained(policy)
     s = settings.sandbox
-    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries, log_dir=folder,
-                          judge_isolation=judge_policy(settings))
+    sandbox = make_sandbox(settings, folder)
     servers = None
     try:
-        if s.url is None:
+        if not env_uses_sandbox(settings):
+            pass  # the environment needs no sandbox service: none is started or checked
+        elif s.url is None:
             sandbox.start()
         else:  # the same health, token and judge-isolation checks as `fit` and `validate`
             check_sandbox(s, judge_policy(settings))

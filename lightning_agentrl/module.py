@@ -37,6 +37,7 @@ from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import losses
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import global_max, global_sum, reduce_metrics, world_size
+from lightning_agentrl.envs.registry import env_class
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.settings import Settings
 from lightning_agentrl.trajectory import RolloutBatch
@@ -169,6 +170,7 @@ class AgentRLModule(L.LightningModule):
             gamma=a.gamma,
             omega=a.gigpo_omega,
             similarity_threshold=a.gigpo_similarity,
+            similarity=env_class(self.settings.env.kind).state_similarity,  # the environment's own, or LCS
             episode_rewards=rewards,
         )
         full = torch.zeros(batch.turn_traj.numel(), dtype=torch.float32, device=batch.rewards.device)

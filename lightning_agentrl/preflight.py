@@ -47,9 +47,12 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
     check_tasks(settings)
     check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"))
     check_chat_template(settings)
+    if settings.env.sub_agent is not None:
+        check_sub_agent_path(settings.env.sub_agent.model_path, network=network)
     if not network:
         return
-    check_sandbox(settings.sandbox, judge_policy(settings))
+    if env_uses_sandbox(settings):  # only the environments that run actions there need the service
+        check_sandbox(settings.sandbox, judge_policy(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
 
@@ -96,6 +99,14 @@ def check_model_path(path: str, *, network: bool = True, safetensors: bool = Fal
     if _in_hub_cache(path) or not network:
         return
     _check_on_hub(path)
+
+
+def check_sub_agent_path(path: str, *, network: bool = True) -> None:
+    """``env.sub_agent.model_path``: what :func:`check_model_path` accepts, the error naming this setting."""
+    try:
+        check_model_path(path, network=network)
+    except PreflightError as err:
+        raise PreflightError("env.sub_agent.model_path" + str(err).removeprefix("model.path")) from None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -190,6 +201,13 @@ def _check_on_hub(repo_id: str) -> None:
 
 
 # -- network ---------------------------------------------------------------------------------------
+def env_uses_sandbox(settings: Settings) -> bool:
+    """Whether ``env.kind``'s environment runs actions in the sandbox service (``Environment.uses_sandbox``)."""
+    from lightning_agentrl.envs.registry import env_class
+
+    return env_class(settings.env.kind).uses_sandbox
+
+
 def judge_policy(settings: Settings) -> str | None:
     """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
     (nothing to check) for environments that reward without it."""

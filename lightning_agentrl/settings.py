@@ -123,14 +123,25 @@ class SandboxSettings(_Section):
     an error at start. `warn`: train anyway, with a warning (the setting is among the run's parameters)."""
 
 
+class SubAgentSettings(_Section):
+    model_path: str
+    """The frozen sub-agent's model: a local folder, a hub id, or `tiny` (the local tiny model, shaped as
+    `model.tiny_*`). Served by the torch engine in the rollout process; its weights are never trained."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest answer of one sub-agent call."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of the sub-agent (0 = greedy)."""
+
+
 class EnvSettings(_Section):
     kind: str = "coding"
     """The environment: `coding` (bug-fix tasks in a sandbox), `keydoor` (a text key-and-door world), or a
     user's class by dotted path, `my_pkg.envs:SearchEnv` (a subclass of `lightning_agentrl.envs.base.Environment`,
     importable where the run starts; docs/environments.md)."""
     tasks: Path = Path("tasks/smoke")
-    """The tasks, in the format `env.kind` reads: for `coding` a task suite folder (one sub-folder per task) or
-    one task folder; for `keydoor` a JSONL file."""
+    """The tasks, in the format `env.kind` reads: for `coding` a task suite folder (one sub-folder per task), one
+    task folder, a JSONL file (one task a line) or a `datasets` dataset saved with `save_to_disk`; for `keydoor` a
+    JSONL file."""
 
     @field_validator("kind")
     @classmethod
@@ -169,6 +180,9 @@ class EnvSettings(_Section):
     """When the context would overflow: `none` ends the episode (`max_context`); `policy` has the policy write a summary (trained, mask 1); `rule` writes one from the tool history (mask 0). Either starts a new segment of the same episode."""
     summary_max_tokens: int = Field(128, ge=1)
     """Token budget of a summary written by the policy (kept free in every segment)."""
+    sub_agent: SubAgentSettings | None = None
+    """A frozen second model the environment may call as a tool (`Environment.sub_agent`); its answers enter the
+    trajectory as observations (mask 0). None = no sub-agent. Needs `engine.kind: torch`."""
 
 
 class EvalSettings(_Section):
@@ -379,6 +393,9 @@ class Settings(BaseSettings):
             raise ValueError("algorithm.advantage=gae needs model.value_head=true (a critic)")
         if self.rollout.truncation == "bootstrap" and self.algorithm.advantage != "gae":
             raise ValueError("rollout.truncation=bootstrap needs algorithm.advantage=gae (the critic bootstraps returns)")
+        if self.env.sub_agent is not None and self.engine.kind != "torch":
+            raise ValueError(f"env.sub_agent: the sub-agent is served by the torch engine; engine.kind={self.engine.kind} "
+                             "would serve it with a second vLLM instance, which is not supported yet")
         if self.rollout.max_in_flight < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_in_flight ({self.rollout.max_in_flight}) must be >= rollout.group_size "

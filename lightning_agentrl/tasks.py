@@ -8,6 +8,11 @@ else; docs/sandbox.md): the reward is 1 when ``hidden_test_count`` hidden tests 
 failed, never the test command's exit code. Hidden tests never enter the agent's workspace, and
 address the module under test as usual (``from lru import LRUCache``).
 
+Three sources, one schema (:class:`TaskSpec` for ``task.json``, :class:`TaskRecord` for a whole task):
+a suite folder (below), a JSONL file (``*.jsonl``, one :class:`TaskRecord` a line, the trees inline),
+or a Hugging Face ``datasets`` dataset saved with ``save_to_disk`` (optional extra
+``lightning-agentrl[datasets]``; one :class:`TaskRecord` a row, a ``DatasetDict``'s keys as splits).
+
 On-disk layout of a suite (one folder per task)::
 
     tasks/bugfix/<task_id>/
@@ -31,7 +36,6 @@ workspace, and the prompt names the file to fix. Run it over a suite::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -42,14 +46,65 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sandbox_client.scoring import HiddenCommand, report_problems, run_locally
 
 SPLITS = ("train", "test")
 TASK_FILE = "task.json"
-REQUIRED_KEYS = frozenset({"id", "prompt", "visible_test_command", "hidden_test_command"})
-OPTIONAL_KEYS = frozenset({"scoring_timeout_s", "split", "hidden_test_count"})
 DEFAULT_SCORING_TIMEOUT_S = 30.0
+DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json")
+"""Files ``datasets``' ``save_to_disk`` writes: a folder holding one is read as a dataset."""
+
+
+class TaskSpec(BaseModel):
+    """``task.json`` of a task folder: how to prompt and score the task (the trees are folders beside it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str = Field(min_length=1)
+    prompt: str
+    visible_test_command: str
+    hidden_test_command: str
+    hidden_test_count: int | None = Field(None, ge=1)
+    """Hidden tests that must pass for reward 1 (required for pytest commands by ``validate``)."""
+    scoring_timeout_s: float = Field(DEFAULT_SCORING_TIMEOUT_S, gt=0)
+    split: Literal["train", "test"] = "train"
+
+
+class TaskRecord(TaskSpec):
+    """One whole task as one record (a JSONL line, a dataset row): :class:`TaskSpec` plus the trees, each
+    ``{path: text}`` or a list of ``{"path", "text"}`` (a dataset's struct column: null entries dropped)."""
+
+    files: dict[str, str]
+    hidden_files: dict[str, str]
+    solution_files: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("files", "hidden_files", "solution_files", mode="before")
+    @classmethod
+    def _tree(cls, value):
+        if isinstance(value, list) and all(isinstance(f, dict) and set(f) == {"path", "text"} for f in value):
+            return {f["path"]: f["text"] for f in value}
+        if isinstance(value, dict):
+            return {path: text for path, text in value.items() if text is not None}
+        return value
+
+    def task(self, suite: str) -> Task:
+        return Task(suite=suite, **{**self.model_dump(), "scoring_timeout_s": float(self.scoring_timeout_s)})
+
+
+def spec_problems(err: ValidationError, model: type[BaseModel] = TaskRecord) -> str:
+    """A validation error as ``field: problem; ...`` (an unknown key names the allowed ones)."""
+    problems = []
+    for e in err.errors():
+        where = ".".join(str(part) for part in e["loc"]) or "task"
+        if e["type"] == "extra_forbidden":
+            problems.append(f"{where}: unknown key (allowed: {', '.join(model.model_fields)})")
+        else:
+            problems.append(f"{where}: {e['msg']}")
+    return "; ".join(problems)
 # Build litter that may sit next to task files after someone ran the tests by hand.
 IGNORED_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store"})
 IGNORED_SUFFIXES = (".pyc", ".pyo")
@@ -151,7 +206,8 @@ def _path_clash(path: str, others: Iterable[str]) -> str | None:
 
 
 def load_tasks(path: str | Path, *, split: str | None = None) -> list[Task]:
-    """Load a suite folder (one sub-folder per task) or a single task folder, sorted by id.
+    """Load a suite folder (one sub-folder per task), a single task folder, a JSONL file or a saved
+    ``datasets`` dataset (module docstring), sorted by id.
 
     ``split`` keeps only the tasks of that split ("train" or "test"); None keeps all.
     Raises ``FileNotFoundError`` for a missing path and ``ValueError`` naming the offending file
@@ -163,9 +219,15 @@ def load_tasks(path: str | Path, *, split: str | None = None) -> list[Task]:
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} or None, got {split!r}")
     root = Path(path)
-    if not root.is_dir():
+    if root.is_file() and root.suffix == ".jsonl":
+        tasks = load_jsonl_tasks(root)
+    elif root.is_file():
+        raise ValueError(f"{root}: a task file must be JSONL (*.jsonl); a suite is a folder")
+    elif not root.is_dir():
         raise FileNotFoundError(f"task suite or task folder not found: {root}")
-    if (root / TASK_FILE).exists():
+    elif any((root / marker).is_file() for marker in DATASET_MARKERS):
+        tasks = load_dataset_tasks(root)
+    elif (root / TASK_FILE).exists():
         tasks = [_load_task(root, suite=root.resolve().parent.name)]
     else:
         task_dirs = sorted(
@@ -183,49 +245,69 @@ def _load_task(task_dir: Path, *, suite: str) -> Task:
     if not spec_path.is_file():
         raise ValueError(f"{spec_path}: missing {TASK_FILE}")
     try:
-        spec = json.loads(spec_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{spec_path}: invalid JSON: {error}") from error
-    if not isinstance(spec, dict):
-        raise ValueError(f"{spec_path}: expected a JSON object, got {type(spec).__name__}")
-    unknown = sorted(set(spec) - REQUIRED_KEYS - OPTIONAL_KEYS)
-    if unknown:
-        raise ValueError(
-            f"{spec_path}: unknown keys {unknown}; allowed: {sorted(REQUIRED_KEYS | OPTIONAL_KEYS)}"
-        )
-    missing = sorted(REQUIRED_KEYS - set(spec))
-    if missing:
-        raise ValueError(f"{spec_path}: missing keys {missing}")
-    for key in sorted(REQUIRED_KEYS):
-        if not isinstance(spec[key], str):
-            raise ValueError(f"{spec_path}: {key!r} must be a string, got {type(spec[key]).__name__}")
-    if spec["id"] != task_dir.name:
-        raise ValueError(f"{spec_path}: id {spec['id']!r} differs from its folder name {task_dir.name!r}")
-    timeout = spec.get("scoring_timeout_s", DEFAULT_SCORING_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ValueError(f"{spec_path}: 'scoring_timeout_s' must be a number, got {timeout!r}")
-    split = spec.get("split", "train")
-    if split not in SPLITS:
-        raise ValueError(f"{spec_path}: 'split' must be one of {SPLITS}, got {split!r}")
+        spec = TaskSpec.model_validate_json(spec_path.read_bytes())
+    except ValidationError as error:
+        if any(e["type"] == "json_invalid" for e in error.errors()):
+            raise ValueError(f"{spec_path}: invalid JSON: {error.errors()[0]['msg']}") from None
+        raise ValueError(f"{spec_path}: {spec_problems(error, TaskSpec)}") from None
+    if spec.id != task_dir.name:
+        raise ValueError(f"{spec_path}: id {spec.id!r} differs from its folder name {task_dir.name!r}")
     workspace_dir = task_dir / "workspace"
     if not workspace_dir.is_dir():
         raise ValueError(f"{task_dir}: missing workspace/ folder")
+    trees = {"files": _read_tree(workspace_dir), "hidden_files": _read_tree(task_dir / "hidden"),
+             "solution_files": _read_tree(task_dir / "solution")}
+    return _record_task(TaskRecord.model_construct(**spec.model_dump(), **trees), suite, str(spec_path))
+
+
+def _record_task(record: TaskRecord, suite: str, where: str) -> Task:
     try:
-        return Task(
-            id=spec["id"],
-            suite=suite,
-            prompt=spec["prompt"],
-            files=_read_tree(workspace_dir),
-            hidden_files=_read_tree(task_dir / "hidden"),
-            solution_files=_read_tree(task_dir / "solution"),
-            visible_test_command=spec["visible_test_command"],
-            hidden_test_command=spec["hidden_test_command"],
-            scoring_timeout_s=float(timeout),
-            split=split,
-            hidden_test_count=spec.get("hidden_test_count"),
-        )
-    except ValueError as error:
-        raise ValueError(f"{spec_path}: {error}") from error
+        return record.task(suite)
+    except ValueError as error:  # unsafe or colliding paths, a malformed hidden command
+        raise ValueError(f"{where}: {error}") from error
+
+
+def load_jsonl_tasks(path: Path) -> list[Task]:
+    """A JSONL task file: one :class:`TaskRecord` a line (blank lines skipped); suite = the file's stem.
+    ``ValueError`` naming ``file:line`` and the field for a bad line."""
+    tasks = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            where = f"{path}:{number}"
+            try:
+                record = TaskRecord.model_validate_json(line)
+            except ValidationError as error:
+                raise ValueError(f"{where}: {spec_problems(error)}") from None
+            tasks.append(_record_task(record, path.stem, where))
+    if not tasks:
+        raise ValueError(f"{path}: no tasks (one JSON object a line)")
+    return tasks
+
+
+def load_dataset_tasks(path: Path) -> list[Task]:
+    """A Hugging Face ``datasets`` dataset saved with ``save_to_disk``: one :class:`TaskRecord` a row (null
+    columns take their defaults); a ``DatasetDict``'s keys are the rows' split unless a row names its own.
+    Suite = the folder's name. Needs the optional extra ``lightning-agentrl[datasets]``."""
+    try:
+        from datasets import DatasetDict, load_from_disk
+    except ImportError:
+        raise ValueError(f"{path}: a saved `datasets` dataset; reading it needs `pip install "
+                         "lightning-agentrl[datasets]`") from None
+    loaded = load_from_disk(str(path))
+    parts = loaded.items() if isinstance(loaded, DatasetDict) else [(None, loaded)]
+    tasks = []
+    for part, dataset in parts:
+        for index, row in enumerate(dataset):
+            fields = {key: value for key, value in row.items() if value is not None}
+            if part is not None:
+                fields.setdefault("split", part)
+            where = f"{path} ({part or 'dataset'} row {index})"
+            try:
+                record = TaskRecord.model_validate(fields)
+            except ValidationError as error:
+                raise ValueError(f"{where}: {spec_problems(error)}") from None
+            tasks.append(_record_task(record, path.resolve().name, where))
+    return tasks
 
 
 def _is_ignored(name: str) -> bool:
@@ -430,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     validate = commands.add_parser("validate", help="run every task's tests; exit 1 on any problem")
     listing = commands.add_parser("list", help="print id, split and files of every task")
     for sub in (validate, listing):
-        sub.add_argument("path", help="a suite folder (e.g. tasks/bugfix) or a single task folder")
+        sub.add_argument("path", help="a suite folder (e.g. tasks/bugfix), a task folder, a JSONL file or a saved dataset")
         sub.add_argument("--split", choices=SPLITS, default=None, help="only this split (default: all)")
     validate.add_argument("--python", default=sys.executable, help="interpreter that runs the tests")
     validate.add_argument("--timeout-s", type=float, default=60, help="limit per test command")

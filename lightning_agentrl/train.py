@@ -245,11 +245,10 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
 
     from lightning_agentrl.callbacks.engine_sleep import engine_sleep_callbacks
     from lightning_agentrl.datamodule import RolloutDataModule
-    from lightning_agentrl.distributed import NodeSandbox
     from lightning_agentrl.envs.registry import load_env_tasks
     from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.plan import check_memory_plan
-    from lightning_agentrl.preflight import judge_policy, preflight
+    from lightning_agentrl.preflight import preflight
     from lightning_agentrl.shutdown import StopOnSignal
 
     for pattern in _EXPECTED_WARNINGS:
@@ -269,9 +268,7 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     model_path = resolve_model_path(settings)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     codec = chat_codec(settings, tokenizer)
-    s = settings.sandbox
-    sandbox = NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
-                          call_timeout_s=s.call_timeout_s, log_dir=run_dir, judge_isolation=judge_policy(settings))
+    sandbox = make_sandbox(settings, run_dir)
     servers = start_local_servers(settings, model_path, run_dir)
     try:
         engine = make_engine(settings, model_path, tokenizer, urls=servers.urls if servers else None)
@@ -317,6 +314,36 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     )
 
 
+class NoSandbox:
+    """Stands in for :class:`~lightning_agentrl.distributed.NodeSandbox` when the environment does not use the
+    sandbox service (``Environment.uses_sandbox`` False): it starts and checks nothing; its client is None."""
+
+    url = None
+
+    def start(self, **_) -> None:
+        return None
+
+    def make_client(self, **_) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def make_sandbox(settings: Settings, log_dir: Path):
+    """The node's sandbox service (started in ``setup`` when ``sandbox.url`` is unset), or :class:`NoSandbox`
+    when the environment uses none."""
+    from lightning_agentrl.preflight import env_uses_sandbox, judge_policy
+
+    if not env_uses_sandbox(settings):
+        return NoSandbox()
+    from lightning_agentrl.distributed import NodeSandbox
+
+    s = settings.sandbox
+    return NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
+                       call_timeout_s=s.call_timeout_s, log_dir=log_dir, judge_isolation=judge_policy(settings))
+
+
 def chat_codec(settings: Settings, tokenizer):
     """The model's chat template as a :class:`ChatCodec`; a template that cannot hold the episode's
     conversation is a :class:`SettingsError` naming the setting."""
@@ -346,15 +373,20 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
+    from lightning_agentrl.rollout.sub_agent import build_sub_agent
     from lightning_agentrl.rollout.summarize import make_summarizer
 
     e, r, env = settings.engine, settings.rollout, settings.env
     tools_in_template = native_tools(settings, codec)
 
     cls = env_class(env.kind)
+    sub_agent = build_sub_agent(settings)  # env.sub_agent: a frozen model the environment calls as a tool
 
     def make_env(client, task):
-        return cls.from_settings(task, client=client, settings=env, native_tools=tools_in_template)
+        made = cls.from_settings(task, client=client, settings=env, native_tools=tools_in_template)
+        if sub_agent is not None:
+            made.sub_agent = sub_agent
+        return made
 
     return RolloutService(
         engine=engine,
@@ -403,7 +435,8 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
     r = settings.rollout
     filtered = (*INFRASTRUCTURE, *TRUNCATIONS) if r.truncation == "filter" else INFRASTRUCTURE
     callbacks = [
-        sandbox,  # first: its setup starts the node's sandbox server before anything needs it
+        # first: its setup starts the node's sandbox server before anything needs it
+        *([] if isinstance(sandbox, NoSandbox) else [sandbox]),
         TokenCheck(),
         CompactFilter(filtered),
         StalenessWeighting(settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness),

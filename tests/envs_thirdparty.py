@@ -114,3 +114,30 @@ class FailingCloseEnv(CountdownEnv):
         from lightning_agentrl.envs.base import EnvInfraError
 
         raise EnvInfraError("backend gone while releasing the episode")
+
+
+class AskEnv(CountdownEnv):
+    """Countdown with a second tool: an action starting with ``ask:`` asks the frozen sub-agent
+    (``env.sub_agent``) the rest of the line; its answer is the observation. Every answer is kept in
+    :attr:`answers` (the test reads them back), with the sub-agent that gave it."""
+
+    answers: list[tuple[str, object]] = []
+
+    async def step(self, action_text: str) -> StepResult:
+        if not action_text.startswith("ask:"):
+            return await super().step(action_text)
+        if self.sub_agent is None:
+            return StepResult("no sub-agent in this run", info={"tool": "ask", "error": True})
+        answer = await self.sub_agent.generate([{"role": "user", "content": action_text.removeprefix("ask:")}])
+        type(self).answers.append((answer, self.sub_agent))
+        return StepResult(f"sub-agent: {answer}", info={"tool": "ask"})
+
+
+def _same_parity(a: str, b: str) -> float:
+    return 1.0 if int(a.split()[-1]) % 2 == int(b.split()[-1]) % 2 else 0.0
+
+
+class ParityCountdownEnv(CountdownEnv):
+    """Countdown whose GiGPO similarity says two states are alike when their numbers share a parity."""
+
+    state_similarity = staticmethod(_same_parity)

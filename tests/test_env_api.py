@@ -140,3 +140,22 @@ def play_flaky(tokenizer, failure):
         episode_id="g0-e0", task_id="c", group_id=0,
     ))
     return trajectory, env
+
+
+def test_an_environment_s_own_similarity_groups_gigpo_anchor_states(tmp_path):
+    """Per group, episode 0 counts 3, 2, 1 (states "at 3", "at 2", "at 1") and episode 1 repeats a wrong
+    number three times ("at 3" x3). The text similarity makes 3 anchor groups per group; the environment's
+    parity similarity 2 ("at 3" and "at 1" are alike): 4 in all, the largest of 5 turns."""
+    from lightning_agentrl.algorithms import advantages as adv
+
+    tasks = tmp_path / "countdown.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"c{i}", "start": 3}) + "\n" for i in range(2)))
+    settings = learn_settings(tmp_path, "--env.kind=tests.envs_thirdparty:ParityCountdownEnv", f"--env.tasks={tasks}",
+                              "--env.max_turns=3", "--algorithm.advantage=gigpo", "--algorithm.gigpo_similarity=0.99",
+                              "--trainer.max_steps=1")
+    _, log = scripted_fit(settings, {"e0": ["2", "1", "0"], "e1": ["5"]})
+    (batch,), (step,) = log.batches, log.metrics
+    assert step["gigpo/num_anchor_groups"] == 4.0
+    assert step["gigpo/max_anchor_group_size"] == 5.0
+    by_text = adv.anchor_group_ids(batch.anchor_states(0.99), batch.group_ids[batch.turn_traj], 0.99)
+    assert int(by_text.max()) + 1 == 6  # the default similarity on the same turns

@@ -38,6 +38,14 @@ def test_the_agent_loop_imports_nothing_from_the_sandbox_client():
         assert not [m for m in modules if m.split(".")[0] == "sandbox_client"], name
 
 
+def test_the_rollout_package_knows_no_coding_task_type():
+    """The rollout side takes any environment's tasks (``EnvTask``: an object with an id), not the coding ones."""
+    files = sorted((PACKAGE / "rollout").glob("*.py"))
+    assert "lightning_agentrl.envs.registry.EnvTask" in imported_modules(PACKAGE / "rollout" / "service.py")
+    offending = {f.name for f in files if {"lightning_agentrl.tasks", "lightning_agentrl.envs.coding"} & imported_modules(f)}
+    assert offending == set()
+
+
 def test_the_rule_reader_sees_function_level_imports(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from lightning_agentrl.rollout.chat import ChatCodec\n    import sandbox_client\n")

@@ -111,3 +111,40 @@ def test_preflight_reads_keydoor_tasks_through_the_environment(tmp_path):
     only_train.write_text('{"id": "m"}\n')
     with pytest.raises(PreflightError, match=r"env.tasks: .*train.jsonl:1: a task is an object"):
         check_tasks(load_settings(None, [*shipped[:1], f"--env.tasks={only_train}"]))
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("url", ["closed", None])
+def test_keydoor_trains_and_evaluates_without_the_sandbox_service(tmp_path, url, capsys):
+    """``keydoor`` does not use the sandbox service (``uses_sandbox`` False): with ``sandbox.url`` at a closed
+    port, neither ``fit`` nor ``evaluate`` checks it (the service check itself fails on it); unset, neither
+    starts a local server (it would write ``sandbox_server.log`` into the output folder)."""
+    from lightning_agentrl.__main__ import main
+    from lightning_agentrl.preflight import PreflightError, check_sandbox
+
+    tasks = tmp_path / "maze.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"m{i}", "map": MAP}) + "\n" for i in range(2)))
+    sandbox = [] if url is None else [f"--sandbox.url=http://127.0.0.1:{_closed_port()}", "--sandbox.token=t"]
+    settings = learn_settings(tmp_path, "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.max_turns=2",
+                              "--trainer.max_steps=1", *sandbox)
+    if url is not None:
+        with pytest.raises(PreflightError, match="sandbox.url"):
+            check_sandbox(settings.sandbox, None)
+    result, log = scripted_fit(settings, {"*": moves("east", "south")})
+    assert result.global_step == 1
+    (batch,) = log.batches
+    assert len(batch.trajectories) == 4 and all(t.info.get("sandbox_error") is None for t in batch.trajectories)
+    assert not list(result.run_dir.glob("sandbox_server*.log"))
+    # `evaluate` on the saved run: the same settings, no service started or checked either
+    out = tmp_path / "evaluation"
+    code = main(["evaluate", str(result.run_dir), "--split", "all", "--samples", "1", "--out", str(out), "--json"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((out / "evaluation.json").read_text())["episodes"] == 2
+    assert not list(out.glob("sandbox_server*.log"))

@@ -151,12 +151,12 @@ def test_invalid_json_names_the_file(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"reward": 1}, r"unknown keys \['reward'\]"),
+        ({"reward": 1}, r"reward: unknown key \(allowed: id, prompt"),
         ({"id": "other"}, "differs from its folder name"),
-        ({"split": "dev"}, "'split' must be one of"),
-        ({"scoring_timeout_s": "30"}, "'scoring_timeout_s' must be a number"),
-        ({"scoring_timeout_s": 0}, "scoring_timeout_s must be > 0"),
-        ({"prompt": None}, "'prompt' must be a string"),
+        ({"split": "dev"}, "split: Input should be 'train' or 'test'"),
+        ({"scoring_timeout_s": "30"}, "scoring_timeout_s: Input should be a valid number"),
+        ({"scoring_timeout_s": 0}, "scoring_timeout_s: Input should be greater than 0"),
+        ({"prompt": None}, "prompt: Input should be a valid string"),
     ],
 )
 def test_invalid_task_json_fields(tmp_path, overrides, message):
@@ -171,7 +171,7 @@ def test_missing_keys(tmp_path):
     spec = json.loads((folder / "task.json").read_text())
     del spec["hidden_test_command"]
     (folder / "task.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=r"missing keys \['hidden_test_command'\]"):
+    with pytest.raises(ValueError, match="hidden_test_command: Field required"):
         load_tasks(tmp_path)
 
 
@@ -335,3 +335,67 @@ def test_cli_module_entry_point_lists_tasks():
 def test_cli_reports_load_errors(tmp_path, capsys):
     assert main(["validate", str(tmp_path)]) == 2
     assert "no task folders" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Other sources: JSONL, a saved `datasets` dataset (one TaskRecord schema)
+
+
+def task_record(task_id: str = "calc_add", **overrides) -> dict:
+    """make_task() as one record (a JSONL line, a dataset row)."""
+    task = make_task(id=task_id)
+    record = {"id": task_id, "prompt": task.prompt, "visible_test_command": task.visible_test_command,
+              "hidden_test_command": task.hidden_test_command, "hidden_test_count": 1, "scoring_timeout_s": 30,
+              "files": task.files, "hidden_files": task.hidden_files, "solution_files": task.solution_files}
+    return {**record, **overrides}
+
+
+def test_coding_tasks_load_from_jsonl(tmp_path):
+    listed = [{"path": path, "text": text} for path, text in make_task().files.items()]
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(task_record("a")) + "\n\n" + json.dumps(task_record("b", split="test", files=listed)) + "\n")
+    a, b = load_tasks(path)
+    assert a == make_task(id="a", suite="mine")
+    assert b == make_task(id="b", suite="mine", split="test")  # the list form of a tree reads the same
+    assert [t.id for t in load_tasks(path, split="test")] == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_test_count": True}, "hidden_test_count: Input should be a valid integer"),
+        ({"files": None}, "files: Input should be an object"),
+        ({"reward": 1}, r"reward: unknown key \(allowed: .*files, hidden_files, solution_files\)"),
+        ({"hidden_files": {"calc.py": "x"}}, "collides with workspace file 'calc.py'"),
+    ],
+)
+def test_a_bad_jsonl_task_names_its_line_and_field(tmp_path, overrides, message):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(task_record("a")) + "\n" + json.dumps(task_record("b", **overrides)) + "\n")
+    with pytest.raises(ValueError, match=f"mine.jsonl:2: {message}" if "collides" not in message else message) as err:
+        load_tasks(path)
+    assert "mine.jsonl:2" in str(err.value)
+
+
+def test_coding_tasks_load_from_a_saved_datasets_dataset(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    other = task_record("sub", files={"calc.py": BUGGY, "test_other.py": VISIBLE})  # another tree: a struct union
+    DatasetDict({"train": Dataset.from_list([task_record("add"), other]),
+                 "test": Dataset.from_list([task_record("held")])}).save_to_disk(str(tmp_path / "hub_suite"))
+    tasks = load_tasks(tmp_path / "hub_suite")
+    assert [(t.id, t.split) for t in tasks] == [("add", "train"), ("held", "test"), ("sub", "train")]
+    assert tasks[0] == make_task(id="add", suite="hub_suite")
+    assert set(tasks[2].files) == {"calc.py", "test_other.py"}  # the other row's paths are not added as null
+    Dataset.from_list([task_record("x", scoring_timeout_s=-1)]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match=r"bad \(dataset row 0\): scoring_timeout_s: Input should be greater than 0"):
+        load_tasks(tmp_path / "bad")
+
+
+def test_the_coding_environment_reads_jsonl_tasks_in_preflight(tmp_path):
+    from lightning_agentrl.preflight import check_tasks
+    from lightning_agentrl.settings import load_settings
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(task_record("a")) + "\n" + json.dumps(task_record("b", split="test")) + "\n")
+    check_tasks(load_settings(None, ["--env.kind=coding", f"--env.tasks={path}", "--eval.every_n_steps=1"]))

@@ -26,7 +26,7 @@ Worked example (SPEC §3), one group, rewards ``R = [1, 0, 1, 1]``:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -248,14 +248,16 @@ def lcs_similarity(a: str, b: str) -> float:
 
 
 def anchor_group_ids(
-    turn_state_keys: Sequence[str], turn_task_group: Tensor, similarity_threshold: float | None = None
+    turn_state_keys: Sequence[str], turn_task_group: Tensor, similarity_threshold: float | None = None,
+    similarity: Callable[[str, str], float] | None = None,
 ) -> Tensor:
     """Assign each turn to an anchor-state group: same task group and same (or similar) state.
 
     Exact mode (``similarity_threshold=None``): identical ``turn_state_keys`` (a hash of the state).
     Similarity mode: keys hold the state text; a turn joins the first existing group (in turn order)
-    of its task group whose first member has ``lcs_similarity > similarity_threshold``, else it opens a
-    new group. (Similarity is not transitive; comparing against the group's first member keeps groups
+    of its task group whose first member has ``similarity > similarity_threshold``, else it opens a
+    new group. ``similarity(a, b)`` in [0, 1]: the environment's own (``Environment.state_similarity``),
+    default :func:`lcs_similarity`. (Similarity is not transitive; comparing against the group's first member keeps groups
     from drifting.)
 
     Shapes: turn_state_keys: K strings, turn_task_group[K] int64 -> Tensor[K] int64 in [0, num_groups).
@@ -273,12 +275,13 @@ def anchor_group_ids(
     else:
         if not 0.0 <= similarity_threshold < 1.0:
             raise ValueError(f"similarity_threshold must be in [0, 1), got {similarity_threshold}")
+        similar = similarity or lcs_similarity
         representatives: dict[int, list[tuple[str, int]]] = {}
         num_groups = 0
         for g, key in zip(task_group, turn_state_keys, strict=True):
             candidates = representatives.setdefault(g, [])
             match = next(
-                (gid for rep, gid in candidates if lcs_similarity(rep, key) > similarity_threshold), None
+                (gid for rep, gid in candidates if similar(rep, key) > similarity_threshold), None
             )
             if match is None:
                 match = num_groups
@@ -298,6 +301,7 @@ def gigpo(
     normalize: Literal["mean_std", "mean"] = "mean_std",
     similarity_threshold: float | None = None,
     *,
+    similarity: Callable[[str, str], float] | None = None,
     episode_rewards: Tensor | None = None,
     std: Literal["population", "sample"] = "population",
     eps: float = 1e-6,
@@ -309,7 +313,7 @@ def gigpo(
     - ``A^E``: episode advantage, the group normalization of the episode return (``episode_rewards``,
       default: the sum of the trajectory's turn rewards, i.e. the final reward when it is sparse).
     - ``A^S``: turns whose action starts from the same environment state (same ``turn_state_keys``,
-      same task group; or LCS similarity above ``similarity_threshold``) form an anchor group, at any
+      same task group; or ``similarity``, default LCS, above ``similarity_threshold``) form an anchor group, at any
       turn index and in any trajectory; ``A^S`` normalizes the discounted return
       ``R_t = sum_{k>=t} gamma^(k-t) r_k`` within that group. Singleton groups get ``A^S = 0``.
 
@@ -346,7 +350,7 @@ def gigpo(
     episode_adv = _normalize_in_groups(episode_rewards.to(torch.float64), group_ids, std_kind, eps)
 
     returns = discounted_returns(turn_rewards, turn_traj, gamma)
-    anchors = anchor_group_ids(turn_state_keys, group_ids[turn_traj], similarity_threshold)
+    anchors = anchor_group_ids(turn_state_keys, group_ids[turn_traj], similarity_threshold, similarity)
     step_adv = _normalize_in_groups(returns, anchors, std_kind, eps)  # singleton anchor groups -> 0
 
     advantages = (episode_adv[turn_traj] + omega * step_adv).to(torch.float32)

@@ -5,6 +5,6 @@ under ``lightning_agentrl.envs`` imports ``lightning_agentrl.rollout``: the agen
 environments, never the reverse. :mod:`~lightning_agentrl.envs.registry` resolves ``env.kind``.
 """
 
-from lightning_agentrl.envs.base import EnvInfraError, Environment, StepResult, ToolTimeout
+from lightning_agentrl.envs.base import EnvInfraError, Environment, StepResult, SubAgent, ToolTimeout
 
-__all__ = ["EnvInfraError", "Environment", "StepResult", "ToolTimeout"]
+__all__ = ["EnvInfraError", "Environment", "StepResult", "SubAgent", "ToolTimeout"]

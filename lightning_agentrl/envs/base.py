@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from lightning_agentrl.settings import EnvSettings
@@ -96,13 +97,43 @@ def _short(value: Any) -> str:
     return f"{type(value).__name__} {text[:120]}{'...' if len(text) > 120 else ''}"
 
 
+@runtime_checkable
+class EnvTask(Protocol):
+    """A task as the trainer sees it, whatever the environment: any object with an ``id`` (a non-empty str,
+    unique in its source). What else it holds is the environment's (the coding environment's
+    :class:`~lightning_agentrl.tasks.Task`, a key-and-door map, a user's dataclass)."""
+
+    id: str
+
+
+@runtime_checkable
+class SubAgent(Protocol):
+    """A frozen second model an environment may call as a tool (multi-agent, ``env.sub_agent``): the rollout
+    side builds it and sets :attr:`Environment.sub_agent`. Its answer is what the environment makes of it, an
+    observation: it enters the trajectory with loss mask 0, and its weights never train."""
+
+    async def generate(self, messages: list[dict]) -> str:
+        """The sub-agent's answer (text) to a chat conversation (``{"role", "content"}`` messages)."""
+        ...
+
+
 class Environment(ABC):
     """One episode's world. Subclass it, implement :meth:`reset`, :meth:`step` and :attr:`state_text`,
     and override the rest where the defaults do not fit."""
 
+    uses_sandbox: bool = False
+    """It runs the agent's actions in the sandbox service (the coding environment). When False, ``fit``,
+    ``evaluate`` and ``validate`` neither start nor check the service, and :meth:`from_settings` gets
+    ``client=None``."""
+
     runs_hidden_tests: bool = False
     """Its reward comes from hidden tests that the sandbox service's judge runs (the coding environment):
     the service must then keep the judge from the agent's code (``sandbox.judge_isolation``)."""
+
+    sub_agent: SubAgent | None = None
+    """The frozen sub-agent named by ``env.sub_agent`` (set on each episode's environment after
+    :meth:`from_settings`), or None when the settings name none. An environment offers it as a tool:
+    ``StepResult(observation=await self.sub_agent.generate(messages))``."""
 
     tools: list[dict] | None = None
     """The tools as JSON schemas (OpenAI function format, :meth:`~lightning_agentrl.envs.tools.ToolSpec.schema`)
@@ -120,8 +151,8 @@ class Environment(ABC):
 
     @classmethod
     def from_settings(cls, task: Any, *, client: Any, settings: EnvSettings, native_tools: bool) -> Environment:
-        """One episode's environment for ``task``. ``client``: a sandbox client (for environments that
-        run code remotely); ``settings``: the ``env`` section; ``native_tools``: the chat template renders
+        """One episode's environment for ``task``. ``client``: a sandbox client where :attr:`uses_sandbox`
+        (environments that run code remotely), else None; ``settings``: the ``env`` section; ``native_tools``: the chat template renders
         :attr:`tools` (else describe them in the opening messages). Default: ``cls(task)``."""
         return cls(task)
 
@@ -147,6 +178,12 @@ class Environment(ABC):
         from the same state (``algorithm.gigpo_similarity``: from similar enough texts): equal states
         must give equal texts, whatever path led there. Keep it short (the similarity costs the product
         of two lengths)."""
+
+    state_similarity: Callable[[str, str], float] | None = None
+    """GiGPO's similarity of two :attr:`state_text` values, in [0, 1] (similarity mode,
+    ``algorithm.gigpo_similarity``: a turn joins an anchor group whose first state is more similar than
+    that). None: the default text similarity (longest common subsequence). Override it as a
+    ``staticmethod`` where your states have a better measure (the same room, the same page)."""
 
     @property
     def state_key(self) -> str:

@@ -40,6 +40,7 @@ class CodingEnv(Environment):
     ``SandboxInfraError`` -> :class:`EnvInfraError`, ``CommandTimeout`` -> :class:`ToolTimeout`;
     ``SandboxRequestError`` (the agent asked for something impossible) is an error observation."""
 
+    uses_sandbox = True
     runs_hidden_tests = True
 
     @classmethod

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lightning_agentrl.envs.base import Environment
+from lightning_agentrl.envs.base import Environment, EnvTask
 
 if TYPE_CHECKING:
     from lightning_agentrl.settings import Settings
@@ -23,6 +23,8 @@ SHIPPED = {
     "keydoor": "lightning_agentrl.envs.keydoor:KeyDoorEnv",
 }
 """The environments that come with the package, by the name ``env.kind`` takes."""
+
+__all__ = ["SHIPPED", "EnvTask", "env_class", "load_env_tasks"]
 
 
 def env_class(kind: str) -> type[Environment]:
@@ -51,7 +53,7 @@ def env_class(kind: str) -> type[Environment]:
     return cls
 
 
-def load_env_tasks(settings: Settings, split: str, *, tasks: str | Path | None = None) -> list[Any]:
+def load_env_tasks(settings: Settings, split: str, *, tasks: str | Path | None = None) -> list[EnvTask]:
     """The tasks of ``split`` ("train", "test" or "all") at ``env.tasks``, read by the environment's loader;
     ``ValueError`` when a task has no ``id`` (a non-empty str) or two share one (results are kept by id)."""
     path = settings.env.tasks if tasks is None else tasks

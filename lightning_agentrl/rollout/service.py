@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lightning_agentrl.envs.registry import EnvTask as Task  # any environment's task: an object with an id
 from lightning_agentrl.rollout.agent_loop import (
     EpisodeBudget,
     EpisodeState,
@@ -50,7 +51,6 @@ from lightning_agentrl.rollout.buffer import RolloutBuffer, RolloutServiceError
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
-from lightning_agentrl.tasks import Task
 from lightning_agentrl.trajectory import Trajectory
 
 
@@ -208,6 +208,10 @@ class RolloutService:
             self.buffer.fail(err)
         finally:
             self._loop.run_until_complete(self.engine.close())
+            leftover = asyncio.all_tasks(self._loop)  # e.g. a sub-agent engine's worker: cancelled, not leaked
+            for task in leftover:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
             self._loop.close()
 
     def stop(self) -> None:
@@ -323,7 +327,8 @@ class RolloutService:
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
-            await client.close()
+            if client is not None:  # None: the environment uses no sandbox service
+                await client.close()
 
     def _check_failed(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -426,7 +431,8 @@ class RolloutService:
                 *(play(index, task, sample) for index, task in enumerate(tasks) for sample in range(samples_per_task))
             )
         finally:
-            await client.close()
+            if client is not None:  # None: the environment uses no sandbox service
+                await client.close()
 
     # -- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
