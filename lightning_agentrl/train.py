@@ -385,8 +385,6 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
 
 
 def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokenizer) -> list:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from lightning_agentrl.callbacks import (
         CompactFilter,
         ExportPolicy,
@@ -398,6 +396,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
+    from lightning_agentrl.checkpoint_io import StepCheckpoint
     from lightning_agentrl.envs.registry import load_env_tasks
 
     r = settings.rollout
@@ -412,13 +411,8 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
         *build_guards(settings, run_dir, service, sandbox),  # after RolloutMetrics: a failing batch is saved
         WeightSync(service, settings.trainer.sync_weights_every),
-        ModelCheckpoint(
-            dirpath=run_dir / "checkpoints",
-            filename="step_{step}",
-            every_n_train_steps=settings.trainer.checkpoint_every,
-            save_last=True,
-            save_top_k=1,
-        ),
+        StepCheckpoint(run_dir / "checkpoints", settings.trainer.checkpoint_every,
+                       link_last=not settings.trainer.strategy.startswith("deepspeed")),
         ExportPolicy(run_dir / "policy", tokenizer),
     ]
     if settings.eval.every_n_steps is not None:
