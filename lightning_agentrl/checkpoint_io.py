@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,17 @@ class StepCheckpoint(ModelCheckpoint):
             monitor="step",  # newest first: the top-k of the step number are the newest k
             mode="max",
         )
+        self.seconds = 0.0
+        """Seconds spent saving (state gathering, write, link), summed over the run (stage timings)."""
+        self.batch_end_at: float | None = None
+        """``time.perf_counter()`` when this callback's ``on_train_batch_end`` (the last one) returned."""
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        started = time.perf_counter()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.batch_end_at = time.perf_counter()
+        self.seconds += self.batch_end_at - started
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:

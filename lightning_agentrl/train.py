@@ -396,6 +396,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
+    from lightning_agentrl.callbacks.stage_timings import StageTimings
     from lightning_agentrl.checkpoint_io import StepCheckpoint
     from lightning_agentrl.envs.registry import load_env_tasks
 
@@ -403,6 +404,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
     filtered = (*INFRASTRUCTURE, *TRUNCATIONS) if r.truncation == "filter" else INFRASTRUCTURE
     callbacks = [
         sandbox,  # first: its setup starts the node's sandbox server before anything needs it
+        StageTimings(),  # early: its on_train_batch_end marks the end of the training step
         TokenCheck(),
         CompactFilter(filtered),
         StalenessWeighting(settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness),

@@ -63,6 +63,7 @@ from lightning_agentrl.rollout.summarize import Summarizer
 from lightning_agentrl.trajectory import RolloutBatch, Segment, TerminationReason, Trajectory, Turn
 
 DIGESTS_KEY = "action_digests"  # Trajectory.info key: one digest per turn, in the order of ``trajectory.turns``
+SCORED = (TerminationReason.SUBMITTED, TerminationReason.SCORING_TIMEOUT)  # the last env step ran the checks
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +258,10 @@ async def play_episode(
     termination: TerminationReason | None = None
     parked = False
     deadline = None
+    generation_s = 0.0  # of the latest action: its turn's timings
 
     async def generate(ids: list[int], max_new_tokens: int):
-        nonlocal phase
+        nonlocal phase, generation_s
         phase = "generation"
         t0 = time.monotonic()
         request = replace(
@@ -267,7 +269,8 @@ async def play_episode(
             seed=request_seed(run_seed, episode_id, len(trajectory.turns)),
         )
         generation = await asyncio.wait_for(engine.generate(list(ids), request, episode_id), budget.generation_timeout_s)
-        state.generation_s += time.monotonic() - t0
+        generation_s = time.monotonic() - t0
+        state.generation_s += generation_s
         phase = "episode"
         trajectory.info.setdefault(DIGESTS_KEY, []).append(action_digest(generation.token_ids))
         return generation
@@ -276,7 +279,7 @@ async def play_episode(
         start = len(segment.token_ids)
         segment.extend(generation.token_ids, mask=1, logprobs=generation.logprobs, version=generation.policy_version)
         turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=env.state_key,
-                    state_text=checked_state_text(env), tool=tool)
+                    state_text=checked_state_text(env), tool=tool, timings={"generation_s": generation_s})
         segment.turns.append(turn)
         return turn
 
@@ -334,7 +337,8 @@ async def play_episode(
                 t0 = time.monotonic()
                 action_text = codec.decode_action(generation.token_ids)
                 result = checked_step(env, await env_call(env, env.step(action_text)))
-                state.tool_s += time.monotonic() - t0
+                turn.timings["env_s"] = time.monotonic() - t0
+                state.tool_s += turn.timings["env_s"]
                 phase = "episode"
                 state.num_steps += 1
                 steps_this_call += 1
@@ -396,6 +400,8 @@ async def play_episode(
         "episode_s": state.active_s if state is not None else time.monotonic() - started,
         "generation_s": state.generation_s if state is not None else 0.0,
         "tool_s": state.tool_s if state is not None else 0.0,
+        # the environment step that ended the episode ran the hidden checks
+        "scoring_s": trajectory.turns[-1].timings.get("env_s", 0.0) if termination in SCORED else 0.0,
     }
     return trajectory
 
