@@ -295,7 +295,7 @@ class TrainerSettings(_Section):
     """Clip the global gradient norm to this value."""
     micro_batch_tokens: int = Field(4096, ge=64)
     """Tokens per forward/backward pass; a batch is split into micro-batches of about this size."""
-    logprob_chunk_tokens: int = Field(1024, ge=1)
+    logprob_chunk_tokens: int = Field(256, ge=1)
     """Tokens per chunk when computing log-probs (bounds the [tokens, vocab] logits in memory)."""
     strategy: Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"] = "auto"
     """Lightning strategy; DeepSpeed ZeRO-2/3 also run on CPU."""
