@@ -13,14 +13,15 @@ moves it with ``shutil.move``: when ``/tmp`` is another file system that move is
 target, not atomic, and nothing is fsynced. Here ``torch.save`` streams straight into the
 same-folder temporary file.
 
-How ``ModelCheckpoint`` writes ``last.ckpt`` (lightning 2.6.6, checked in the source):
+How ``last.ckpt`` is written: :class:`StepCheckpoint` saves one file per save, ``step_step=N.ckpt``
+through this CheckpointIO (atomic), and points ``last.ckpt`` at it with a relative symlink made
+under a temporary name and ``os.replace``\\ d onto ``last.ckpt`` (atomic too: a reader sees the
+previous link or the new one). Lightning's own ``save_last="link"`` removes ``last.ckpt`` and then
+re-creates it, and ``save_last=True`` writes a second full copy of every tensor. A checkpoint
+written straight to ``last.ckpt`` (a signal's stop, the circuit breaker) replaces the link with a
+file, never writes through it. The previous step file is kept until the next save completes, so a
+damaged newest checkpoint still leaves an intact one for ``--resume last``.
 
-- ``save_last=True``: a full ``trainer.save_checkpoint(".../last.ckpt")``, i.e. through this
-  CheckpointIO: atomic.
-- ``save_last="link"``: the step checkpoint is written through this CheckpointIO (atomic), then
-  ``last.ckpt`` is removed and re-created as a symlink to it (a copy where symlinks fail). A kill
-  between the two leaves no ``last.ckpt`` (the step checkpoint is intact) but never a corrupt one;
-  the copy fallback is not atomic. Prefer ``save_last=True`` where resuming from ``last`` matters.
 - A leftover temporary file is named ``.<target name>.<random>.tmp``: its suffix is not ``.ckpt``
   and its name does not start with ``last``, so neither ``ckpt_path="last"`` nor a glob for
   ``*.ckpt`` picks it up. Such leftovers are only ever from killed writes and can be deleted.
@@ -28,19 +29,22 @@ How ``ModelCheckpoint`` writes ``last.ckpt`` (lightning 2.6.6, checked in the so
   itself, in place, so this atomicity does not extend to ZeRO checkpoints.
 
 Example:
-    >>> Trainer(plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])  # doctest: +SKIP
+    >>> Trainer(plugins=[AtomicCheckpointIO()], callbacks=[StepCheckpoint(run_dir / "checkpoints", 50)])  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from fsspec.utils import get_protocol
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
@@ -101,6 +105,66 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
     _fsync_directory(target.parent)
 
 
+class StepCheckpoint(ModelCheckpoint):
+    """``step_step=N.ckpt`` every ``every_n_train_steps`` steps and at the end of training, the newest
+    ``keep`` kept, and ``last.ckpt`` an atomic symlink to the newest (one file written per save).
+
+    ``link_last=False`` (DeepSpeed, whose checkpoints are folders written in place) writes
+    ``last.ckpt`` as a second full checkpoint instead, so nothing is ever written through a link.
+    """
+
+    def __init__(self, dirpath: Path, every_n_train_steps: int, *, keep: int = 2, link_last: bool = True) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename="step_{step}",
+            every_n_train_steps=every_n_train_steps,
+            save_last="link" if link_last else True,
+            save_top_k=keep,
+            monitor="step",  # newest first: the top-k of the step number are the newest k
+            mode="max",
+        )
+        self.seconds = 0.0
+        """Seconds spent saving (state gathering, write, link), summed over the run (stage timings)."""
+        self.batch_end_at: float | None = None
+        """``time.perf_counter()`` when this callback's ``on_train_batch_end`` (the last one) returned."""
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        started = time.perf_counter()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.batch_end_at = time.perf_counter()
+        self.seconds += self.batch_end_at - started
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        """A final checkpoint of the last step, whatever ``every_n_train_steps`` is."""
+        if not self._should_skip_saving_checkpoint(trainer) and trainer.global_step > 0:
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        super().on_train_end(trainer, pl_module)
+
+    @staticmethod
+    @override
+    def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            atomic_link(Path(filepath), Path(linkpath))
+        trainer.strategy.barrier()
+
+
+def atomic_link(target: Path, link: Path) -> None:
+    """Make ``link`` a relative symlink to ``target`` in one ``os.replace`` (a copy where symlinks fail)."""
+    temp = link.with_name(f".{link.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    try:
+        os.symlink(os.path.relpath(target, link.parent), temp)
+    except OSError:  # no symlinks here (Windows without the privilege): an atomic copy
+        shutil.copy(target, temp)
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    os.replace(temp, link)
+    _fsync_directory(link.parent)
+
+
 def _fsync_directory(directory: Path) -> None:
     # Makes the rename durable across a power loss; some file systems refuse to open folders.
     try:
@@ -115,4 +179,4 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["AtomicCheckpointIO", "atomic_torch_save"]
+__all__ = ["AtomicCheckpointIO", "StepCheckpoint", "atomic_link", "atomic_torch_save"]

@@ -309,7 +309,7 @@ class TrainerSettings(_Section):
     """Clip the global gradient norm to this value."""
     micro_batch_tokens: int = Field(4096, ge=64)
     """Tokens per forward/backward pass; a batch is split into micro-batches of about this size."""
-    logprob_chunk_tokens: int = Field(1024, ge=1)
+    logprob_chunk_tokens: int = Field(256, ge=1)
     """Tokens per chunk when computing log-probs (bounds the [tokens, vocab] logits in memory)."""
     strategy: Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"] = "auto"
     """Lightning strategy; DeepSpeed ZeRO-2/3 also run on CPU."""
@@ -323,8 +323,9 @@ class TrainerSettings(_Section):
     """Nodes; each runs `devices` processes (launched by Lightning, torchrun or SLURM: docs/scaling.md)."""
     precision: str = "32-true"
     """Lightning precision string."""
-    checkpoint_every: int = Field(1, ge=1)
-    """Save `last.ckpt` every this many steps (and at the end)."""
+    checkpoint_every: int = Field(50, ge=1)
+    """Save a checkpoint every this many steps, at the end, and on a signal's stop: one file per save,
+    `step_step=N.ckpt` (the previous one kept), with `last.ckpt` a link to the newest."""
     sync_weights_every: int = Field(1, ge=1)
     """Push weights to the engine every this many training steps; the engine then lags up to
     `sync_weights_every - 1` versions, so `rollout.max_staleness` must allow that."""

@@ -417,8 +417,6 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
 
 
 def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokenizer) -> list:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from lightning_agentrl.callbacks import (
         CompactFilter,
         ExportPolicy,
@@ -430,6 +428,8 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
+    from lightning_agentrl.callbacks.stage_timings import StageTimings
+    from lightning_agentrl.checkpoint_io import StepCheckpoint
     from lightning_agentrl.envs.registry import load_env_tasks
 
     r = settings.rollout
@@ -437,6 +437,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
     callbacks = [
         # first: its setup starts the node's sandbox server before anything needs it
         *([] if isinstance(sandbox, NoSandbox) else [sandbox]),
+        StageTimings(),  # early: its on_train_batch_end marks the end of the training step
         TokenCheck(),
         CompactFilter(filtered),
         StalenessWeighting(settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness),
@@ -445,13 +446,8 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
         *build_guards(settings, run_dir, service, sandbox),  # after RolloutMetrics: a failing batch is saved
         WeightSync(service, settings.trainer.sync_weights_every),
-        ModelCheckpoint(
-            dirpath=run_dir / "checkpoints",
-            filename="step_{step}",
-            every_n_train_steps=settings.trainer.checkpoint_every,
-            save_last=True,
-            save_top_k=1,
-        ),
+        StepCheckpoint(run_dir / "checkpoints", settings.trainer.checkpoint_every,
+                       link_last=not settings.trainer.strategy.startswith("deepspeed")),
         ExportPolicy(run_dir / "policy", tokenizer),
     ]
     if settings.eval.every_n_steps is not None:

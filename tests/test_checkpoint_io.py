@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_agentrl.checkpoint_io import TEMP_SUFFIX, AtomicCheckpointIO, atomic_torch_save
+from lightning_agentrl.checkpoint_io import TEMP_SUFFIX, AtomicCheckpointIO, StepCheckpoint, atomic_torch_save
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Many small tensors: torch.save writes one zip record per storage from a Python loop, so the file
@@ -139,9 +139,10 @@ class _Linear(L.LightningModule):
 
 
 def _fit(
-    root: Path, io: AtomicCheckpointIO, save_last: bool | str, max_steps: int, ckpt_path: str | None = None
+    root: Path, io: AtomicCheckpointIO, save_last: bool | str, max_steps: int, ckpt_path: str | None = None,
+    checkpoint: ModelCheckpoint | None = None,
 ):
-    checkpoint = ModelCheckpoint(dirpath=root, save_last=save_last, every_n_train_steps=2)
+    checkpoint = checkpoint or ModelCheckpoint(dirpath=root, save_last=save_last, every_n_train_steps=2)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
@@ -176,3 +177,30 @@ def test_save_last_link_points_at_an_atomically_written_checkpoint(tmp_path: Pat
     assert last.is_symlink()
     assert os.readlink(last) in io.saved and "last.ckpt" not in io.saved
     assert torch.load(last, weights_only=False)["global_step"] == 4
+
+
+def test_step_checkpoint_writes_one_file_per_save_a_final_one_and_resumes_from_the_link(tmp_path: Path) -> None:
+    """Every 2 steps of 5: steps 2 and 4, and 5 at the end; the newest two kept; ``last.ckpt`` an atomic
+    link to the newest, never written itself; a resume from it continues and relinks."""
+    io = _RecordingIO()
+    _fit(tmp_path, io, save_last="link", max_steps=5, checkpoint=StepCheckpoint(tmp_path, 2))
+    last = tmp_path / "last.ckpt"
+    assert io.saved == ["step_step=2.ckpt", "step_step=4.ckpt", "step_step=5.ckpt"]
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt", "step_step=4.ckpt", "step_step=5.ckpt"]
+    assert last.is_symlink() and os.readlink(last) == "step_step=5.ckpt"
+    assert not list(tmp_path.glob(f"*{TEMP_SUFFIX}"))
+
+    resumed = _fit(tmp_path, AtomicCheckpointIO(), save_last="link", max_steps=7, ckpt_path=str(last),
+                   checkpoint=StepCheckpoint(tmp_path, 2))
+    assert resumed.global_step == 7
+    assert os.readlink(last) == "step_step=7.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 7
+    assert sorted(p.name for p in tmp_path.glob("step_*.ckpt")) == ["step_step=6.ckpt", "step_step=7.ckpt"]
+
+
+def test_a_checkpoint_written_to_a_linked_last_replaces_the_link_not_its_target(tmp_path: Path) -> None:
+    """A signal's stop writes ``last.ckpt`` directly: the step file it linked to must stay as it was."""
+    _fit(tmp_path, AtomicCheckpointIO(), save_last="link", max_steps=2, checkpoint=StepCheckpoint(tmp_path, 2))
+    atomic_torch_save({"global_step": 99}, tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert torch.load(tmp_path / "step_step=2.ckpt", weights_only=False)["global_step"] == 2

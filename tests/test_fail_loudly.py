@@ -418,21 +418,23 @@ def test_a_damaged_last_ckpt_resumes_from_the_newest_intact_step_checkpoint(tmp_
     import shutil
 
     run = tmp_path / "run"
-    process = start_fit(run, "--trainer.max_steps=1")
+    process = start_fit(run, "--trainer.max_steps=2")
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
     checkpoints = run / "checkpoints"
-    corrupt_pickle(checkpoints / "last.ckpt")
+    assert os.readlink(checkpoints / "last.ckpt") == "step_step=2.ckpt"  # one file per save, the previous kept
+    corrupt_pickle(checkpoints / "last.ckpt")  # through the link: step 2 is damaged too
     shutil.copy(checkpoints / "step_step=1.ckpt", checkpoints / "step_step=5.ckpt")
     truncate(checkpoints / "step_step=5.ckpt")
-    process = start_fit(run, "--trainer.max_steps=2", "--resume", "last")
+    process = start_fit(run, "--trainer.max_steps=3", "--resume", "last")
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
     assert re.search(rf"{re.escape(str(checkpoints / 'last.ckpt'))} is not usable \(corrupt: Bad CRC-32 for file "
                      rf"'[^']*data.pkl'\)", output), output[-3000:]
     assert f"{checkpoints / 'step_step=5.ckpt'} is not usable (truncated" in output
+    assert f"{checkpoints / 'step_step=2.ckpt'} is not usable (corrupt" in output
     assert f"resuming from {checkpoints / 'step_step=1.ckpt'} instead" in output
-    assert summary_step(run) == 2
+    assert summary_step(run) == 3
 
 
 def test_checkpoint_integrity_of_files_and_deepspeed_folders(tmp_path):

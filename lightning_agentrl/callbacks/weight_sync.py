@@ -6,6 +6,8 @@ engine serves version k and every token it samples records k.
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 from typing_extensions import override
 
@@ -19,6 +21,7 @@ class WeightSync(L.Callback):
         self.service = service
         self.every_n_steps = every_n_steps
         self.num_syncs = 0
+        self.seconds = 0.0  # gathering and pushing weights, summed over the run (stage timings)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -28,8 +31,10 @@ class WeightSync(L.Callback):
         if step % self.every_n_steps != 0 or step >= (trainer.max_steps if trainer.max_steps > 0 else step + 1):
             return  # no sync after the final step: nothing would use it
         # every rank gathers (a collective under ZeRO-3); rank 0's copy feeds the engine
+        started = time.perf_counter()
         weights = gather_full_state_dict(pl_module.policy)
         self.service.update_weights(weights.items(), version=step)
+        self.seconds += time.perf_counter() - started
         self.num_syncs += 1
         pl_module.log("rollout/policy_version", float(step), on_step=True, batch_size=1)
 

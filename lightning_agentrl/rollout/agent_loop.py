@@ -63,6 +63,7 @@ from lightning_agentrl.rollout.summarize import Summarizer
 from lightning_agentrl.trajectory import RolloutBatch, Segment, TerminationReason, Trajectory, Turn
 
 DIGESTS_KEY = "action_digests"  # Trajectory.info key: one digest per turn, in the order of ``trajectory.turns``
+SCORED = (TerminationReason.SUBMITTED, TerminationReason.SCORING_TIMEOUT)  # the last env step ran the checks
 
 log = logging.getLogger(__name__)
 
@@ -243,161 +244,206 @@ async def play_episode(
     """
     if park_after_s is not None and park_after_s < 0:
         raise ValueError(f"park_after_s must be >= 0, got {park_after_s}")
-    trajectory = resume.trajectory if resume is not None else Trajectory(
-        episode_id=episode_id, task_id=task_id, group_id=group_id
-    )
-    state = resume
-    run_seed = sampling.seed
-    sampling = replace(sampling, stop_token_ids=tuple(dict.fromkeys([*sampling.stop_token_ids, *codec.stop_token_ids])))
-    # Room for a full action after each observation when history can be summarized; else the legacy rule.
-    reserve = summarizer.reserve_tokens if summarizer is not None else 0
-    limit = budget.max_context_tokens - reserve
-    started = time.monotonic()
-    phase = "episode"
-    termination: TerminationReason | None = None
-    parked = False
-    deadline = None
+    episode = Episode(engine=engine, env=env, codec=codec, sampling=sampling, budget=budget, episode_id=episode_id,
+                      task_id=task_id, group_id=group_id, summarizer=summarizer, resume=resume)
+    return await episode.play(park_after_s)
 
-    async def generate(ids: list[int], max_new_tokens: int):
-        nonlocal phase
-        phase = "generation"
+
+class Episode:
+    """One call of :func:`play_episode`: the episode's ids, counters and outcome, and the small steps
+    that grow them. The termination reason is set in one place, :meth:`end`."""
+
+    def __init__(self, *, engine: GenerationEngine, env: Environment, codec: ChatCodec, sampling: SamplingParams,
+                 budget: EpisodeBudget, episode_id: str, task_id: str, group_id: int,
+                 summarizer: Summarizer | None, resume: EpisodeState | None) -> None:
+        self.engine, self.env, self.codec, self.budget, self.summarizer = engine, env, codec, budget, summarizer
+        self.episode_id = episode_id
+        self.trajectory = resume.trajectory if resume is not None else Trajectory(
+            episode_id=episode_id, task_id=task_id, group_id=group_id
+        )
+        self.state = resume
+        self.run_seed = sampling.seed
+        stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *codec.stop_token_ids]))
+        self.sampling = replace(sampling, stop_token_ids=stops)
+        # Room for a full action after each observation when history can be summarized; else the legacy rule.
+        self.limit = budget.max_context_tokens - (summarizer.reserve_tokens if summarizer is not None else 0)
+        self.phase = "episode"  # what a timeout interrupted: generation, tool, or the episode budget
+        self.termination: TerminationReason | None = None
+        self.parked = False
+        self.generation_s = 0.0  # of the latest action: its turn's timings
+
+    def end(self, reason: TerminationReason) -> None:
+        self.termination = reason
+
+    async def play(self, park_after_s: float | None) -> Trajectory | ParkedEpisode:
+        started = time.monotonic()
+        deadline = None
+        spent = self.state.active_s if self.state is not None else 0.0
+        try:
+            async with asyncio.timeout(max(self.budget.episode_timeout_s - spent, 0.0)) as deadline:
+                if self.state is None:
+                    await self.reset()
+                await self.play_turns(started, park_after_s)
+        except (TimeoutError, ToolTimeout, EnvInfraError, EngineInfraError) as err:
+            self.end_by_error(err, deadline)
+        finally:
+            if not self.parked:
+                await close_env(self.env)
+        return self.finish(started)
+
+    async def reset(self) -> None:
+        messages = checked_messages(self.env, await env_call(self.env, self.env.reset()))
+        self.state = EpisodeState(trajectory=self.trajectory, messages=messages)
+        first = Segment()
+        first.extend(self.codec.prompt_ids(messages, tools=self.env.tools), mask=0)
+        self.trajectory.segments.append(first)
+
+    async def play_turns(self, started: float, park_after_s: float | None) -> None:
+        steps_this_call = 0
+        while self.termination is None:
+            if self.state.num_steps >= self.budget.max_turns:
+                self.end(TerminationReason.MAX_TURNS)
+            elif park_after_s is not None and steps_this_call > 0 and time.monotonic() - started >= park_after_s:
+                self.parked = True
+                return
+            else:
+                await self.turn()
+                steps_this_call += 1  # counts only when the loop goes on, i.e. after an environment step
+
+    async def turn(self) -> None:
+        """One action, its environment step, and the observation (or a summary) for the next one."""
+        segment = self.trajectory.segments[-1]
+        room = self.limit - len(segment.token_ids)
+        if room < 1:
+            return self.end(TerminationReason.MAX_CONTEXT)
+        generation = await self.generate(segment.token_ids, min(self.sampling.max_new_tokens, room))
+        turn = self.append_action(segment, generation)
+        if generation.finish_reason != "stop" and len(segment.token_ids) >= self.limit:
+            return self.end(TerminationReason.MAX_CONTEXT)
+        segment.extend(self.codec.close_action_ids(generation.token_ids), mask=0)
+        action_text = self.codec.decode_action(generation.token_ids)
+        result = await self.env_step(turn, action_text)
+        state = self.state
+        if result.done:
+            self.trajectory.reward = result.reward
+            scoring_timed_out = result.info.get("scoring_timed_out")
+            return self.end(TerminationReason.SCORING_TIMEOUT if scoring_timed_out else TerminationReason.SUBMITTED)
+        state.consecutive_errors = state.consecutive_errors + 1 if result.info.get("error") else 0
+        if state.consecutive_errors >= self.budget.max_tool_errors:
+            return self.end(TerminationReason.TOOL_ERROR)
+        state.history.append({"action": action_text, "observation": result.observation, "tool": turn.tool})
+        await self.observe(segment, result.observation)
+
+    async def env_step(self, turn: Turn, action_text: str):
+        self.phase = "tool"
+        t0 = time.monotonic()
+        result = checked_step(self.env, await env_call(self.env, self.env.step(action_text)))
+        turn.timings["env_s"] = time.monotonic() - t0
+        self.state.tool_s += turn.timings["env_s"]
+        self.phase = "episode"
+        self.state.num_steps += 1
+        turn.tool = result.info.get("tool")
+        turn.reward = result.reward
+        return result
+
+    async def observe(self, segment: Segment, observation_text: str) -> None:
+        """Append the observation, or open a summarized segment when it would not fit."""
+        observation = self.codec.observation_ids(observation_text).all
+        needed = len(observation) + (self.sampling.max_new_tokens if self.summarizer is not None else 0)
+        if len(segment.token_ids) + needed < self.limit:
+            segment.extend(observation, mask=0)
+        elif self.summarizer is not None and self.state.num_steps >= self.budget.max_turns:
+            self.end(TerminationReason.MAX_TURNS)  # no action left to summarize for
+        elif self.summarizer is None or not await self.summarize(observation_text):
+            self.end(TerminationReason.MAX_CONTEXT)
+
+    async def generate(self, ids: list[int], max_new_tokens: int):
+        self.phase = "generation"
         t0 = time.monotonic()
         request = replace(
-            sampling, max_new_tokens=max_new_tokens,
-            seed=request_seed(run_seed, episode_id, len(trajectory.turns)),
+            self.sampling, max_new_tokens=max_new_tokens,
+            seed=request_seed(self.run_seed, self.episode_id, len(self.trajectory.turns)),
         )
-        generation = await asyncio.wait_for(engine.generate(list(ids), request, episode_id), budget.generation_timeout_s)
-        state.generation_s += time.monotonic() - t0
-        phase = "episode"
-        trajectory.info.setdefault(DIGESTS_KEY, []).append(action_digest(generation.token_ids))
+        generation = await asyncio.wait_for(
+            self.engine.generate(list(ids), request, self.episode_id), self.budget.generation_timeout_s
+        )
+        self.generation_s = time.monotonic() - t0
+        self.state.generation_s += self.generation_s
+        self.phase = "episode"
+        self.trajectory.info.setdefault(DIGESTS_KEY, []).append(action_digest(generation.token_ids))
         return generation
 
-    def append_action(segment: Segment, generation, *, tool: str | None = None) -> Turn:
+    def append_action(self, segment: Segment, generation, *, tool: str | None = None) -> Turn:
         start = len(segment.token_ids)
         segment.extend(generation.token_ids, mask=1, logprobs=generation.logprobs, version=generation.policy_version)
-        turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=env.state_key,
-                    state_text=checked_state_text(env), tool=tool)
+        turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=self.env.state_key,
+                    state_text=checked_state_text(self.env), tool=tool, timings={"generation_s": self.generation_s})
         segment.turns.append(turn)
         return turn
 
-    async def summarize(pending_observation: str | None) -> bool:
+    async def summarize(self, pending_observation: str | None) -> bool:
         """Open a new segment = opening messages + summary; False when even that does not fit."""
+        summarizer, state = self.summarizer, self.state
         policy_summary = None
         if summarizer.writes_actions:
-            segment = trajectory.segments[-1]
+            segment = self.trajectory.segments[-1]
             segment.extend(summarizer.instruction_ids(), mask=0)
-            room = budget.max_context_tokens - len(segment.token_ids)
+            room = self.budget.max_context_tokens - len(segment.token_ids)
             assert room >= 1, "the summary reserve keeps room for the instruction and the summary"
-            generation = await generate(segment.token_ids, min(summarizer.max_summary_tokens, room))
-            append_action(segment, generation, tool="summarize")
-            policy_summary = codec.decode_action(generation.token_ids)
+            generation = await self.generate(segment.token_ids, min(summarizer.max_summary_tokens, room))
+            self.append_action(segment, generation, tool="summarize")
+            policy_summary = self.codec.decode_action(generation.token_ids)
         message = summarizer.summary_message(
-            state.history, policy_summary=policy_summary, pending_observation=pending_observation, env=env
+            state.history, policy_summary=policy_summary, pending_observation=pending_observation, env=self.env
         )
-        ids = codec.prompt_ids([*state.messages, message], tools=env.tools)
-        if len(ids) + sampling.max_new_tokens > limit:
+        ids = self.codec.prompt_ids([*state.messages, message], tools=self.env.tools)
+        if len(ids) + self.sampling.max_new_tokens > self.limit:
             return False
         segment = Segment()
         segment.extend(ids, mask=0)
-        trajectory.segments.append(segment)
+        self.trajectory.segments.append(segment)
         return True
 
-    try:
-        async with asyncio.timeout(max(budget.episode_timeout_s - (resume.active_s if resume else 0.0), 0.0)) as deadline:
-            if state is None:
-                messages = checked_messages(env, await env_call(env, env.reset()))
-                state = EpisodeState(trajectory=trajectory, messages=messages)
-                first = Segment()
-                first.extend(codec.prompt_ids(messages, tools=env.tools), mask=0)
-                trajectory.segments.append(first)
-            steps_this_call = 0
-            while True:
-                if state.num_steps >= budget.max_turns:
-                    termination = TerminationReason.MAX_TURNS
-                    break
-                if park_after_s is not None and steps_this_call > 0 and time.monotonic() - started >= park_after_s:
-                    parked = True
-                    break
-                segment = trajectory.segments[-1]
-                room = limit - len(segment.token_ids)
-                if room < 1:
-                    termination = TerminationReason.MAX_CONTEXT
-                    break
-                generation = await generate(segment.token_ids, min(sampling.max_new_tokens, room))
-                turn = append_action(segment, generation)
-                if generation.finish_reason != "stop" and len(segment.token_ids) >= limit:
-                    termination = TerminationReason.MAX_CONTEXT
-                    break
-                segment.extend(codec.close_action_ids(generation.token_ids), mask=0)
+    def end_by_error(self, err: BaseException, deadline) -> None:
+        """The reason for an episode that an exception ended."""
+        if isinstance(err, (TimeoutError, ToolTimeout)):
+            if isinstance(err, ToolTimeout):
+                self.phase = "tool"
+            elif deadline is not None and deadline.expired():
+                self.phase = "episode"
+            self.trajectory.info["timeout"] = self.phase
+            self.end(TerminationReason.TIMEOUT)
+        elif isinstance(err, EnvInfraError):
+            cause = str(err) if err.__cause__ is not None else f"{type(err).__name__}: {err}"
+            self.trajectory.info["sandbox_error"] = cause
+            self.end(TerminationReason.SANDBOX_ERROR)
+        else:
+            self.trajectory.info["engine_error"] = f"{type(err).__name__}: {err}"
+            self.end(TerminationReason.ENGINE_ERROR)
 
-                phase = "tool"
-                t0 = time.monotonic()
-                action_text = codec.decode_action(generation.token_ids)
-                result = checked_step(env, await env_call(env, env.step(action_text)))
-                state.tool_s += time.monotonic() - t0
-                phase = "episode"
-                state.num_steps += 1
-                steps_this_call += 1
-                turn.tool = result.info.get("tool")
-                turn.reward = result.reward
-                if result.done:
-                    trajectory.reward = result.reward
-                    termination = TerminationReason.SUBMITTED
-                    if result.info.get("scoring_timed_out"):
-                        termination = TerminationReason.SCORING_TIMEOUT
-                    break
-                state.consecutive_errors = state.consecutive_errors + 1 if result.info.get("error") else 0
-                if state.consecutive_errors >= budget.max_tool_errors:
-                    termination = TerminationReason.TOOL_ERROR
-                    break
-                state.history.append({"action": action_text, "observation": result.observation, "tool": turn.tool})
-                observation = codec.observation_ids(result.observation).all
-                needed = len(observation) + (sampling.max_new_tokens if summarizer is not None else 0)
-                if len(segment.token_ids) + needed >= limit:
-                    if summarizer is not None and state.num_steps >= budget.max_turns:
-                        termination = TerminationReason.MAX_TURNS  # no action left to summarize for
-                        break
-                    if summarizer is None or not await summarize(result.observation):
-                        termination = TerminationReason.MAX_CONTEXT
-                        break
-                    continue
-                segment.extend(observation, mask=0)
-    except (TimeoutError, ToolTimeout) as err:
-        termination = TerminationReason.TIMEOUT
-        if isinstance(err, ToolTimeout):
-            phase = "tool"
-        elif deadline is not None and deadline.expired():
-            phase = "episode"
-        trajectory.info["timeout"] = phase
-    except EnvInfraError as err:
-        termination = TerminationReason.SANDBOX_ERROR
-        trajectory.info["sandbox_error"] = str(err) if err.__cause__ is not None else f"{type(err).__name__}: {err}"
-    except EngineInfraError as err:
-        termination = TerminationReason.ENGINE_ERROR
-        trajectory.info["engine_error"] = f"{type(err).__name__}: {err}"
-    finally:
-        if not parked:
-            await close_env(env)
-    if state is not None:
-        state.active_s += time.monotonic() - started
-    if parked:
-        state.env_state = save_env_state(env)
-        state.parked_version = engine.policy_version
-        state.num_parks += 1
-        return ParkedEpisode(state, env)
-
-    assert termination is not None, "every episode ends with exactly one reason"
-    if termination is not TerminationReason.SUBMITTED:
-        trajectory.reward = 0.0
-    trajectory.termination = termination
-    if state is not None and state.num_parks:
-        trajectory.info["num_parks"] = state.num_parks
-    trajectory.timings = {
-        "episode_s": state.active_s if state is not None else time.monotonic() - started,
-        "generation_s": state.generation_s if state is not None else 0.0,
-        "tool_s": state.tool_s if state is not None else 0.0,
-    }
-    return trajectory
+    def finish(self, started: float) -> Trajectory | ParkedEpisode:
+        state, trajectory = self.state, self.trajectory
+        if state is not None:
+            state.active_s += time.monotonic() - started
+        if self.parked:
+            state.env_state = save_env_state(self.env)
+            state.parked_version = self.engine.policy_version
+            state.num_parks += 1
+            return ParkedEpisode(state, self.env)
+        assert self.termination is not None, "every episode ends with exactly one reason"
+        if self.termination is not TerminationReason.SUBMITTED:
+            trajectory.reward = 0.0
+        trajectory.termination = self.termination
+        if state is not None and state.num_parks:
+            trajectory.info["num_parks"] = state.num_parks
+        trajectory.timings = {
+            "episode_s": state.active_s if state is not None else time.monotonic() - started,
+            "generation_s": state.generation_s if state is not None else 0.0,
+            "tool_s": state.tool_s if state is not None else 0.0,
+            # the environment step that ended the episode ran the hidden checks
+            "scoring_s": trajectory.turns[-1].timings.get("env_s", 0.0) if self.termination in SCORED else 0.0,
+        }
+        return trajectory
 
 
 # -- token-in/token-out check ---------------------------------------------------------------------

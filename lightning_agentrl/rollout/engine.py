@@ -112,9 +112,9 @@ class TorchEngine:
     """In-process generation with transformers: concurrent requests are decoded as one batch.
 
     Requests that arrive while a batch is decoding wait and form the next batch (continuous
-    batching at batch granularity). Each request is sampled with its own ``torch.Generator``
-    seeded from ``SamplingParams.seed``, so its ids do not depend on which requests share its
-    batch. Each batch is left-padded and decoded with a KV cache in a worker thread, so the event loop keeps serving tool calls meanwhile. Weight updates wait for
+    batching at batch granularity). Each request draws its uniforms from its own ``torch.Generator``
+    seeded from ``SamplingParams.seed``, and all rows are sampled at once by inverse CDF
+    (:func:`inverse_cdf_sample`), so its ids do not depend on which requests share its batch. Each batch is left-padded and decoded with a KV cache in a worker thread, so the event loop keeps serving tool calls meanwhile. Weight updates wait for
     the batch in flight: no generation mixes two policy versions.
 
     The model is the engine's own copy; the trainer pushes new weights with :meth:`update_weights`.
@@ -188,35 +188,19 @@ class TorchEngine:
     def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float], FinishReason]]:
         device = next(self.model.parameters()).device
         num = len(batch)
-        lengths = [len(r.prompt_ids) for r in batch]
-        width = max(lengths)
-        input_ids = torch.full((num, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((num, width), dtype=torch.long)
-        for i, r in enumerate(batch):  # left padding: every row's next token is at the same column
-            input_ids[i, width - lengths[i] :] = torch.tensor(r.prompt_ids)
-            attention[i, width - lengths[i] :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        # greedy rows report log_softmax(logits), as vLLM does
-        temperature = torch.tensor([r.sampling.temperature or 1.0 for r in batch], device=device)[:, None]
-        top_p = torch.tensor([1.0 if r.sampling.greedy else r.sampling.top_p for r in batch], device=device)[:, None]
-        top_k = torch.tensor([0 if r.sampling.greedy else r.sampling.top_k for r in batch], device=device)[:, None]
-        filters = {"top_p": top_p if bool((top_p < 1).any()) else 1.0, "top_k": top_k if bool((top_k > 0).any()) else 0}
+        input_ids, attention = _left_pad([r.prompt_ids for r in batch], self.pad_token_id, device)
+        temperature, filters = _row_filters([r.sampling for r in batch], device)
+        sampled = torch.tensor([not r.sampling.greedy for r in batch], device=device)
         budget = [r.sampling.max_new_tokens for r in batch]
         stops = [set(r.sampling.stop_token_ids) for r in batch]
-        # One generator per request: a seeded request draws the same samples whatever else shares
-        # its batch, so a run is reproducible however concurrent episodes happen to be batched.
-        generators = [
-            None if r.sampling.seed is None else torch.Generator(device=device).manual_seed(r.sampling.seed)
-            for r in batch
-        ]
+        uniforms = _request_uniforms([r.sampling for r in batch]).to(device)
 
         out_ids: list[list[int]] = [[] for _ in batch]
         out_lp: list[list[float]] = [[] for _ in batch]
         reasons: list[FinishReason | None] = [None] * num
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        past = None
-        step_ids, step_pos = input_ids, position_ids
-        for _ in range(max(budget)):
+        step_pos = (attention.cumsum(-1) - 1).clamp(min=0)
+        step_ids, past = input_ids, None
+        for step in range(max(budget)):
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=attention,
@@ -226,29 +210,23 @@ class TorchEngine:
             )
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
-            logprobs = torch.log_softmax(sampling_logits(logits, temperature, **filters), dim=-1)  # sampled from
-            token = logits.argmax(-1)
-            for i in range(num):
-                if reasons[i] is None and not batch[i].sampling.greedy:
-                    token[i] = torch.multinomial(logprobs[i].exp(), 1, generator=generators[i])[0]
+            # the distribution sampled from, and the one whose log-probs are reported
+            logprobs = torch.log_softmax(sampling_logits(logits, temperature, **filters), dim=-1)
+            token = torch.where(sampled, inverse_cdf_sample(logprobs, uniforms[:, step]), logits.argmax(-1))
             token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
-            for i in range(num):
+            for i, (tid, lp) in enumerate(zip(token.tolist(), token_lp.tolist(), strict=True)):
                 if reasons[i] is not None:
                     continue
-                tid = int(token[i])
                 out_ids[i].append(tid)
-                out_lp[i].append(float(token_lp[i]))
+                out_lp[i].append(lp)
                 if tid in stops[i]:
                     reasons[i] = "stop"
                 elif len(out_ids[i]) >= budget[i]:
                     reasons[i] = "length"
             if all(r is not None for r in reasons):
                 break
-            step_ids = token[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            attention = torch.cat(
-                [attention, torch.ones((num, 1), dtype=attention.dtype, device=device)], dim=1
-            )
+            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
+            attention = torch.cat([attention, attention.new_ones((num, 1))], dim=1)
         return [
             (ids, lps, reason or "length") for ids, lps, reason in zip(out_ids, out_lp, reasons, strict=True)
         ]
@@ -278,3 +256,50 @@ class TorchEngine:
             self._worker.cancel()
             self._worker = None
 
+
+def _left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and attention mask, left-padded so every row's next token is at the same column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        attention[i, width - len(prompt) :] = 1
+    return input_ids.to(device), attention.to(device)
+
+
+def _row_filters(params: list[SamplingParams], device) -> tuple[torch.Tensor, dict]:
+    """Per-row temperature and top-p/top-k for :func:`sampling_logits`; a greedy row reports
+    ``log_softmax(logits)`` as vLLM does (temperature 1, no filter)."""
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)[:, None]
+    top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device)[:, None]
+    top_k = torch.tensor([0 if p.greedy else p.top_k for p in params], device=device)[:, None]
+    return temperature, {
+        "top_p": top_p if bool((top_p < 1).any()) else 1.0,
+        "top_k": top_k if bool((top_k > 0).any()) else 0,
+    }
+
+
+def _request_uniforms(params: list[SamplingParams]) -> torch.Tensor:
+    """``[rows, max_new_tokens]`` uniforms in [0, 1): row ``i`` holds ``params[i].max_new_tokens``
+    draws from its own CPU generator seeded with ``params[i].seed`` (the global generator when
+    unseeded), zero-padded. A seeded request's draws depend on nothing but its seed and budget,
+    not on its batch, its row or the device, so a run is reproducible however concurrent episodes
+    happen to be batched."""
+    rows = [
+        torch.rand(
+            p.max_new_tokens, generator=None if p.seed is None else torch.Generator().manual_seed(p.seed)
+        )
+        for p in params
+    ]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def inverse_cdf_sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One id per row of ``logprobs`` ``[rows, vocab]``: the first id whose cumulative probability
+    exceeds ``uniforms[row] * total``, one batched ``searchsorted`` for all rows. The sum runs in
+    float64 and ``uniforms`` are float32 draws below 1, so the threshold stays below the total and a
+    zero-probability id (filtered out by top-k/top-p) is never picked."""
+    cdf = logprobs.double().exp().cumsum(-1)
+    threshold = uniforms.double()[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)

@@ -87,3 +87,22 @@ def test_request_seed_is_a_pure_function_of_run_episode_and_request():
              request_seed(0, "g1-e2", 4)}
     assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
     assert request_seed(None, "g1-e2", 3) is None
+
+
+def test_inverse_cdf_sampling_follows_the_filtered_distribution():
+    """All rows in one searchsorted: frequencies match the probabilities, filtered-out ids never come."""
+    from lightning_agentrl.algorithms.logprobs import sampling_logits
+    from lightning_agentrl.rollout.engine import inverse_cdf_sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 3.0, 0.1, 0.2, 2.5]])
+    logprobs = torch.log_softmax(sampling_logits(logits, torch.ones(2, 1), top_k=torch.tensor([[3], [2]])), -1)
+    draws = 100_000
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(0))
+    for row in range(2):
+        ids = inverse_cdf_sample(logprobs[row].expand(draws, -1), uniforms)
+        frequency = torch.bincount(ids, minlength=5).double() / draws
+        assert (frequency - logprobs[row].exp().double()).abs().max() < 0.01
+        assert frequency[logprobs[row].isinf()].sum() == 0
+    edges = torch.tensor([0.0, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))])
+    picked = inverse_cdf_sample(logprobs[1].expand(2, -1), edges)
+    assert picked.tolist() == [1, 4]  # the first and the last id the top-k filter keeps

@@ -1,0 +1,51 @@
+"""Stage timings through ``fit``: every step's stages, throughput and turn timings, in the MLflow store."""
+
+from __future__ import annotations
+
+from tests.fitting import SOLVE, learn_settings, scripted_fit
+
+TRAINER_STAGES = ["time/wait_rollouts_s", "time/forward_backward_s", "time/optimizer_s", "time/weight_sync_s",
+                  "time/checkpoint_s"]
+ROLLOUT_STAGES = ["time/generation_s", "time/environment_s", "time/scoring_s"]
+
+
+def test_every_step_logs_its_stage_timings_and_they_fit_in_the_step(tmp_path):
+    import lightning as L
+    from mlflow.tracking import MlflowClient
+
+    class Trajectories(L.Callback):
+        def __init__(self) -> None:
+            self.trajectories = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.trajectories.extend(batch.trajectories)
+
+    kept = Trajectories()
+    # max_steps 3, a checkpoint every 2 steps: step 2 saves, steps 1 and 3 do not (step 3's is after training)
+    settings = learn_settings(tmp_path, "--trainer.max_steps=3", "--trainer.checkpoint_every=2",
+                              "--tracking.enabled=true", "--env.max_turns=3")
+    result, _ = scripted_fit(settings, {"e0": SOLVE}, callbacks=[kept])
+    client = MlflowClient(tracking_uri=result.tracking_uri)
+
+    def history(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, key)}
+
+    step_s = history("time/step_s")
+    assert sorted(step_s) == [1, 2, 3] and all(v > 0 for v in step_s.values())
+    for key in ["time/wait_rollouts_s", "time/forward_backward_s", "time/optimizer_s", *ROLLOUT_STAGES,
+                "throughput/tokens_per_s"]:
+        values = history(key)
+        assert sorted(values) == [1, 2, 3] and all(v > 0 for v in values.values()), (key, values)
+    assert history("time/weight_sync_s")[1] > 0 and history("time/weight_sync_s")[3] == 0  # no sync after the last
+    checkpoint_s = history("time/checkpoint_s")
+    assert checkpoint_s[2] > 0 and checkpoint_s[2] > 10 * max(checkpoint_s[1], checkpoint_s[3])
+    for step, wall in step_s.items():
+        stages = sum(history(key)[step] for key in TRAINER_STAGES)
+        assert stages <= wall * (1 + 1e-6), (step, stages, wall)
+        assert stages >= 0.5 * wall, (step, stages, wall)  # the stages are where the time goes
+    assert not history("throughput/mfu")  # CPU: no peak FLOP/s to compare with
+
+    turns = [turn for trajectory in kept.trajectories for turn in trajectory.turns]
+    assert turns and all(turn.timings["generation_s"] > 0 and turn.timings["env_s"] > 0 for turn in turns)
+    solved = [t for t in kept.trajectories if t.reward == 1.0]
+    assert solved and all(t.timings["scoring_s"] == t.turns[-1].timings["env_s"] > 0 for t in solved)
