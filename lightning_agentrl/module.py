@@ -502,7 +502,7 @@ class AgentRLModule(L.LightningModule):
             [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
         )
         bootstrap = None
-        if self.settings.rollout.truncation == "bootstrap":
+        if self.settings.rollout.bootstraps_truncations:
             bootstrap = (prepared.old_bootstrap[episodes] if prepared.old_bootstrap is not None
                          else self._bootstrap_values(batch, sl, hidden, episodes))
         turn_adv, returns = adv.gae(

@@ -18,6 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+StrategyName = Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
+"""The training strategies :func:`lightning_agentrl.strategies.make_strategy` builds."""
+
 _YAML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_YAML_DATA", default=None)
 
 
@@ -225,6 +228,16 @@ class RolloutSettings(_Section):
     """Consecutive batches without one trainable token (every episode excluded) before the run stops with an
     error. Such a batch takes no optimizer or scheduler step."""
 
+    @property
+    def filters_truncations(self) -> bool:
+        """``truncation: filter``: truncated episodes are left out of the loss (compact filtering)."""
+        return self.truncation == "filter"
+
+    @property
+    def bootstraps_truncations(self) -> bool:
+        """``truncation: bootstrap``: a truncated episode's return is bootstrapped from the critic."""
+        return self.truncation == "bootstrap"
+
 
 class AlgorithmSettings(_Section):
     advantage: Literal["grpo", "rloo", "reinforce_decay", "gigpo", "gae"] = "grpo"
@@ -297,7 +310,7 @@ class TrainerSettings(_Section):
     """Tokens per forward/backward pass; a batch is split into micro-batches of about this size."""
     logprob_chunk_tokens: int = Field(1024, ge=1)
     """Tokens per chunk when computing log-probs (bounds the [tokens, vocab] logits in memory)."""
-    strategy: Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"] = "auto"
+    strategy: StrategyName = "auto"
     """Lightning strategy; DeepSpeed ZeRO-2/3 also run on CPU."""
     offload_optimizer: bool = False
     """ZeRO: keep optimizer states in CPU memory."""
@@ -377,7 +390,7 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.algorithm.advantage == "gae" and not self.model.value_head:
             raise ValueError("algorithm.advantage=gae needs model.value_head=true (a critic)")
-        if self.rollout.truncation == "bootstrap" and self.algorithm.advantage != "gae":
+        if self.rollout.bootstraps_truncations and self.algorithm.advantage != "gae":
             raise ValueError("rollout.truncation=bootstrap needs algorithm.advantage=gae (the critic bootstraps returns)")
         if self.rollout.max_in_flight < self.rollout.group_size:
             raise ValueError(

@@ -29,14 +29,16 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from typing_extensions import override
 
-STRATEGY_NAMES = ("auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3")
+from lightning_agentrl.settings import StrategyName
+
+STRATEGY_NAMES = get_args(StrategyName)
 TORCH_EXTENSIONS_DIR = Path(".cache/torch_extensions")
 
 
