@@ -16,6 +16,7 @@ Every loss returns ``(loss, metrics)``; metrics are detached scalar tensors with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -253,14 +254,22 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2",
 
 
 def entropy_bonus(
-    entropy: Tensor, mask: Tensor, seq_ids: Tensor, *, coef: float, agg: AggMode = "token-mean"
+    entropy: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    coef: float,
+    agg: AggMode = "token-mean",
+    num_seqs: int | None = None,
+    num_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Entropy regularizer: ``loss = -coef * aggregate(H)``; add it to the policy loss.
 
-    A positive ``coef`` rewards a flatter policy. Shapes: entropy[N], mask[N], seq_ids[N] -> scalar.
+    A positive ``coef`` rewards a flatter policy. ``num_seqs``/``num_tokens``: the global
+    denominators, as in :func:`aggregate`. Shapes: entropy[N], mask[N], seq_ids[N] -> scalar.
     Metrics: ``policy/entropy`` (aggregated the same way, before ``coef``), ``loss/entropy``.
     """
-    mean_entropy = aggregate(entropy, mask, seq_ids, agg)
+    mean_entropy = aggregate(entropy, mask, seq_ids, agg, num_seqs, num_tokens=num_tokens)
     loss = -coef * mean_entropy
     return loss, {"policy/entropy": mean_entropy.detach(), "loss/entropy": loss.detach()}
 
@@ -313,3 +322,82 @@ def value_loss(
         "value/returns_mean": _token_mean(returns, mask),
     }
     return loss, metrics
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """The training loss of one micro-batch of packed tokens, as the algorithm settings define it::
+
+        loss = value_coef * L_value + L_policy - entropy_coef * agg(H) + kl_coef * agg(KL(pi || pi_ref))
+
+    ``L_policy`` is :func:`policy_loss` (PPO clip, decoupled off-policy correction); every term is
+    reduced with the same ``aggregation`` and the *mini-batch's* global denominators (``num_seqs``,
+    ``num_tokens``), so that the gradients of the micro-batches add up to the mini-batch's. The
+    forward passes (policy, critic, reference) happen outside: this unit only does the arithmetic.
+
+    Shapes: logprobs[N] (with grad), behavior_logprobs[N], advantages[N], mask[N], seq_ids[N],
+    proximal_logprobs[N], is_weights[N], entropy[N], ref_logprobs[N]; value_loss scalar.
+    Returns ``(loss, metrics)``: the policy metrics of :func:`policy_loss` plus ``loss/total`` and,
+    with a reference, ``loss/kl`` (before ``kl_coef``).
+
+    Example:
+        >>> n = torch.tensor([0.0, -1.0, -1.0])
+        >>> loss, metrics = MicroBatchLoss()(n, n, torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0]),
+        ...                                  torch.zeros(3, dtype=torch.long), num_seqs=1, num_tokens=2.0)
+        >>> float(loss), sorted(metrics)[:2]
+        (-1.0, ['loss/policy', 'loss/total'])
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: AggMode = "token-mean"
+    importance_cap: float | None = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    value_coef: float = 0.5
+
+    @classmethod
+    def from_settings(cls, algorithm) -> MicroBatchLoss:
+        """From an ``AlgorithmSettings`` section."""
+        return cls(**{name: getattr(algorithm, name) for name in cls.__dataclass_fields__})
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        behavior_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        seq_ids: Tensor,
+        *,
+        num_seqs: int,
+        num_tokens: float,
+        proximal_logprobs: Tensor | None = None,
+        is_weights: Tensor | None = None,
+        entropy: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        value_loss: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        # Terms are added in this order on purpose: reordering them changes the last bit of the loss.
+        loss = torch.zeros((), device=logprobs.device)
+        if value_loss is not None:
+            loss = loss + self.value_coef * value_loss
+        policy, metrics = policy_loss(
+            logprobs, behavior_logprobs, advantages, mask, seq_ids,
+            clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.aggregation,
+            proximal_logprobs=proximal_logprobs, is_weights=is_weights, is_cap=self.importance_cap,
+            num_seqs=num_seqs, num_tokens=num_tokens,
+        )
+        loss = loss + policy
+        if self.entropy_coef > 0 and entropy is not None:
+            bonus, _ = entropy_bonus(entropy, mask, seq_ids, coef=self.entropy_coef, agg=self.aggregation,
+                                     num_seqs=num_seqs, num_tokens=num_tokens)
+            loss = loss + bonus
+        if ref_logprobs is not None:
+            kl = aggregate(kl_penalty(logprobs, ref_logprobs, kind=self.kl_estimator), mask, seq_ids,
+                           self.aggregation, num_seqs, num_tokens=num_tokens)
+            loss = loss + self.kl_coef * kl
+            metrics["loss/kl"] = kl.detach()
+        metrics["loss/total"] = loss.detach()
+        return loss, metrics
