@@ -439,6 +439,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         SegmentBoundaries,
         StalenessWeighting,
         TokenCheck,
+        TrajectoryArchive,
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
@@ -453,8 +454,9 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         StalenessWeighting(settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness),
         GroupFilter(settings.algorithm.starpo_keep_fraction),
         SegmentBoundaries(),
-        RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
-        *build_guards(settings, run_dir, service, sandbox),  # after RolloutMetrics: a failing batch is saved
+        RolloutMetrics(service),
+        TrajectoryArchive(run_dir, tokenizer, settings.tracking.sample_trajectories),
+        *build_guards(settings, run_dir, service, sandbox),  # after TrajectoryArchive: a failing batch is saved
         WeightSync(service, settings.trainer.sync_weights_every),
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",

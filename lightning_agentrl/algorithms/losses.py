@@ -107,6 +107,23 @@ def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
     return values.sum() / (mask > 0).sum().clamp(min=1)
 
 
+def _check_clip_arguments(
+    clip_low: float, clip_high: float, dual_clip: float | None, is_cap: float | None, is_cap_mode: str
+) -> None:
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(
+            f"dual_clip must be > 1 (it bounds the loss of negative advantages at -c*A), got {dual_clip}"
+        )
+    if is_cap is not None and is_cap <= 0.0:
+        raise ValueError(f"is_cap must be > 0, got {is_cap}")
+    if is_cap_mode not in ("truncate", "mask"):
+        raise ValueError(f"is_cap_mode must be 'truncate' or 'mask', got {is_cap_mode!r}")
+
+
 def policy_loss(
     logprobs: Tensor,
     behavior_logprobs: Tensor,
@@ -154,19 +171,7 @@ def policy_loss(
     _check_token_tensors(
         mask, logprobs=logprobs, behavior_logprobs=behavior_logprobs, advantages=advantages, seq_ids=seq_ids
     )
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
-    if clip_high < 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(
-            f"dual_clip must be > 1 (it bounds the loss of negative advantages at -c*A), got {dual_clip}"
-        )
-    if is_cap is not None and is_cap <= 0.0:
-        raise ValueError(f"is_cap must be > 0, got {is_cap}")
-    if is_cap_mode not in ("truncate", "mask"):
-        raise ValueError(f"is_cap_mode must be 'truncate' or 'mask', got {is_cap_mode!r}")
-
+    _check_clip_arguments(clip_low, clip_high, dual_clip, is_cap, is_cap_mode)
     active = mask > 0
     behavior = _masked(behavior_logprobs.detach(), mask)
     old = behavior
@@ -206,25 +211,36 @@ def policy_loss(
 
     loss = aggregate(per_token, mask, seq_ids, agg, num_seqs, num_tokens=num_tokens)
 
-    with torch.no_grad():
-        clipped_low = active & (advantages < 0) & (ratio < 1.0 - clip_low)
-        clipped_high = active & (advantages > 0) & (ratio > 1.0 + clip_high)
-        fmask = active.to(ratio.dtype)
-        metrics = {
-            "loss/policy": loss.detach(),
-            "policy/clipfrac": _token_mean((clipped_low | clipped_high).to(ratio.dtype), mask),
-            "policy/clipfrac_low": _token_mean(clipped_low.to(ratio.dtype), mask),
-            "policy/clipfrac_high": _token_mean(clipped_high.to(ratio.dtype), mask),
-            "policy/dual_clipfrac": _token_mean((dual_clipped & active).to(ratio.dtype), mask),
-            # k3 estimator of KL(pi_old || pi), http://joschu.net/blog/kl-approx.html
-            "policy/approx_kl": _token_mean(ratio - 1.0 - log_ratio, mask),
-            "policy/ratio_mean": _token_mean(ratio, mask),
-            "policy/ratio_max": (ratio * fmask).max() if active.any() else ratio.new_zeros(()),
-            "policy/is_weight_mean": _token_mean(weight, mask),
-            "policy/is_weight_max": (weight * fmask).max() if active.any() else weight.new_zeros(()),
-            "policy/is_masked_frac": _token_mean(is_masked.to(ratio.dtype), mask),
-        }
+    metrics = _policy_metrics(loss, mask, advantages, ratio, log_ratio, weight, dual_clipped, is_masked,
+                              clip_low=clip_low, clip_high=clip_high)
     return loss, metrics
+
+
+@torch.no_grad()
+def _policy_metrics(
+    loss: Tensor, mask: Tensor, advantages: Tensor, ratio: Tensor, log_ratio: Tensor, weight: Tensor,
+    dual_clipped: Tensor, is_masked: Tensor, *, clip_low: float, clip_high: float,
+) -> dict[str, Tensor]:
+    """The detached diagnostics of :func:`policy_loss` (token-means over action tokens, and maxima)."""
+    active = mask > 0
+    clipped_low = active & (advantages < 0) & (ratio < 1.0 - clip_low)
+    clipped_high = active & (advantages > 0) & (ratio > 1.0 + clip_high)
+    fmask = active.to(ratio.dtype)
+    metrics = {
+        "loss/policy": loss.detach(),
+        "policy/clipfrac": _token_mean((clipped_low | clipped_high).to(ratio.dtype), mask),
+        "policy/clipfrac_low": _token_mean(clipped_low.to(ratio.dtype), mask),
+        "policy/clipfrac_high": _token_mean(clipped_high.to(ratio.dtype), mask),
+        "policy/dual_clipfrac": _token_mean((dual_clipped & active).to(ratio.dtype), mask),
+        # k3 estimator of KL(pi_old || pi), http://joschu.net/blog/kl-approx.html
+        "policy/approx_kl": _token_mean(ratio - 1.0 - log_ratio, mask),
+        "policy/ratio_mean": _token_mean(ratio, mask),
+        "policy/ratio_max": (ratio * fmask).max() if active.any() else ratio.new_zeros(()),
+        "policy/is_weight_mean": _token_mean(weight, mask),
+        "policy/is_weight_max": (weight * fmask).max() if active.any() else weight.new_zeros(()),
+        "policy/is_masked_frac": _token_mean(is_masked.to(ratio.dtype), mask),
+    }
+    return metrics
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
