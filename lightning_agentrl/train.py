@@ -416,14 +416,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
             episode_timeout_s=env.episode_timeout_s,
             max_tool_errors=env.max_tool_errors,
         ),
-        plan=RolloutPlan(
-            r.group_size, r.groups_per_step, r.max_in_flight, r.max_staleness, settings.run.seed,
-            partial_rollout_s=r.partial_rollout_s,
-            forced_truncation_rate=r.forced_truncation_rate,
-            forced_truncation_turns=r.forced_truncation_turns,
-            dynamic_sampling=r.dynamic_sampling,
-            max_sampling_rounds=r.max_sampling_rounds,
-        ),
+        plan=RolloutPlan.from_settings(r, seed=settings.run.seed),
         summarizer=make_summarizer(env.summarizer, codec, max_summary_tokens=env.summary_max_tokens),
     )
 

@@ -83,6 +83,12 @@ class RolloutPlan:
                     "with newer weights, so its group always mixes two policy versions"
                 )
 
+    @classmethod
+    def from_settings(cls, rollout, *, seed: int) -> RolloutPlan:
+        """From a ``RolloutSettings`` section (the fields of the same names) and the run's seed."""
+        names = [name for name in cls.__dataclass_fields__ if name != "seed"]
+        return cls(**{name: getattr(rollout, name) for name in names}, seed=seed)
+
     def episode_budget(self, budget: EpisodeBudget, group_id: int, index: int) -> EpisodeBudget:
         """The budget of episode ``index`` of group ``group_id``: ``budget``, or for a
         ``forced_truncation_rate`` share of episodes (a pure function of the seed, the group and the
