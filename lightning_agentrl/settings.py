@@ -199,7 +199,7 @@ class RolloutSettings(_Section):
     partial_rollout_s: float | None = Field(None, ge=0)
     """Partial rollouts: an episode running longer than this (seconds, per iteration) is parked and continued with newer weights; None = off. Needs max_staleness >= 1."""
     forced_truncation_rate: float = Field(0.0, ge=0.0, le=1.0)
-    """Experiments only: this share of training episodes (drawn from the seed, group and index) gets only `forced_truncation_turns` turns, so it ends with max_turns whatever the policy does. Held-out evaluation is never cut."""
+    """Experiments only (lightning_agentrl/experiments/forced_truncation.py): this share of training episodes (drawn from the seed, group and index) gets only `forced_truncation_turns` turns, so it ends with max_turns whatever the policy does. Held-out evaluation is never cut."""
     forced_truncation_turns: int = Field(1, ge=1)
     """Turn budget of a force-truncated episode; must be below env.max_turns."""
     max_infra_error_frac: float = Field(0.5, ge=0.0, le=1.0)

@@ -387,6 +387,7 @@ def native_tools(settings: Settings, codec) -> bool:
 
 def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     from lightning_agentrl.envs.registry import env_class
+    from lightning_agentrl.experiments.forced_truncation import ForcedTruncation
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
@@ -418,6 +419,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
         ),
         plan=RolloutPlan.from_settings(r, seed=settings.run.seed),
         summarizer=make_summarizer(env.summarizer, codec, max_summary_tokens=env.summary_max_tokens),
+        episode_budget=ForcedTruncation.from_settings(r, seed=settings.run.seed),  # an experiment; None by default
     )
 
 
