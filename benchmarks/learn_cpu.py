@@ -3,7 +3,7 @@
     python benchmarks/learn_cpu.py                                  # make learn
     python benchmarks/learn_cpu.py --seed 1 -- --trainer.lr=2e-4    # settings overrides after --
 
-1. Format-only warm start (:mod:`lightning_agentrl.sft`): demonstrations read key.txt and write a
+1. Format-only warm start (`benchmarks/warm_start.py`): demonstrations read key.txt and write a
    RANDOM value, so the warm-started policy knows the tool-call format but succeeds only by chance;
    half of the demonstrations are generic ones outside the task (write a value named in the user
    message to note.txt), standing in for the copying a pretrained model can already do.
@@ -29,10 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.warm_start import warm_start  # noqa: E402
 from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation  # noqa: E402
 from lightning_agentrl.envs.learn_tasks import LearnSuiteSpec  # noqa: E402
 from lightning_agentrl.settings import Settings, load_settings  # noqa: E402
-from lightning_agentrl.sft import warm_start  # noqa: E402
 from lightning_agentrl.tasks import load_tasks  # noqa: E402
 from lightning_agentrl.trajectory import load_trajectories  # noqa: E402
 
@@ -98,8 +98,8 @@ def copy_probe(model_dir: str | Path, system_prompt: str | None) -> dict:
     """How much the written value depends on the read key (:func:`value_distribution`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.warm_start import value_distribution
     from lightning_agentrl.rollout.chat import ChatCodec
-    from lightning_agentrl.sft import value_distribution
 
     spec = LearnSuiteSpec()
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/learn_cpu.json")
     parser.add_argument("--warm-start-steps", type=int, default=100)
     parser.add_argument("--echo-prob", type=float, default=0.5,
-                        help="share of generic echo demonstrations in the warm start (see lightning_agentrl.sft)")
+                        help="share of generic echo demonstrations in the warm start (see benchmarks/warm_start.py)")
     parser.add_argument("--value-in-loss", action=argparse.BooleanOptionalAction, default=True,
                         help="train the warm start on the (random) written value; --no-value-in-loss masks it out")
     parser.add_argument("--eval-every", type=int, default=20)

@@ -183,24 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("inspect", "credit", "export"):
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command == "export":
-            from lightning_agentrl.export import export_policy
-
-            try:
-                print(export_policy(args.checkpoint, args.out, dtype=args.dtype))
-            except (FileNotFoundError, ValueError) as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 2
-            return 0
-        if args.command == "credit":
-            from lightning_agentrl.credit import print_report
-
-            try:
-                return print_report(args.path, gamma=args.gamma, omega=args.omega, similarity=args.similarity)
-            except FileNotFoundError as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 2
-        return _inspect(args)
+        return {"inspect": _inspect, "credit": _credit, "export": _export}[args.command](args)
     if args.command == "plan":
         return _plan(args, rest)
     if args.command == "evaluate":
@@ -218,18 +201,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.command == "validate":
-        import yaml
+        return _validate(settings, offline=args.offline)
+    return _fit(settings)
 
-        from lightning_agentrl.preflight import preflight
 
-        try:
-            preflight(settings, network=not args.offline)
-        except SettingsError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
+def _export(args: argparse.Namespace) -> int:
+    from lightning_agentrl.export import export_policy
 
+    try:
+        print(export_policy(args.checkpoint, args.out, dtype=args.dtype))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _credit(args: argparse.Namespace) -> int:
+    from lightning_agentrl.credit import print_report
+
+    try:
+        return print_report(args.path, gamma=args.gamma, omega=args.omega, similarity=args.similarity)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _validate(settings, *, offline: bool) -> int:
+    import yaml
+
+    from lightning_agentrl.preflight import preflight
+
+    try:
+        preflight(settings, network=not offline)
+    except SettingsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _fit(settings) -> int:
+    """``fit``: train, then print where everything went; exit 2 for settings, 3 for a failed
+    dependency, 128 + n for signal n."""
     from rich.console import Console
 
     from lightning_agentrl.shutdown import RunInterrupted, RunStopped

@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import losses
+from lightning_agentrl.algorithms.estimators import ESTIMATORS
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import global_max, global_sum, reduce_metrics, world_size
 from lightning_agentrl.envs.registry import env_class
@@ -51,6 +52,7 @@ class AgentRLModule(L.LightningModule):
         self.policy = None
         self.value_head: torch.nn.Linear | None = None
         self.reference = None
+        self.loss_fn = losses.MicroBatchLoss.from_settings(settings.algorithm)
         self.automatic_optimization = False
         self.offline_policy_version = 0
         self.skipped_step = False  # the last batch had no trainable token: no optimizer step
@@ -143,40 +145,8 @@ class AgentRLModule(L.LightningModule):
         """Group-based advantages per token [N] over the included episodes (excluded ones get 0 and
         leave the baseline). None for ``gae``, which is computed per micro-batch from the critic."""
         a = self.settings.algorithm
-        keep = batch.include
-        metrics: dict[str, float] = {}
-        rewards, groups = batch.rewards[keep], batch.group_ids[keep]
-        if a.advantage == "gae":
-            return None, metrics
-        if a.advantage in ("grpo", "rloo", "reinforce_decay"):
-            if a.advantage == "grpo":
-                values = adv.grpo(rewards, groups, std=a.grpo_std)
-            elif a.advantage == "rloo":
-                values = adv.rloo(rewards, groups)
-            else:
-                values = adv.reinforce_decay(rewards, groups, batch.num_turns[keep], a.gamma)
-            per_episode = torch.zeros_like(batch.rewards)
-            per_episode[keep] = values.to(per_episode.dtype)
-            return adv.expand_to_tokens(per_episode, batch.seq_ids, train_mask), metrics
-        assert a.advantage == "gigpo", a.advantage
-        turn_keep = keep[batch.turn_traj]
-        # re-index included episodes 0..B'-1 so the estimator sees a dense batch
-        new_index = torch.cumsum(keep.long(), 0) - 1
-        per_turn, stats = adv.gigpo(
-            batch.turn_rewards[turn_keep],
-            new_index[batch.turn_traj[turn_keep]],
-            [k for k, kept in zip(batch.anchor_states(a.gigpo_similarity), turn_keep.tolist(), strict=True) if kept],
-            groups,
-            gamma=a.gamma,
-            omega=a.gigpo_omega,
-            similarity_threshold=a.gigpo_similarity,
-            similarity=env_class(self.settings.env.kind).state_similarity,  # the environment's own, or LCS
-            episode_rewards=rewards,
-        )
-        full = torch.zeros(batch.turn_traj.numel(), dtype=torch.float32, device=batch.rewards.device)
-        full[turn_keep] = per_turn.to(full.dtype)
-        metrics.update({k: float(v) for k, v in stats.items() if isinstance(v, int | float)})
-        return adv.expand_to_tokens(full, self._token_turn(batch), train_mask), metrics
+        similarity = env_class(self.settings.env.kind).state_similarity  # the environment's own, or None
+        return ESTIMATORS[a.advantage](batch, train_mask, self._token_turn(batch), a, similarity)
 
     def _token_turn(self, batch: RolloutBatch) -> torch.Tensor:
         if self.settings.algorithm.loss_mask:
@@ -387,20 +357,19 @@ class AgentRLModule(L.LightningModule):
         self, batch: RolloutBatch, sl: slice, prepared: _Prepared, totals: _StepTotals, *,
         num_tokens: float, num_seqs: int, num_turns_kept: float,
     ) -> torch.Tensor:
-        """The loss of micro-batch ``sl`` with the mini-batch's global denominators; adds its metrics to ``totals``."""
-        a = self.settings.algorithm
+        """The loss of micro-batch ``sl`` with the mini-batch's global denominators; adds its metrics to ``totals``.
+        Runs the forward passes (policy, critic, reference); the arithmetic is :class:`losses.MicroBatchLoss`."""
         mask = prepared.train_mask[sl]
         targets_at = _targets_at(mask)
-        input_ids, seq_ids = batch.input_ids[sl], batch.seq_ids[sl]
+        input_ids = batch.input_ids[sl]
         hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
-        dense_lp = torch.zeros(mask.shape, dtype=logprobs.dtype, device=mask.device).index_put((targets_at,), logprobs)
-        loss = torch.zeros((), device=self.device)
+        dense_lp = _dense(logprobs, targets_at, mask)
 
         micro_adv = prepared.token_adv[sl] if prepared.token_adv is not None else None
+        value_loss = None
         if self.value_head is not None:
             value_loss, micro_adv_gae = self._critic(batch, sl, hidden, mask, prepared, num_turns_kept, totals)
-            loss = loss + a.value_coef * value_loss
             if micro_adv is None:
                 micro_adv = micro_adv_gae
         assert micro_adv is not None
@@ -416,32 +385,15 @@ class AgentRLModule(L.LightningModule):
             stale = bool((lag[targets_at] > 0).any())
             proximal = dense_lp.detach() if stale else None
             recomputed = logprobs.detach()
-        policy_loss, step_metrics = losses.policy_loss(
-            dense_lp, behavior, micro_adv, mask, seq_ids,
-            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, agg=a.aggregation,
-            proximal_logprobs=proximal,
-            is_weights=batch.token_weights[sl], is_cap=a.importance_cap,
+        loss, metrics = self.loss_fn(
+            dense_lp, behavior, micro_adv, mask, batch.seq_ids[sl],
             num_seqs=num_seqs, num_tokens=num_tokens,
+            proximal_logprobs=proximal, is_weights=batch.token_weights[sl],
+            entropy=_dense(entropy, targets_at, mask) if entropy is not None else None,
+            ref_logprobs=self._reference_logprobs(batch, sl, targets_at, mask) if self.reference is not None else None,
+            value_loss=value_loss,
         )
-        loss = loss + policy_loss
-        if a.entropy_coef > 0 and entropy is not None:
-            dense_entropy = torch.zeros_like(dense_lp).index_put((targets_at,), entropy)
-            loss = loss - a.entropy_coef * losses.aggregate(
-                dense_entropy, mask, seq_ids, a.aggregation, num_seqs, num_tokens=num_tokens
-            )
-        if self.reference is not None:
-            loss = loss + a.kl_coef * self._kl_loss(batch, sl, dense_lp, targets_at, mask, totals,
-                                                    num_seqs=num_seqs, num_tokens=num_tokens)
-
-        share = float(mask.sum())
-        totals.add("loss/total", float(loss.detach()))
-        totals.add("loss/policy", float(policy_loss.detach()))
-        totals.add("weight", share)
-        for key, value in step_metrics.items():
-            if key.endswith("_max"):
-                totals.maxima[key] = max(totals.maxima.get(key, 0.0), float(value))
-            elif key != "loss/policy":
-                totals.add(key, float(value) * share)
+        totals.add_micro_batch(metrics, share=float(mask.sum()))
         if entropy is not None:
             totals.add("policy/entropy", float(entropy.detach().sum()))
         # train/inference mismatch on tokens sampled by the weights the step started from (lag 0)
@@ -453,18 +405,13 @@ class AgentRLModule(L.LightningModule):
             totals.add("mismatch_n", float(on_policy.sum()))
         return loss
 
-    def _kl_loss(self, batch, sl, dense_lp, targets_at, mask, totals, *, num_seqs, num_tokens) -> torch.Tensor:
-        """KL(pi || pi_ref) of micro-batch ``sl``, aggregated like the policy loss (before ``kl_coef``)."""
-        a = self.settings.algorithm
+    def _reference_logprobs(self, batch: RolloutBatch, sl: slice, targets_at, mask) -> torch.Tensor:
+        """The frozen reference policy's log-probs of micro-batch ``sl``'s targets, dense like ``mask``."""
         input_ids = batch.input_ids[sl]
         with torch.no_grad():
             ref_hidden = self.hidden_states(self.reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
             ref_lp, _ = self.token_logprobs_at(self.reference, ref_hidden, input_ids, targets_at)
-        dense_ref = torch.zeros_like(dense_lp).index_put((targets_at,), ref_lp)
-        kl = losses.kl_penalty(dense_lp, dense_ref, kind=a.kl_estimator)
-        kl_loss = losses.aggregate(kl, mask, batch.seq_ids[sl], a.aggregation, num_seqs, num_tokens=num_tokens)
-        totals.add("loss/kl", float(kl_loss.detach()))
-        return kl_loss
+        return _dense(ref_lp, targets_at, mask)
 
     def _zero_loss(self, batch: RolloutBatch) -> torch.Tensor:
         """A loss of exactly 0 that still reaches every trainable parameter: the backward pass of a
@@ -504,7 +451,7 @@ class AgentRLModule(L.LightningModule):
             [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
         )
         bootstrap = None
-        if self.settings.rollout.truncation == "bootstrap":
+        if self.settings.rollout.bootstraps_truncations:
             bootstrap = (prepared.old_bootstrap[episodes] if prepared.old_bootstrap is not None
                          else self._bootstrap_values(batch, sl, hidden, episodes))
         turn_adv, returns = adv.gae(
@@ -638,6 +585,11 @@ def _turns_and_episodes(batch: RolloutBatch, sl: slice) -> tuple[torch.Tensor, t
     return turns, torch.arange(first, last + 1, device=batch.seq_ids.device)
 
 
+def _dense(values: torch.Tensor, targets_at: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-target ``values`` scattered onto the micro-batch's tokens (zeros elsewhere), like ``mask``."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=mask.device).index_put((targets_at,), values)
+
+
 def _masked_nan(values: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(values), fallback, values)
 
@@ -686,6 +638,18 @@ class _StepTotals:
 
     def add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def add_micro_batch(self, metrics: dict[str, torch.Tensor], *, share: float) -> None:
+        """A micro-batch's loss metrics: ``loss/*`` as they are, ``*_max`` as maxima, the rest weighted
+        by the micro-batch's ``share`` (its action tokens)."""
+        self.add("weight", share)
+        for key, value in metrics.items():
+            if key.startswith("loss/"):
+                self.add(key, float(value))
+            elif key.endswith("_max"):
+                self.maxima[key] = max(self.maxima.get(key, 0.0), float(value))
+            else:
+                self.add(key, float(value) * share)
 
     def reduced(self) -> dict[str, float]:
         local = {"loss/total": 0.0, "weight": 0.0, "mismatch_sum": 0.0, "mismatch_n": 0.0, **self.sums, **self.maxima}

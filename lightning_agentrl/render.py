@@ -24,11 +24,6 @@ def spans(segment: Segment, tokenizer) -> Iterator[tuple[bool, str, list[int]]]:
             start = i
 
 
-def action_text(trajectory: Trajectory, tokenizer) -> str:
-    """All mask=1 text of an episode, decoded span by span (SPEC §7's replay check)."""
-    return "".join(text for segment in trajectory.segments for is_action, text, _ in spans(segment, tokenizer) if is_action)
-
-
 def header(trajectory: Trajectory) -> str:
     versions = sorted({v for s in trajectory.segments for v in s.policy_versions if v >= 0})
     return (

@@ -18,6 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+StrategyName = Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
+"""The training strategies :func:`lightning_agentrl.strategies.make_strategy` builds."""
+
 _YAML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_YAML_DATA", default=None)
 
 
@@ -210,7 +213,7 @@ class RolloutSettings(_Section):
     partial_rollout_s: float | None = Field(None, ge=0)
     """Partial rollouts: an episode running longer than this (seconds, per iteration) is parked and continued with newer weights; None = off. Needs max_staleness >= 1."""
     forced_truncation_rate: float = Field(0.0, ge=0.0, le=1.0)
-    """Experiments only: this share of training episodes (drawn from the seed, group and index) gets only `forced_truncation_turns` turns, so it ends with max_turns whatever the policy does. Held-out evaluation is never cut."""
+    """Experiments only (lightning_agentrl/experiments/forced_truncation.py): this share of training episodes (drawn from the seed, group and index) gets only `forced_truncation_turns` turns, so it ends with max_turns whatever the policy does. Held-out evaluation is never cut."""
     forced_truncation_turns: int = Field(1, ge=1)
     """Turn budget of a force-truncated episode; must be below env.max_turns."""
     max_infra_error_frac: float = Field(0.5, ge=0.0, le=1.0)
@@ -238,6 +241,16 @@ class RolloutSettings(_Section):
     max_empty_steps: int = Field(3, ge=1)
     """Consecutive batches without one trainable token (every episode excluded) before the run stops with an
     error. Such a batch takes no optimizer or scheduler step."""
+
+    @property
+    def filters_truncations(self) -> bool:
+        """``truncation: filter``: truncated episodes are left out of the loss (compact filtering)."""
+        return self.truncation == "filter"
+
+    @property
+    def bootstraps_truncations(self) -> bool:
+        """``truncation: bootstrap``: a truncated episode's return is bootstrapped from the critic."""
+        return self.truncation == "bootstrap"
 
 
 class AlgorithmSettings(_Section):
@@ -311,7 +324,7 @@ class TrainerSettings(_Section):
     """Tokens per forward/backward pass; a batch is split into micro-batches of about this size."""
     logprob_chunk_tokens: int = Field(256, ge=1)
     """Tokens per chunk when computing log-probs (bounds the [tokens, vocab] logits in memory)."""
-    strategy: Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"] = "auto"
+    strategy: StrategyName = "auto"
     """Lightning strategy; DeepSpeed ZeRO-2/3 also run on CPU."""
     offload_optimizer: bool = False
     """ZeRO: keep optimizer states in CPU memory."""
@@ -392,7 +405,7 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.algorithm.advantage == "gae" and not self.model.value_head:
             raise ValueError("algorithm.advantage=gae needs model.value_head=true (a critic)")
-        if self.rollout.truncation == "bootstrap" and self.algorithm.advantage != "gae":
+        if self.rollout.bootstraps_truncations and self.algorithm.advantage != "gae":
             raise ValueError("rollout.truncation=bootstrap needs algorithm.advantage=gae (the critic bootstraps returns)")
         if self.env.sub_agent is not None and self.engine.kind != "torch":
             raise ValueError(f"env.sub_agent: the sub-agent is served by the torch engine; engine.kind={self.engine.kind} "

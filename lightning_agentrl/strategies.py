@@ -28,16 +28,17 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from typing_extensions import override
 
+from lightning_agentrl.settings import StrategyName
 from sandbox_server.launch import free_port
 
-STRATEGY_NAMES = ("auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3")
+STRATEGY_NAMES = get_args(StrategyName)
 TORCH_EXTENSIONS_DIR = Path(".cache/torch_extensions")
 
 

@@ -237,19 +237,50 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     With several processes every rank runs this function (Lightning's launcher starts the others
     inside ``trainer.fit``; torchrun or SLURM start all of them); rank 0 alone writes the run folder's
     settings, MLflow, trajectories and ``policy/``."""
+    from transformers import AutoTokenizer
+
+    run_dir, resume_from = prepare_run(settings)
+    tasks = build_tasks(settings)
+    model_path = resolve_model_path(settings)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    codec = chat_codec(settings, tokenizer)
+    sandbox = make_sandbox(settings, run_dir)
+    servers = start_local_servers(settings, model_path, run_dir)
+    try:
+        engine = make_engine(settings, model_path, tokenizer, urls=servers.urls if servers else None)
+        engine = wrap_engine(engine) if wrap_engine is not None else engine
+        service = build_rollout_service(settings, engine, sandbox, codec, tasks)
+        stop = build_stop(settings, run_dir, service, sandbox)
+        extra = [*engine_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
+        trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
+        logger = attach_logger(settings, run_dir, trainer)
+        run_trainer(settings, model_path, trainer, service, sandbox, stop, resume_from)
+    finally:
+        if servers is not None:
+            servers.stop()
+    if trainer.is_global_zero:
+        finish_run(trainer, logger, run_dir, tracking_uri(settings, run_dir))
+    return FitResult(
+        run_dir=run_dir,
+        checkpoint=run_dir / "checkpoints" / "last.ckpt",
+        policy_dir=run_dir / "policy",
+        tracking_uri=tracking_uri(settings, run_dir) if logger is not None else None,
+        mlflow_run_id=logger.run_id if logger is not None else None,
+        global_step=trainer.global_step,
+        is_global_zero=trainer.is_global_zero,
+    )
+
+
+def prepare_run(settings: Settings) -> tuple[Path, Path | None]:
+    """Checks that refuse a run before any model loads, then the run folder, threads and seed.
+    Returns the run folder and the checkpoint a resume continues from (None for a new run)."""
     import warnings
 
     import lightning as L
     import torch
-    from transformers import AutoTokenizer
 
-    from lightning_agentrl.callbacks.engine_sleep import engine_sleep_callbacks
-    from lightning_agentrl.datamodule import RolloutDataModule
-    from lightning_agentrl.envs.registry import load_env_tasks
-    from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.plan import check_memory_plan
     from lightning_agentrl.preflight import preflight
-    from lightning_agentrl.shutdown import StopOnSignal
 
     for pattern in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
@@ -261,57 +292,63 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     if settings.trainer.threads:
         torch.set_num_threads(settings.trainer.threads)
     L.seed_everything(settings.run.seed, workers=True, verbose=False)
+    return run_dir, resume_from
+
+
+def build_tasks(settings: Settings) -> list:
+    """The training split's tasks; an empty split is a :class:`SettingsError`."""
+    from lightning_agentrl.envs.registry import load_env_tasks
 
     tasks = load_env_tasks(settings, settings.env.split)
     if not tasks:
         raise SettingsError(f"env.tasks: no {settings.env.split} tasks in {settings.env.tasks}")
-    model_path = resolve_model_path(settings)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    codec = chat_codec(settings, tokenizer)
-    sandbox = make_sandbox(settings, run_dir)
-    servers = start_local_servers(settings, model_path, run_dir)
+    return tasks
+
+
+def build_stop(settings: Settings, run_dir: Path, service, sandbox):
+    """The signal handler: a checkpoint at the next step boundary, then a clean exit."""
+    from lightning_agentrl.shutdown import StopOnSignal
+
+    return StopOnSignal(run_dir / "checkpoints" / "last.ckpt", grace_s=settings.trainer.stop_grace_s,
+                        wake=service.buffer.fail, on_hard_exit=sandbox.close)
+
+
+def engine_callbacks(engine) -> list:
+    """Callbacks the engine itself needs (sleeping while the policy trains)."""
+    from lightning_agentrl.callbacks.engine_sleep import engine_sleep_callbacks
+
+    return engine_sleep_callbacks(engine)
+
+
+def attach_logger(settings: Settings, run_dir: Path, trainer):
+    """Rank 0 alone opens the MLflow store (even constructing the logger touches it): the Trainer
+    knows the rank only once it exists, so the logger joins it afterwards. Returns the logger
+    (None on other ranks or with tracking off)."""
+    if not trainer.is_global_zero:
+        return None
+    logger = build_logger(settings, run_dir)
+    trainer.logger = logger
+    record_settings(settings, run_dir, logger)
+    return logger
+
+
+def run_trainer(settings: Settings, model_path: str, trainer, service, sandbox, stop, resume_from: Path | None) -> None:
+    """``trainer.fit`` on the policy and the rollout stream; the service and sandbox stop after it."""
+    from lightning_agentrl.datamodule import RolloutDataModule
+    from lightning_agentrl.module import AgentRLModule
+
     try:
-        engine = make_engine(settings, model_path, tokenizer, urls=servers.urls if servers else None)
-        service = build_rollout_service(
-            settings, wrap_engine(engine) if wrap_engine is not None else engine, sandbox, codec, tasks
+        trainer.fit(
+            AgentRLModule(settings, model_path),
+            datamodule=RolloutDataModule(service),
+            ckpt_path=str(resume_from) if resume_from is not None else None,
         )
-        last = run_dir / "checkpoints" / "last.ckpt"
-        stop = StopOnSignal(last, grace_s=settings.trainer.stop_grace_s,
-                            wake=service.buffer.fail, on_hard_exit=sandbox.close)
-        extra = [*engine_sleep_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
-        trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
-        # Rank 0 alone opens the MLflow store (even constructing the logger touches it): the Trainer
-        # knows the rank only once it exists, so the logger joins it afterwards.
-        logger = build_logger(settings, run_dir) if trainer.is_global_zero else None
-        if trainer.is_global_zero:
-            trainer.logger = logger
-            record_settings(settings, run_dir, logger)
-        try:
-            trainer.fit(
-                AgentRLModule(settings, model_path),
-                datamodule=RolloutDataModule(service),
-                ckpt_path=str(resume_from) if resume_from is not None else None,
-            )
-        except BaseException as err:
-            stop.raise_if_stopped(err)  # a signal's stop: RunInterrupted, exit status 128 + signal
-            raise
-        finally:
-            service.stop()
-            sandbox.close()
+    except BaseException as err:
+        stop.raise_if_stopped(err)  # a signal's stop: RunInterrupted, exit status 128 + signal
+        raise
     finally:
-        if servers is not None:
-            servers.stop()
-    if trainer.is_global_zero:
-        finish_run(trainer, logger, run_dir, tracking_uri(settings, run_dir))
-    return FitResult(
-        run_dir=run_dir,
-        checkpoint=last,
-        policy_dir=run_dir / "policy",
-        tracking_uri=tracking_uri(settings, run_dir) if logger is not None else None,
-        mlflow_run_id=logger.run_id if logger is not None else None,
-        global_step=trainer.global_step,
-        is_global_zero=trainer.is_global_zero,
-    )
+        service.stop()
+        sandbox.close()
 
 
 class NoSandbox:
@@ -370,6 +407,7 @@ def native_tools(settings: Settings, codec) -> bool:
 
 def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     from lightning_agentrl.envs.registry import env_class
+    from lightning_agentrl.experiments.forced_truncation import ForcedTruncation
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
@@ -404,15 +442,9 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
             episode_timeout_s=env.episode_timeout_s,
             max_tool_errors=env.max_tool_errors,
         ),
-        plan=RolloutPlan(
-            r.group_size, r.groups_per_step, r.max_in_flight, r.max_staleness, settings.run.seed,
-            partial_rollout_s=r.partial_rollout_s,
-            forced_truncation_rate=r.forced_truncation_rate,
-            forced_truncation_turns=r.forced_truncation_turns,
-            dynamic_sampling=r.dynamic_sampling,
-            max_sampling_rounds=r.max_sampling_rounds,
-        ),
+        plan=RolloutPlan.from_settings(r, seed=settings.run.seed),
         summarizer=make_summarizer(env.summarizer, codec, max_summary_tokens=env.summary_max_tokens),
+        episode_budget=ForcedTruncation.from_settings(r, seed=settings.run.seed),  # an experiment; None by default
     )
 
 
@@ -425,6 +457,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         SegmentBoundaries,
         StalenessWeighting,
         TokenCheck,
+        TrajectoryArchive,
         WeightSync,
     )
     from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
@@ -433,7 +466,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
     from lightning_agentrl.envs.registry import load_env_tasks
 
     r = settings.rollout
-    filtered = (*INFRASTRUCTURE, *TRUNCATIONS) if r.truncation == "filter" else INFRASTRUCTURE
+    filtered = (*INFRASTRUCTURE, *TRUNCATIONS) if r.filters_truncations else INFRASTRUCTURE
     callbacks = [
         # first: its setup starts the node's sandbox server before anything needs it
         *([] if isinstance(sandbox, NoSandbox) else [sandbox]),
@@ -443,8 +476,9 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         StalenessWeighting(settings.algorithm.staleness_weighting, settings.algorithm.staleness_rate, r.max_staleness),
         GroupFilter(settings.algorithm.starpo_keep_fraction),
         SegmentBoundaries(),
-        RolloutMetrics(run_dir, tokenizer, service, settings.tracking.sample_trajectories),
-        *build_guards(settings, run_dir, service, sandbox),  # after RolloutMetrics: a failing batch is saved
+        RolloutMetrics(service),
+        TrajectoryArchive(run_dir, tokenizer, settings.tracking.sample_trajectories),
+        *build_guards(settings, run_dir, service, sandbox),  # after TrajectoryArchive: a failing batch is saved
         WeightSync(service, settings.trainer.sync_weights_every),
         StepCheckpoint(run_dir / "checkpoints", settings.trainer.checkpoint_every,
                        link_last=not settings.trainer.strategy.startswith("deepspeed")),

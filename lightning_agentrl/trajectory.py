@@ -13,6 +13,7 @@ Packing legend (see :func:`pack`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -271,3 +272,61 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         episode_last=torch.tensor(episode_last, dtype=long),
         segment_traj=torch.tensor(segment_traj, dtype=long),
     )
+
+
+# -- token-in/token-out check ---------------------------------------------------------------------
+DIGESTS_KEY = "action_digests"  # Trajectory.info key: one digest per turn, in the order of ``trajectory.turns``
+
+
+def action_digest(token_ids: list[int]) -> str:
+    """A short fingerprint of a list of token ids (the engine's output for one request)."""
+    return hashlib.blake2b(",".join(map(str, token_ids)).encode(), digest_size=8).hexdigest()
+
+
+class TokenMismatchError(RuntimeError):
+    """The ids recorded as an action are not the ids the engine returned for it."""
+
+
+def check_token_in_token_out(batch_or_trajectories: RolloutBatch | list[Trajectory]) -> int:
+    """Check every turn of every trajectory; return the number of turns checked.
+
+    For each turn, the ids in ``[action_start, action_end)`` of its segment must hash to the digest the
+    agent loop took of the engine's output, carry loss mask 1 and a behavior logprob; no token outside
+    an action may carry mask 1. Cost: one hash per turn, a pass over the masks (no model, no decode).
+    Raises :class:`TokenMismatchError` naming the episode and turn.
+    """
+    trajectories = (
+        batch_or_trajectories.trajectories
+        if isinstance(batch_or_trajectories, RolloutBatch)
+        else batch_or_trajectories
+    )
+    num_checked = 0
+    for trajectory in trajectories:
+        digests = trajectory.info.get(DIGESTS_KEY, [])
+        turns = trajectory.turns
+        if len(digests) != len(turns):
+            raise TokenMismatchError(
+                f"episode {trajectory.episode_id}: {len(turns)} turns but {len(digests)} recorded generation digests"
+            )
+        index = 0
+        for s, segment in enumerate(trajectory.segments):
+            in_action = [False] * len(segment.token_ids)
+            for turn in segment.turns:
+                ids = segment.token_ids[turn.action_start : turn.action_end]
+                where = f"episode {trajectory.episode_id}, segment {s}, turn {index}"
+                if action_digest(ids) != digests[index]:
+                    raise TokenMismatchError(f"{where}: the recorded action ids differ from the engine's output")
+                span = range(turn.action_start, turn.action_end)
+                if any(segment.loss_mask[t] != 1 or segment.behavior_logprobs[t] is None for t in span):
+                    raise TokenMismatchError(f"{where}: an action token has mask 0 or no behavior logprob")
+                for t in span:
+                    in_action[t] = True
+                index += 1
+                num_checked += 1
+            stray = [t for t, m in enumerate(segment.loss_mask) if m and not in_action[t]]
+            if stray:
+                raise TokenMismatchError(
+                    f"episode {trajectory.episode_id}, segment {s}: {len(stray)} tokens outside any action "
+                    f"have loss mask 1 (first at {stray[0]})"
+                )
+    return num_checked

@@ -95,14 +95,14 @@ def test_rollout_metrics_logs_a_credit_table_every_step_for_long_runs(tmp_path, 
     from lightning.pytorch.loggers import MLFlowLogger
     from mlflow.tracking import MlflowClient
 
-    from lightning_agentrl.callbacks.rollout_metrics import RolloutMetrics
+    from lightning_agentrl.callbacks.trajectory_archive import TrajectoryArchive
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = MLFlowLogger(experiment_name="credit", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts"))
-    callback = RolloutMetrics(tmp_path / "run", tiny_tokenizer, num_samples=1)
+    callback = TrajectoryArchive(tmp_path / "run", tiny_tokenizer, num_samples=1)
     trajectories = [episode(i, reward=float(i % 2), version=0) for i in range(4)]
     for step in range(200):
-        callback._save(SimpleNamespace(global_step=step, logger=logger), trajectories)
+        callback.save(SimpleNamespace(global_step=step, logger=logger), trajectories)
     client = MlflowClient(tracking_uri=uri)
     tables = [a.path for a in client.list_artifacts(logger.run_id, "credit")]
     assert len(tables) == 200
@@ -119,7 +119,7 @@ def test_echo_trap_warning_reports_the_grad_norm_spike_that_follows_the_collapse
     from lightning_agentrl.callbacks.rollout_metrics import RolloutMetrics
     from lightning_agentrl.trajectory import pack
 
-    callback = RolloutMetrics(tmp_path / "run", tiny_tokenizer, num_samples=0)
+    callback = RolloutMetrics()
     batch = pack([episode(i, reward=float(i % 2), version=0) for i in range(4)])
     stds = [0.5] * 5 + [0.01] * 5
     norms = [1.0] * 5 + [1.0, 1.0, 1.0, 1.0, 9.0]

@@ -9,6 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.warm_start import (
+    demonstration_turns,
+    make_demonstrations,
+    masked_nll,
+    opening_messages,
+    render_demonstration,
+)
 from lightning_agentrl.envs.learn_tasks import (
     ANSWER_FILE,
     KEY_FILE,
@@ -19,13 +26,6 @@ from lightning_agentrl.envs.learn_tasks import (
     write_suite,
 )
 from lightning_agentrl.envs.tools import parse_tool_call
-from lightning_agentrl.sft import (
-    demonstration_turns,
-    make_demonstrations,
-    masked_nll,
-    opening_messages,
-    render_demonstration,
-)
 from lightning_agentrl.tasks import load_tasks, validate_task
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,8 +141,8 @@ def test_demonstrations_write_a_random_value_not_the_key(tiny_tokenizer):
 
 
 def test_echo_demonstrations_copy_from_the_user_message_only(tiny_tokenizer):
+    from benchmarks.warm_start import ECHO_PROMPTS, NOTE_FILE, echo_prompt
     from lightning_agentrl.rollout.chat import ChatCodec
-    from lightning_agentrl.sft import ECHO_PROMPTS, NOTE_FILE, echo_prompt
 
     codec = ChatCodec(tiny_tokenizer)
     spec = LearnSuiteSpec()

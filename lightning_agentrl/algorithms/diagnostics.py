@@ -81,31 +81,6 @@ def echo_trap_warning(
     return message
 
 
-def histogram(
-    values: Tensor, bins: int = 10, value_range: tuple[float, float] | None = None
-) -> dict[str, list]:
-    """Counts of ``values`` in ``bins`` equal-width bins; NaN/inf are dropped and counted.
-
-    Returns ``{"edges": [bins + 1 floats], "counts": [bins ints], "num_nonfinite": int}``.
-    """
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    flat = values.detach().flatten().to(torch.float64).cpu()
-    finite = flat[torch.isfinite(flat)]
-    if value_range is None:
-        low, high = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
-    else:
-        low, high = value_range
-    if low == high:  # a single value still gets a bin of nonzero width
-        low, high = low - 0.5, high + 0.5
-    counts, edges = torch.histogram(finite, bins=bins, range=(low, high))
-    return {
-        "edges": edges.tolist(),
-        "counts": [int(c) for c in counts.tolist()],
-        "num_nonfinite": int(flat.numel() - finite.numel()),
-    }
-
-
 def credit_table(
     rewards: Tensor,
     group_ids: Tensor,

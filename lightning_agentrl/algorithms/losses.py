@@ -16,6 +16,7 @@ Every loss returns ``(loss, metrics)``; metrics are detached scalar tensors with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -106,6 +107,23 @@ def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
     return values.sum() / (mask > 0).sum().clamp(min=1)
 
 
+def _check_clip_arguments(
+    clip_low: float, clip_high: float, dual_clip: float | None, is_cap: float | None, is_cap_mode: str
+) -> None:
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(
+            f"dual_clip must be > 1 (it bounds the loss of negative advantages at -c*A), got {dual_clip}"
+        )
+    if is_cap is not None and is_cap <= 0.0:
+        raise ValueError(f"is_cap must be > 0, got {is_cap}")
+    if is_cap_mode not in ("truncate", "mask"):
+        raise ValueError(f"is_cap_mode must be 'truncate' or 'mask', got {is_cap_mode!r}")
+
+
 def policy_loss(
     logprobs: Tensor,
     behavior_logprobs: Tensor,
@@ -153,19 +171,7 @@ def policy_loss(
     _check_token_tensors(
         mask, logprobs=logprobs, behavior_logprobs=behavior_logprobs, advantages=advantages, seq_ids=seq_ids
     )
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
-    if clip_high < 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(
-            f"dual_clip must be > 1 (it bounds the loss of negative advantages at -c*A), got {dual_clip}"
-        )
-    if is_cap is not None and is_cap <= 0.0:
-        raise ValueError(f"is_cap must be > 0, got {is_cap}")
-    if is_cap_mode not in ("truncate", "mask"):
-        raise ValueError(f"is_cap_mode must be 'truncate' or 'mask', got {is_cap_mode!r}")
-
+    _check_clip_arguments(clip_low, clip_high, dual_clip, is_cap, is_cap_mode)
     active = mask > 0
     behavior = _masked(behavior_logprobs.detach(), mask)
     old = behavior
@@ -205,25 +211,36 @@ def policy_loss(
 
     loss = aggregate(per_token, mask, seq_ids, agg, num_seqs, num_tokens=num_tokens)
 
-    with torch.no_grad():
-        clipped_low = active & (advantages < 0) & (ratio < 1.0 - clip_low)
-        clipped_high = active & (advantages > 0) & (ratio > 1.0 + clip_high)
-        fmask = active.to(ratio.dtype)
-        metrics = {
-            "loss/policy": loss.detach(),
-            "policy/clipfrac": _token_mean((clipped_low | clipped_high).to(ratio.dtype), mask),
-            "policy/clipfrac_low": _token_mean(clipped_low.to(ratio.dtype), mask),
-            "policy/clipfrac_high": _token_mean(clipped_high.to(ratio.dtype), mask),
-            "policy/dual_clipfrac": _token_mean((dual_clipped & active).to(ratio.dtype), mask),
-            # k3 estimator of KL(pi_old || pi), http://joschu.net/blog/kl-approx.html
-            "policy/approx_kl": _token_mean(ratio - 1.0 - log_ratio, mask),
-            "policy/ratio_mean": _token_mean(ratio, mask),
-            "policy/ratio_max": (ratio * fmask).max() if active.any() else ratio.new_zeros(()),
-            "policy/is_weight_mean": _token_mean(weight, mask),
-            "policy/is_weight_max": (weight * fmask).max() if active.any() else weight.new_zeros(()),
-            "policy/is_masked_frac": _token_mean(is_masked.to(ratio.dtype), mask),
-        }
+    metrics = _policy_metrics(loss, mask, advantages, ratio, log_ratio, weight, dual_clipped, is_masked,
+                              clip_low=clip_low, clip_high=clip_high)
     return loss, metrics
+
+
+@torch.no_grad()
+def _policy_metrics(
+    loss: Tensor, mask: Tensor, advantages: Tensor, ratio: Tensor, log_ratio: Tensor, weight: Tensor,
+    dual_clipped: Tensor, is_masked: Tensor, *, clip_low: float, clip_high: float,
+) -> dict[str, Tensor]:
+    """The detached diagnostics of :func:`policy_loss` (token-means over action tokens, and maxima)."""
+    active = mask > 0
+    clipped_low = active & (advantages < 0) & (ratio < 1.0 - clip_low)
+    clipped_high = active & (advantages > 0) & (ratio > 1.0 + clip_high)
+    fmask = active.to(ratio.dtype)
+    metrics = {
+        "loss/policy": loss.detach(),
+        "policy/clipfrac": _token_mean((clipped_low | clipped_high).to(ratio.dtype), mask),
+        "policy/clipfrac_low": _token_mean(clipped_low.to(ratio.dtype), mask),
+        "policy/clipfrac_high": _token_mean(clipped_high.to(ratio.dtype), mask),
+        "policy/dual_clipfrac": _token_mean((dual_clipped & active).to(ratio.dtype), mask),
+        # k3 estimator of KL(pi_old || pi), http://joschu.net/blog/kl-approx.html
+        "policy/approx_kl": _token_mean(ratio - 1.0 - log_ratio, mask),
+        "policy/ratio_mean": _token_mean(ratio, mask),
+        "policy/ratio_max": (ratio * fmask).max() if active.any() else ratio.new_zeros(()),
+        "policy/is_weight_mean": _token_mean(weight, mask),
+        "policy/is_weight_max": (weight * fmask).max() if active.any() else weight.new_zeros(()),
+        "policy/is_masked_frac": _token_mean(is_masked.to(ratio.dtype), mask),
+    }
+    return metrics
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
@@ -253,14 +270,22 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2",
 
 
 def entropy_bonus(
-    entropy: Tensor, mask: Tensor, seq_ids: Tensor, *, coef: float, agg: AggMode = "token-mean"
+    entropy: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    *,
+    coef: float,
+    agg: AggMode = "token-mean",
+    num_seqs: int | None = None,
+    num_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Entropy regularizer: ``loss = -coef * aggregate(H)``; add it to the policy loss.
 
-    A positive ``coef`` rewards a flatter policy. Shapes: entropy[N], mask[N], seq_ids[N] -> scalar.
+    A positive ``coef`` rewards a flatter policy. ``num_seqs``/``num_tokens``: the global
+    denominators, as in :func:`aggregate`. Shapes: entropy[N], mask[N], seq_ids[N] -> scalar.
     Metrics: ``policy/entropy`` (aggregated the same way, before ``coef``), ``loss/entropy``.
     """
-    mean_entropy = aggregate(entropy, mask, seq_ids, agg)
+    mean_entropy = aggregate(entropy, mask, seq_ids, agg, num_seqs, num_tokens=num_tokens)
     loss = -coef * mean_entropy
     return loss, {"policy/entropy": mean_entropy.detach(), "loss/entropy": loss.detach()}
 
@@ -313,3 +338,82 @@ def value_loss(
         "value/returns_mean": _token_mean(returns, mask),
     }
     return loss, metrics
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """The training loss of one micro-batch of packed tokens, as the algorithm settings define it::
+
+        loss = value_coef * L_value + L_policy - entropy_coef * agg(H) + kl_coef * agg(KL(pi || pi_ref))
+
+    ``L_policy`` is :func:`policy_loss` (PPO clip, decoupled off-policy correction); every term is
+    reduced with the same ``aggregation`` and the *mini-batch's* global denominators (``num_seqs``,
+    ``num_tokens``), so that the gradients of the micro-batches add up to the mini-batch's. The
+    forward passes (policy, critic, reference) happen outside: this unit only does the arithmetic.
+
+    Shapes: logprobs[N] (with grad), behavior_logprobs[N], advantages[N], mask[N], seq_ids[N],
+    proximal_logprobs[N], is_weights[N], entropy[N], ref_logprobs[N]; value_loss scalar.
+    Returns ``(loss, metrics)``: the policy metrics of :func:`policy_loss` plus ``loss/total`` and,
+    with a reference, ``loss/kl`` (before ``kl_coef``).
+
+    Example:
+        >>> n = torch.tensor([0.0, -1.0, -1.0])
+        >>> loss, metrics = MicroBatchLoss()(n, n, torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0]),
+        ...                                  torch.zeros(3, dtype=torch.long), num_seqs=1, num_tokens=2.0)
+        >>> float(loss), sorted(metrics)[:2]
+        (-1.0, ['loss/policy', 'loss/total'])
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: AggMode = "token-mean"
+    importance_cap: float | None = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    value_coef: float = 0.5
+
+    @classmethod
+    def from_settings(cls, algorithm) -> MicroBatchLoss:
+        """From an ``AlgorithmSettings`` section."""
+        return cls(**{name: getattr(algorithm, name) for name in cls.__dataclass_fields__})
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        behavior_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        seq_ids: Tensor,
+        *,
+        num_seqs: int,
+        num_tokens: float,
+        proximal_logprobs: Tensor | None = None,
+        is_weights: Tensor | None = None,
+        entropy: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        value_loss: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        # Terms are added in this order on purpose: reordering them changes the last bit of the loss.
+        loss = torch.zeros((), device=logprobs.device)
+        if value_loss is not None:
+            loss = loss + self.value_coef * value_loss
+        policy, metrics = policy_loss(
+            logprobs, behavior_logprobs, advantages, mask, seq_ids,
+            clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.aggregation,
+            proximal_logprobs=proximal_logprobs, is_weights=is_weights, is_cap=self.importance_cap,
+            num_seqs=num_seqs, num_tokens=num_tokens,
+        )
+        loss = loss + policy
+        if self.entropy_coef > 0 and entropy is not None:
+            bonus, _ = entropy_bonus(entropy, mask, seq_ids, coef=self.entropy_coef, agg=self.aggregation,
+                                     num_seqs=num_seqs, num_tokens=num_tokens)
+            loss = loss + bonus
+        if ref_logprobs is not None:
+            kl = aggregate(kl_penalty(logprobs, ref_logprobs, kind=self.kl_estimator), mask, seq_ids,
+                           self.aggregation, num_seqs, num_tokens=num_tokens)
+            loss = loss + self.kl_coef * kl
+            metrics["loss/kl"] = kl.detach()
+        metrics["loss/total"] = loss.detach()
+        return loss, metrics

@@ -16,7 +16,7 @@ configurable discount for old data, and the bound drops data that is too old to 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -40,9 +40,17 @@ def lag(policy_version: Tensor, current_version: int) -> Tensor:
     return torch.where(sampled, current_version - policy_version, torch.full_like(policy_version, -1))
 
 
-def staleness_weight(
-    lag: Tensor, kind: Literal["none", "exp", "inverse"] = "none", decay: float = 0.0
-) -> Tensor:
+StalenessKind = Literal["none", "exp", "inverse"]
+STALENESS_KINDS: tuple[str, ...] = get_args(StalenessKind)
+
+
+def check_staleness_kind(kind: str) -> None:
+    """A ``ValueError`` naming the valid kinds unless ``kind`` is one of them."""
+    if kind not in STALENESS_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, STALENESS_KINDS))}, got {kind!r}")
+
+
+def staleness_weight(lag: Tensor, kind: StalenessKind = "none", decay: float = 0.0) -> Tensor:
     """Per-token weight for old data, multiplied into the policy loss as ``is_weights``.
 
     - ``none``: ``w = 1``.
@@ -53,6 +61,7 @@ def staleness_weight(
 
     Shapes: lag[N] int64 -> Tensor[N] float32.
     """
+    check_staleness_kind(kind)
     if decay < 0 or not math.isfinite(decay):
         raise ValueError(f"decay must be a finite number >= 0, got {decay}")
     steps = lag.clamp(min=0).to(torch.float32)
@@ -60,9 +69,7 @@ def staleness_weight(
         return torch.ones_like(steps)
     if kind == "exp":
         return torch.exp(-decay * steps)
-    if kind == "inverse":
-        return 1.0 / (1.0 + decay * steps)
-    raise ValueError(f"kind must be 'none', 'exp' or 'inverse', got {kind!r}")
+    return 1.0 / (1.0 + decay * steps)  # inverse
 
 
 def trajectory_lag(token_lag: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:

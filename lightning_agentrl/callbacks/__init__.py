@@ -7,6 +7,7 @@ from lightning_agentrl.callbacks.rollout_metrics import RolloutMetrics
 from lightning_agentrl.callbacks.segments import SegmentBoundaries
 from lightning_agentrl.callbacks.staleness import StalenessWeighting
 from lightning_agentrl.callbacks.token_check import TokenCheck
+from lightning_agentrl.callbacks.trajectory_archive import TrajectoryArchive
 from lightning_agentrl.callbacks.weight_sync import WeightSync
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "SegmentBoundaries",
     "StalenessWeighting",
     "TokenCheck",
+    "TrajectoryArchive",
     "WeightSync",
 ]

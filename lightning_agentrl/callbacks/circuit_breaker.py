@@ -16,7 +16,7 @@ service does not crash a run: it silently trains on nothing, step after step. Tw
   at the current weights (its staleness gate otherwise opens only on new weights) and stops the
   run with :class:`NothingToTrain` after ``max_empty_steps`` such batches in a row.
 
-The breaker runs before the step (after :class:`RolloutMetrics`, so the failing batch is on disk).
+The breaker runs before the step (after :class:`TrajectoryArchive`, so the failing batch is on disk).
 Every decision is taken on counts gathered from all ranks, so every rank takes the same one.
 """
 

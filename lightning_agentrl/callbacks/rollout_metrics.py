@@ -1,35 +1,27 @@
 """The SPEC §7 checks, every step: rewards, empty-signal groups, termination reasons, masks.
 
-Computed over *all* episodes of the batch, including those a filter excluded from the loss.
-Saves every batch's trajectories as JSON lines under ``<run.dir>/trajectories/`` (an earlier batch
-of the same step, one that took no optimizer step or a killed attempt's, is kept aside as
-``superseded_step_*``) and logs a decoded sample (mask highlighted, HTML) to MLflow. With several training processes the metrics
-are reduced over ranks (counts summed, rates averaged) and rank 0 saves every rank's trajectories.
+Computed over *all* episodes of the batch, including those a filter excluded from the loss, and
+watched for the Echo Trap (within-group reward std collapsing, then a grad-norm spike). With
+several training processes the metrics are reduced over ranks (counts summed, rates averaged).
+The trajectories themselves are saved by :class:`~lightning_agentrl.callbacks.trajectory_archive.TrajectoryArchive`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 import lightning as L
 from typing_extensions import override
 
 from lightning_agentrl.algorithms.advantages import group_reward_stats
 from lightning_agentrl.algorithms.diagnostics import echo_trap_warning
-from lightning_agentrl.distributed import gather_to_zero, reduce_metrics
-from lightning_agentrl.render import to_html
-from lightning_agentrl.trajectory import RolloutBatch, TerminationReason, save_trajectories
+from lightning_agentrl.distributed import reduce_metrics
+from lightning_agentrl.trajectory import RolloutBatch, TerminationReason
 
 
 class RolloutMetrics(L.Callback):
-    def __init__(self, run_dir: str | Path, tokenizer, service=None, num_samples: int = 1) -> None:
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-        self.dir = Path(run_dir) / "trajectories"
-        self.tokenizer = tokenizer
+    def __init__(self, service=None) -> None:
         self.service = service
-        self.num_samples = num_samples
         self._within_group_std: list[float] = []
         self._grad_norms: list[float] = []
         self._warned = False
@@ -61,10 +53,6 @@ class RolloutMetrics(L.Callback):
         pl_module.log("reward", metrics["reward/mean"], prog_bar=True, on_step=True, batch_size=len(trajectories))
 
         self._within_group_std.append(metrics["reward/within_group_std"])
-
-        every_rank = gather_to_zero(trajectories)
-        if trainer.is_global_zero:
-            self._save(trainer, [t for share in every_rank for t in share])
 
     def _service_counters(self) -> dict[str, float]:
         """Groups started but never trained (each replaced by another), and what generation cost."""
@@ -98,30 +86,6 @@ class RolloutMetrics(L.Callback):
             return None
         self._warned = True
         return warning
-
-    def _save(self, trainer: L.Trainer, trajectories) -> None:
-        step = trainer.global_step
-        path = self.dir / f"step_{step:06d}.jsonl"
-        if path.exists():  # an earlier batch at this step (it took no optimizer step, or a killed attempt's)
-            earlier = len(list(self.dir.glob(f"superseded_step_{step:06d}_*.jsonl")))
-            path.rename(self.dir / f"superseded_step_{step:06d}_{earlier + 1}.jsonl")
-        save_trajectories(trajectories, path)
-        if self.num_samples == 0:
-            return
-        sample = self.dir / f"step_{step:06d}_sample.html"
-        sample.write_text(to_html(trajectories[: self.num_samples], self.tokenizer), encoding="utf-8")
-        logger = trainer.logger
-        if logger is not None and hasattr(logger, "run_id") and hasattr(logger.experiment, "log_artifact"):
-            logger.experiment.log_artifact(logger.run_id, str(sample), artifact_path="trajectories")
-            logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="trajectories")
-            from lightning_agentrl.credit import credit_rows
-
-            rows, _ = credit_rows(trajectories)
-            if rows:
-                # log_dict, not log_table: log_table also appends to the run tag mlflow.loggedArtifacts,
-                # which the store cuts at 8000 characters, so after ~150 steps every call fails to parse it.
-                table = {"columns": list(rows[0]), "data": [list(row.values()) for row in rows]}
-                logger.experiment.log_dict(logger.run_id, table, artifact_file=f"credit/step_{step:06d}.json")
 
     @override
     def state_dict(self) -> dict:

@@ -20,8 +20,7 @@ from lightning_agentrl.trajectory import RolloutBatch
 
 class StalenessWeighting(L.Callback):
     def __init__(self, kind: str = "none", rate: float = 0.0, max_staleness: int | None = None) -> None:
-        if kind not in ("none", "exp", "inverse"):
-            raise ValueError(f"kind must be 'none', 'exp' or 'inverse', got {kind!r}")
+        staleness.check_staleness_kind(kind)
         if rate < 0:
             raise ValueError(f"rate must be >= 0, got {rate}")
         if max_staleness is not None and max_staleness < 0:

@@ -12,8 +12,7 @@ import lightning as L
 from typing_extensions import override
 
 from lightning_agentrl.distributed import global_sum
-from lightning_agentrl.rollout.agent_loop import check_token_in_token_out
-from lightning_agentrl.trajectory import RolloutBatch
+from lightning_agentrl.trajectory import RolloutBatch, check_token_in_token_out
 
 
 class TokenCheck(L.Callback):

@@ -36,7 +36,7 @@ Three more things happen here:
   included) instead of a trajectory; passing its state back as ``resume`` continues it, typically
   with newer weights, so its tokens carry several policy versions.
 
-:func:`check_token_in_token_out` verifies, per turn, that the ids recorded as an action are the
+:func:`~lightning_agentrl.trajectory.check_token_in_token_out` verifies, per turn, that the ids recorded as an action are the
 ids the engine returned (a digest of each generation is kept in ``Trajectory.info``).
 """
 
@@ -60,9 +60,17 @@ from lightning_agentrl.envs.base import (
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
-from lightning_agentrl.trajectory import RolloutBatch, Segment, TerminationReason, Trajectory, Turn
+from lightning_agentrl.trajectory import (
+    DIGESTS_KEY,
+    Segment,
+    TerminationReason,
+    Trajectory,
+    Turn,
+    action_digest,
+)
+from lightning_agentrl.trajectory import TokenMismatchError as TokenMismatchError  # re-exported
+from lightning_agentrl.trajectory import check_token_in_token_out as check_token_in_token_out  # re-exported
 
-DIGESTS_KEY = "action_digests"  # Trajectory.info key: one digest per turn, in the order of ``trajectory.turns``
 SCORED = (TerminationReason.SUBMITTED, TerminationReason.SCORING_TIMEOUT)  # the last env step ran the checks
 
 log = logging.getLogger(__name__)
@@ -97,11 +105,6 @@ def request_seed(run_seed: int | None, episode_id: str, request_index: int) -> i
         return None
     digest = hashlib.blake2b(f"{run_seed}/{episode_id}/{request_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def action_digest(token_ids: list[int]) -> str:
-    """A short fingerprint of a list of token ids (the engine's output for one request)."""
-    return hashlib.blake2b(",".join(map(str, token_ids)).encode(), digest_size=8).hexdigest()
 
 
 # -- episode state (partial rollouts) ---------------------------------------------------------------
@@ -445,52 +448,3 @@ class Episode:
         }
         return trajectory
 
-
-# -- token-in/token-out check ---------------------------------------------------------------------
-class TokenMismatchError(RuntimeError):
-    """The ids recorded as an action are not the ids the engine returned for it."""
-
-
-def check_token_in_token_out(batch_or_trajectories: RolloutBatch | list[Trajectory]) -> int:
-    """Check every turn of every trajectory; return the number of turns checked.
-
-    For each turn, the ids in ``[action_start, action_end)`` of its segment must hash to the digest the
-    agent loop took of the engine's output, carry loss mask 1 and a behavior logprob; no token outside
-    an action may carry mask 1. Cost: one hash per turn, a pass over the masks (no model, no decode).
-    Raises :class:`TokenMismatchError` naming the episode and turn.
-    """
-    trajectories = (
-        batch_or_trajectories.trajectories
-        if isinstance(batch_or_trajectories, RolloutBatch)
-        else batch_or_trajectories
-    )
-    num_checked = 0
-    for trajectory in trajectories:
-        digests = trajectory.info.get(DIGESTS_KEY, [])
-        turns = trajectory.turns
-        if len(digests) != len(turns):
-            raise TokenMismatchError(
-                f"episode {trajectory.episode_id}: {len(turns)} turns but {len(digests)} recorded generation digests"
-            )
-        index = 0
-        for s, segment in enumerate(trajectory.segments):
-            in_action = [False] * len(segment.token_ids)
-            for turn in segment.turns:
-                ids = segment.token_ids[turn.action_start : turn.action_end]
-                where = f"episode {trajectory.episode_id}, segment {s}, turn {index}"
-                if action_digest(ids) != digests[index]:
-                    raise TokenMismatchError(f"{where}: the recorded action ids differ from the engine's output")
-                span = range(turn.action_start, turn.action_end)
-                if any(segment.loss_mask[t] != 1 or segment.behavior_logprobs[t] is None for t in span):
-                    raise TokenMismatchError(f"{where}: an action token has mask 0 or no behavior logprob")
-                for t in span:
-                    in_action[t] = True
-                index += 1
-                num_checked += 1
-            stray = [t for t, m in enumerate(segment.loss_mask) if m and not in_action[t]]
-            if stray:
-                raise TokenMismatchError(
-                    f"episode {trajectory.episode_id}, segment {s}: {len(stray)} tokens outside any action "
-                    f"have loss mask 1 (first at {stray[0]})"
-                )
-    return num_checked

@@ -62,18 +62,12 @@ class RolloutPlan:
     max_staleness: int
     seed: int = 0
     partial_rollout_s: float | None = None
-    forced_truncation_rate: float = 0.0
-    forced_truncation_turns: int = 1
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 1
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.forced_truncation_rate <= 1.0:
-            raise ValueError(f"rollout.forced_truncation_rate must be in [0, 1], got {self.forced_truncation_rate}")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"rollout.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
-        if self.forced_truncation_turns < 1:
-            raise ValueError(f"rollout.forced_truncation_turns must be >= 1, got {self.forced_truncation_turns}")
         if self.partial_rollout_s is not None:
             if self.partial_rollout_s < 0:
                 raise ValueError(f"rollout.partial_rollout_s must be >= 0, got {self.partial_rollout_s}")
@@ -83,16 +77,11 @@ class RolloutPlan:
                     "with newer weights, so its group always mixes two policy versions"
                 )
 
-    def episode_budget(self, budget: EpisodeBudget, group_id: int, index: int) -> EpisodeBudget:
-        """The budget of episode ``index`` of group ``group_id``: ``budget``, or for a
-        ``forced_truncation_rate`` share of episodes (a pure function of the seed, the group and the
-        index, so a parked episode keeps its budget) only ``forced_truncation_turns`` turns."""
-        if self.forced_truncation_rate == 0.0:
-            return budget
-        draw = random.Random(f"forced-truncation/{self.seed}/{group_id}/{index}").random()
-        if draw >= self.forced_truncation_rate:
-            return budget
-        return replace(budget, max_turns=min(self.forced_truncation_turns, budget.max_turns))
+    @classmethod
+    def from_settings(cls, rollout, *, seed: int) -> RolloutPlan:
+        """From a ``RolloutSettings`` section (the fields of the same names) and the run's seed."""
+        names = [name for name in cls.__dataclass_fields__ if name != "seed"]
+        return cls(**{name: getattr(rollout, name) for name in names}, seed=seed)
 
 
 @dataclass
@@ -118,6 +107,7 @@ class RolloutService:
         budget: EpisodeBudget,
         plan: RolloutPlan,
         summarizer: Summarizer | None = None,
+        episode_budget: Callable[[EpisodeBudget, int, int], EpisodeBudget] | None = None,
     ) -> None:
         if not tasks:
             raise ValueError("no tasks to roll out")
@@ -130,6 +120,7 @@ class RolloutService:
         self.budget = budget
         self.plan = plan
         self.summarizer = summarizer
+        self.episode_budget = episode_budget  # (budget, group id, index) -> that episode's budget; e.g. an experiment's
         self.buffer = RolloutBuffer(
             plan.max_staleness, dynamic_sampling=plan.dynamic_sampling, max_sampling_rounds=plan.max_sampling_rounds
         )
@@ -282,6 +273,9 @@ class RolloutService:
         steps = self.engine_version + 1 + self.plan.max_staleness + self.num_skipped_steps
         return steps * self.plan.groups_per_step + self.buffer.num_removed
 
+    def _budget_of(self, group_id: int, index: int) -> EpisodeBudget:
+        return self.budget if self.episode_budget is None else self.episode_budget(self.budget, group_id, index)
+
     def _buffer_changed(self) -> None:
         """On the trainer's thread: groups were dropped (replacements may start) or a take waits
         (parked episodes may be all that can progress). Re-check the gate and the parked episodes."""
@@ -380,7 +374,7 @@ class RolloutService:
                         env=env,
                         codec=self.codec,
                         sampling=self.sampling,
-                        budget=self.plan.episode_budget(self.budget, group_id, index),
+                        budget=self._budget_of(group_id, index),
                         episode_id=f"g{group_id}-e{index}",
                         task_id=task.id,
                         group_id=group_id,

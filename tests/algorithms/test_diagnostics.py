@@ -32,15 +32,6 @@ def test_echo_trap_warns_when_within_group_std_collapses():
     assert diagnostics.echo_trap_warning(collapsed[:9], window=5) is None  # too short to judge
 
 
-def test_histogram_counts_and_drops_nonfinite():
-    values = torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0, math.nan, math.inf])
-    hist = diagnostics.histogram(values, bins=2)
-    assert hist["edges"] == [0.0, 0.5, 1.0]
-    assert hist["counts"] == [2, 3] and hist["num_nonfinite"] == 2
-    single = diagnostics.histogram(torch.tensor([3.0, 3.0]), bins=1)
-    assert single["counts"] == [2]
-
-
 def test_credit_table_on_the_spec_example():
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     group_ids = torch.zeros(4, dtype=torch.long)

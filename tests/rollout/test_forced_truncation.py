@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_agentrl.experiments.forced_truncation import ForcedTruncation
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget
 from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
@@ -12,22 +13,25 @@ from lightning_agentrl.trajectory import TerminationReason
 from tests.rollout.conftest import CountingEnv, NoClient, ScriptedEngine, call
 
 
-def plan(rate: float, seed: int = 0) -> RolloutPlan:
-    return RolloutPlan(group_size=4, groups_per_step=4, max_in_flight=16, max_staleness=0, seed=seed,
-                       forced_truncation_rate=rate, forced_truncation_turns=1)
+def plan() -> RolloutPlan:
+    return RolloutPlan(group_size=4, groups_per_step=4, max_in_flight=16, max_staleness=0)
+
+
+def truncation(rate: float, seed: int = 0) -> ForcedTruncation:
+    return ForcedTruncation(rate, turns=1, seed=seed)
 
 
 def test_the_cut_episodes_are_a_seeded_share_and_keep_their_budget():
     budget = EpisodeBudget(max_turns=4)
-    cut = [[plan(0.3).episode_budget(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
+    cut = [[truncation(0.3)(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
     share = sum(map(sum, cut)) / 2000
     assert 0.26 < share < 0.34
-    assert cut == [[plan(0.3).episode_budget(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
-    other_seed = [[plan(0.3, seed=1).episode_budget(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
+    assert cut == [[truncation(0.3)(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
+    other_seed = [[truncation(0.3, seed=1)(budget, g, i).max_turns == 1 for i in range(8)] for g in range(250)]
     assert other_seed != cut
-    assert plan(0.0).episode_budget(budget, 0, 0) is budget
-    assert all(plan(1.0).episode_budget(budget, g, 0).max_turns == 1 for g in range(20))
-    assert plan(1.0).episode_budget(budget, 0, 0).max_context_tokens == budget.max_context_tokens
+    assert truncation(0.0)(budget, 0, 0) is budget
+    assert all(truncation(1.0)(budget, g, 0).max_turns == 1 for g in range(20))
+    assert truncation(1.0)(budget, 0, 0).max_context_tokens == budget.max_context_tokens
 
 
 def test_forced_episodes_end_with_max_turns_in_the_service(codec, task):
@@ -40,11 +44,12 @@ def test_forced_episodes_end_with_max_turns_in_the_service(codec, task):
         tasks=[task],
         sampling=SamplingParams(max_new_tokens=64, seed=0),
         budget=EpisodeBudget(max_turns=4),
-        plan=plan(0.5),
+        plan=plan(),
+        episode_budget=truncation(0.5),
     )
     with service:
         batch = service.take_batch(0, timeout_s=30)
-    expected = {f"g{g}-e{i}": plan(0.5).episode_budget(EpisodeBudget(max_turns=4), g, i).max_turns == 1
+    expected = {f"g{g}-e{i}": truncation(0.5)(EpisodeBudget(max_turns=4), g, i).max_turns == 1
                 for g in range(4) for i in range(4)}
     assert 0 < sum(expected.values()) < 16
     for trajectory in batch:

@@ -1,0 +1,14 @@
+from typing import get_args
+
+from lightning_agentrl.algorithms.estimators import ESTIMATORS
+from lightning_agentrl.settings import AlgorithmSettings
+
+
+def test_every_advantage_setting_names_a_registered_estimator():
+    assert set(ESTIMATORS) == set(get_args(AlgorithmSettings.model_fields["advantage"].annotation))
+
+
+def test_every_staleness_weighting_setting_is_a_kind_the_weight_knows():
+    from lightning_agentrl.algorithms.staleness import STALENESS_KINDS
+
+    assert set(STALENESS_KINDS) == set(get_args(AlgorithmSettings.model_fields["staleness_weighting"].annotation))
