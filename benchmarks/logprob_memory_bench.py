@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from lightning_agentrl.algorithms.logprobs import token_logprobs
+from lightning_agentrl.settings import TrainerSettings
 
 RESULTS = Path(__file__).resolve().parent / "results" / "logprob_memory.json"
 TOLERANCE, TARGET_RATIO = 1e-5, 8.0
@@ -47,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cases", default="32000x8192,152064x2048", help="VOCABxTOKENS, comma-separated")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size H")
     parser.add_argument("--action-frac", type=float, default=0.1, help="share of positions that need a log-prob")
-    parser.add_argument("--chunk", type=int, default=1024, help="chunk size of the chunked path (positions)")
+    parser.add_argument("--chunk", type=int, default=TrainerSettings.model_fields["logprob_chunk_tokens"].default,
+                        help="chunk size of the chunked path (positions); default: the trainer's logprob_chunk_tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)

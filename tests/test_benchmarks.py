@@ -156,3 +156,15 @@ def test_peer_profile_shares_add_up_to_the_median_step():
     shares = {s["stage"].split(" ")[0]: s["share"] for s in summary["stages"]}
     assert shares["rollout"] == 0.5 and shares["backward"] == 0.167 and abs(sum(shares.values()) - 1) < 0.01
     assert [s["seconds"] for s in summary["stages"]] == sorted((s["seconds"] for s in summary["stages"]), reverse=True)
+
+
+def test_sampling_benchmark_times_both_samplers_on_the_same_distributions(tmp_path):
+    out = tmp_path / "sampling.json"
+    done = run_benchmark("benchmarks/sampling_bench.py", "--rows", "3", "--vocab", "50", "--steps", "4",
+                         "--repeats", "1", "--threads", "1", "--out", str(out))
+    record = json.loads(out.read_text())
+    assert (record["rows"], record["vocab"], record["steps"]) == (3, 50, 4)
+    ms = record["ms_per_step"]
+    assert set(ms) == {"per_row", "batched"} and all(v > 0 for v in ms.values())
+    assert math.isclose(record["speedup"], ms["per_row"] / ms["batched"], rel_tol=0.02)
+    assert f"{record['speedup']}x" in done.stdout
