@@ -103,10 +103,11 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lightning_agentrl.models import pad_token_id
     from lightning_agentrl.rollout.engine import TorchEngine
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.model.dtype))
-    return TorchEngine(model, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, max_batch_size=e.max_batch_size)
+    return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=e.max_batch_size)
 
 
 def tracking_uri(settings: Settings, run_dir: Path) -> str:
@@ -435,13 +436,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
         sampling=SamplingParams(
             max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, seed=settings.run.seed
         ),
-        budget=EpisodeBudget(
-            max_turns=env.max_turns,
-            max_context_tokens=env.max_context_tokens,
-            generation_timeout_s=env.generation_timeout_s,
-            episode_timeout_s=env.episode_timeout_s,
-            max_tool_errors=env.max_tool_errors,
-        ),
+        budget=EpisodeBudget.from_settings(env),
         plan=RolloutPlan.from_settings(r, seed=settings.run.seed),
         summarizer=make_summarizer(env.summarizer, codec, max_summary_tokens=env.summary_max_tokens),
         episode_budget=ForcedTruncation.from_settings(r, seed=settings.run.seed),  # an experiment; None by default

@@ -17,7 +17,14 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
-from lightning_agentrl.envs.base import EnvInfraError, Environment, StepResult, ToolTimeout, history_summary
+from lightning_agentrl.envs.base import (
+    EnvInfraError,
+    Environment,
+    StepResult,
+    ToolTimeout,
+    clip,
+    history_summary,
+)
 from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_call
 from lightning_agentrl.tasks import Task
 
@@ -98,11 +105,6 @@ class CodingEnv(Environment):
         files = "".join(f"[file {path}]\n{content}\n" for path, content in sorted(self._written.items()))
         return f"{files[-half:]}[last observation]\n{self._last_observation[-half:]}"
 
-    def _clip(self, text: str) -> str:
-        if len(text) <= self.max_observation_chars:
-            return text
-        return text[: self.max_observation_chars] + f"\n[... {len(text) - self.max_observation_chars} more characters cut]"
-
     async def step(self, action_text: str) -> StepResult:
         from sandbox_client import SandboxRequestError
         from sandbox_client.scoring import score_submission
@@ -141,7 +143,7 @@ class CodingEnv(Environment):
             return self._observe(f"error: {err}", error=True, **info)
 
     def _observe(self, text: str, error: bool = False, **info) -> StepResult:
-        text = self._clip(text)
+        text = clip(text, self.max_observation_chars)
         self._last_observation = text
         return StepResult(text, info={**info, "error": error})
 

@@ -22,6 +22,8 @@ import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lightning_agentrl.models import pad_token_id as tokenizer_pad_id
+
 # ChatML-style template. The generation prompt ends with "<|im_start|>assistant\n" and an
 # assistant turn ends with the eos token "<|im_end|>", so generation stops on eos.
 CHAT_TEMPLATE = (
@@ -136,7 +138,7 @@ def _save_random_llama(tokenizer, config: TinyModelConfig, target: Path) -> Path
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_token_id = tokenizer_pad_id(tokenizer)
     model_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,

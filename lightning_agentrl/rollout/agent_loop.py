@@ -60,6 +60,7 @@ from lightning_agentrl.envs.base import (
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
+from lightning_agentrl.settings import EnvSettings
 from lightning_agentrl.trajectory import (
     DIGESTS_KEY,
     Segment,
@@ -76,15 +77,24 @@ SCORED = (TerminationReason.SUBMITTED, TerminationReason.SCORING_TIMEOUT)  # the
 log = logging.getLogger(__name__)
 
 
+def _env_default(name: str):
+    return EnvSettings.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class EpisodeBudget:
-    """Limits of one episode; each one maps to a termination reason (the tool timeout is the env's)."""
+    """Limits of one episode; each one maps to a termination reason (the tool timeout is the env's).
+    The fields are the ``env`` settings of the same names, with their defaults (documented there)."""
 
-    max_turns: int = 4
-    max_context_tokens: int = 2048
-    generation_timeout_s: float = 120.0
-    episode_timeout_s: float = 600.0
-    max_tool_errors: int = 3
+    max_turns: int = _env_default("max_turns")
+    max_context_tokens: int = _env_default("max_context_tokens")
+    generation_timeout_s: float = _env_default("generation_timeout_s")
+    episode_timeout_s: float = _env_default("episode_timeout_s")
+    max_tool_errors: int = _env_default("max_tool_errors")
+
+    @classmethod
+    def from_settings(cls, env: EnvSettings) -> EpisodeBudget:
+        return cls(**{name: getattr(env, name) for name in cls.__dataclass_fields__})
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_context_tokens", "max_tool_errors"):

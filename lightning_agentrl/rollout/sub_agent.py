@@ -11,6 +11,7 @@ from dataclasses import replace
 from itertools import count
 from typing import TYPE_CHECKING
 
+from lightning_agentrl.models import pad_token_id
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import SamplingParams, TorchEngine
 
@@ -61,7 +62,7 @@ def build_sub_agent(settings: Settings) -> EngineSubAgent | None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, settings.model.dtype))
     model.requires_grad_(False)
-    engine = TorchEngine(model, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    engine = TorchEngine(model, pad_token_id=pad_token_id(tokenizer),
                          max_batch_size=settings.engine.max_batch_size)
     sampling = SamplingParams(max_new_tokens=sub.max_new_tokens, temperature=sub.temperature, seed=settings.run.seed)
     return EngineSubAgent(engine, ChatCodec(tokenizer), sampling)

@@ -171,3 +171,12 @@ def test_a_submission_whose_tests_run_past_the_scoring_limit_ends_as_scoring_tim
                       on_env=lambda env, client: setattr(env, "scoring_timeout_s", 1.0))
     assert trajectory.termination is TerminationReason.SCORING_TIMEOUT
     assert trajectory.reward == 0.0 and not trajectory.termination.truncated
+
+
+def test_the_budget_is_the_env_settings_with_their_defaults():
+    from lightning_agentrl.settings import EnvSettings, load_settings
+
+    env = load_settings(None, ["--env.max_turns=7", "--env.max_tool_errors=2"]).env
+    assert EpisodeBudget.from_settings(env) == EpisodeBudget(max_turns=7, max_tool_errors=2)
+    defaults = EnvSettings.model_fields
+    assert all(getattr(EpisodeBudget(), name) == defaults[name].default for name in EpisodeBudget.__dataclass_fields__)
