@@ -45,6 +45,7 @@ class PreflightError(SettingsError):
 def preflight(settings: Settings, *, network: bool = True) -> None:
     """Run every start-up check; the first failure raises :class:`PreflightError`."""
     check_tasks(settings)
+    check_infra_wait(settings)
     check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"))
     check_chat_template(settings)
     if settings.env.sub_agent is not None:
@@ -58,6 +59,16 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
 
 
 # -- local -----------------------------------------------------------------------------------------
+def check_infra_wait(settings: Settings) -> None:
+    """``rollout.on_infra_failure: wait`` waits for the sandbox service's health call to answer; an
+    environment that uses no sandbox service has nothing to wait for."""
+    if settings.rollout.on_infra_failure == "wait" and not env_uses_sandbox(settings):
+        raise PreflightError(
+            f"rollout.on_infra_failure: 'wait' polls the sandbox service's health, and env.kind "
+            f"{settings.env.kind!r} uses no sandbox service (Environment.uses_sandbox is False); use 'stop'"
+        )
+
+
 def check_tasks(settings: Settings) -> None:
     """The tasks exist, load (by ``env.kind``'s loader), and hold tasks of ``env.split`` (and of ``eval.split``
     when evaluating)."""

@@ -148,3 +148,18 @@ def test_keydoor_trains_and_evaluates_without_the_sandbox_service(tmp_path, url,
     assert code == 0, capsys.readouterr().err
     assert json.loads((out / "evaluation.json").read_text())["episodes"] == 2
     assert not list(out.glob("sandbox_server*.log"))
+
+
+def test_waiting_for_the_sandbox_service_is_refused_for_an_environment_without_one(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_agentrl", "fit", "--config", "configs/keydoor.yaml",
+         f"--run.dir={tmp_path / 'run'}", "--rollout.on_infra_failure=wait"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "rollout.on_infra_failure: 'wait' polls the sandbox service's health" in done.stderr
+    assert "'keydoor' uses no sandbox service" in done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any work
