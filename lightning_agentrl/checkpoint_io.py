@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import time
@@ -105,12 +106,20 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
     _fsync_directory(target.parent)
 
 
+STEP_FILE = re.compile(r"step_step=(\d+)\.ckpt")
+
+
 class StepCheckpoint(ModelCheckpoint):
     """``step_step=N.ckpt`` every ``every_n_train_steps`` steps and at the end of training, the newest
     ``keep`` kept, and ``last.ckpt`` an atomic symlink to the newest (one file written per save).
 
     ``link_last=False`` (DeepSpeed, whose checkpoints are folders written in place) writes
     ``last.ckpt`` as a second full checkpoint instead, so nothing is ever written through a link.
+
+    A resume keeps this layout whatever changed since the checkpoint: ``last.ckpt`` is always
+    replaced, never versioned (``last-v1.ckpt``), the callback's state is found under one key
+    whatever ``every_n_train_steps`` is, and step checkpoints past the newest ``keep`` are deleted by
+    their step number, also those of a run folder that was moved (whose recorded paths do not match).
     """
 
     def __init__(self, dirpath: Path, every_n_train_steps: int, *, keep: int = 2, link_last: bool = True) -> None:
@@ -122,7 +131,9 @@ class StepCheckpoint(ModelCheckpoint):
             save_top_k=keep,
             monitor="step",  # newest first: the top-k of the step number are the newest k
             mode="max",
+            enable_version_counter=False,
         )
+        self.keep = keep
         self.seconds = 0.0
         """Seconds spent saving (state gathering, write, link), summed over the run (stage timings)."""
         self.batch_end_at: float | None = None
@@ -132,6 +143,7 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         started = time.perf_counter()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._delete_older_steps(trainer)
         self.batch_end_at = time.perf_counter()
         self.seconds += self.batch_end_at - started
 
@@ -142,7 +154,30 @@ class StepCheckpoint(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+            self._delete_older_steps(trainer)
         super().on_train_end(trainer, pl_module)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return type(self).__name__  # one key: a resume with another checkpoint_every still finds the state
+
+    def _delete_older_steps(self, trainer) -> None:
+        """Delete step checkpoints past the newest ``keep`` (by step number) that Lightning's own top-k
+        does not know of (a resume in a moved folder), never the one ``last.ckpt`` points to."""
+        if not trainer.is_global_zero or self.dirpath is None or not os.path.isdir(self.dirpath):
+            return
+        steps = sorted(((int(m.group(1)), p) for p in Path(self.dirpath).iterdir()
+                        if (m := STEP_FILE.fullmatch(p.name))), reverse=True)
+        last = Path(self.dirpath) / "last.ckpt"
+        keep_target = last.resolve() if last.is_symlink() else None
+        for _, path in steps[self.keep :]:
+            if path.resolve() == keep_target:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)  # a DeepSpeed checkpoint folder
+            else:
+                path.unlink(missing_ok=True)
 
     @staticmethod
     @override

@@ -204,3 +204,29 @@ def test_a_checkpoint_written_to_a_linked_last_replaces_the_link_not_its_target(
     atomic_torch_save({"global_step": 99}, tmp_path / "last.ckpt")
     assert not (tmp_path / "last.ckpt").is_symlink()
     assert torch.load(tmp_path / "step_step=2.ckpt", weights_only=False)["global_step"] == 2
+
+
+@pytest.mark.parametrize("change", ["every_n", "moved_folder", "old_layout"])
+def test_a_resume_after_a_change_keeps_last_on_the_newest_step(tmp_path: Path, change: str) -> None:
+    """``last.ckpt`` never goes versioned (``last-v1.ckpt``) and never stays on an older step: after a
+    resume with another ``every_n_train_steps``, from a moved run folder, or over a run whose ``last.ckpt``
+    is a file (the layout before step checkpoints); step files past the newest two are deleted."""
+    first = tmp_path / "first"
+    if change == "old_layout":
+        _fit(first, AtomicCheckpointIO(), save_last=True, max_steps=4)  # last.ckpt a file, step files by epoch
+    else:
+        _fit(first, AtomicCheckpointIO(), save_last="link", max_steps=4, checkpoint=StepCheckpoint(first, 1))
+    root = first
+    if change == "moved_folder":
+        root = tmp_path / "moved"
+        first.rename(root)
+    every = 3 if change == "every_n" else 1
+    resumed = _fit(root, AtomicCheckpointIO(), save_last="link", max_steps=7, ckpt_path=str(root / "last.ckpt"),
+                   checkpoint=StepCheckpoint(root, every))
+    assert resumed.global_step == 7
+    last = root / "last.ckpt"
+    assert last.is_symlink() and os.readlink(last) == "step_step=7.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 7
+    assert not list(root.glob("last-v*.ckpt"))
+    assert sorted(p.name for p in root.glob("step_*.ckpt")) == (
+        ["step_step=6.ckpt", "step_step=7.ckpt"] if every == 1 else ["step_step=6.ckpt", "step_step=7.ckpt"])
