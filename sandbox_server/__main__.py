@@ -14,12 +14,13 @@ import logging
 import sys
 from typing import Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from sandbox_server.options import ServerOptions, describe
 
-TOKEN_ENV = "SANDBOX_SERVER_TOKEN"
+ENV_PREFIX = "SANDBOX_SERVER_"
+TOKEN_ENV = f"{ENV_PREFIX}TOKEN"
 
 
 class ServeCommand(BaseSettings, ServerOptions):
@@ -27,14 +28,14 @@ class ServeCommand(BaseSettings, ServerOptions):
     an environment variable SANDBOX_SERVER_<NAME> (the token: SANDBOX_SERVER_TOKEN, preferred over --token,
     which other users of the host can see in `ps`); a flag wins over its variable."""
 
-    model_config = SettingsConfigDict(env_prefix="SANDBOX_SERVER_", cli_prog_name="python -m sandbox_server",
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_prog_name="python -m sandbox_server",
                                       cli_kebab_case=True, cli_implicit_flags=True, use_attribute_docstrings=True,
                                       extra="forbid")
 
     host: str = "127.0.0.1"
     """Address to listen on."""
 
-    port: int = 8080
+    port: int = Field(8080, ge=0, le=65535)
     """Port to listen on."""
 
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"

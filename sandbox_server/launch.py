@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 from pydantic import ValidationError
 
-from sandbox_server.__main__ import TOKEN_ENV
+from sandbox_server.__main__ import ENV_PREFIX, TOKEN_ENV
 from sandbox_server.options import ServerOptions, describe
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +65,9 @@ class LocalSandboxServer:
         for name, value in server_options.items():
             flag = name.replace("_", "-")
             argv += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
-        env = {**os.environ, TOKEN_ENV: token}
+        # Only the options passed here configure the server: a caller's SANDBOX_SERVER_* variables (meant
+        # for a server they start themselves) must not change it silently (e.g. allow root commands).
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)} | {TOKEN_ENV: token}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH", "")]))
         self._log_path = log_file
         # A file, never a pipe: nobody drains a pipe during a long run, and a full pipe blocks the server.

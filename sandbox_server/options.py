@@ -39,7 +39,7 @@ class ServerOptions(BaseModel):
     """``bwrap``: bubblewrap namespaces (fails at start if unusable); ``process``: plain subprocess +
     rlimits; ``auto``: bwrap when the host allows it, else process (reported on /v1/health)."""
 
-    sandbox_uid: int = 100000
+    sandbox_uid: int = Field(100000, ge=-1)
     """When the server runs as root, sandbox slot i runs its commands as uid ``sandbox_uid + i``
     (one uid per live sandbox: per-uid limits and file permissions then separate sandboxes);
     -1 keeps the server's uid (refused as root without ``allow_root_commands``)."""

@@ -175,11 +175,23 @@ def test_every_option_is_a_documented_flag_and_an_environment_variable(tmp_path,
     with pytest.raises(SystemExit, match=r"default_ttl_s \(10.0\) exceeds max_ttl_s \(5.0\)") as refused:
         parse(["--max-ttl-s", "5", "--default-ttl-s", "10", "--token", "secret-token-value"])
     assert "secret-token-value" not in str(refused.value)  # the refusal never echoes the token
-    # a variable reaches the server (here through start_local_server, which passes the environment on)
+    # a variable configures a server started by hand (a flag wins over it)
     monkeypatch.setenv("SANDBOX_SERVER_MAX_SANDBOXES", "3")
-    with start_local_server(root_dir=str(tmp_path / "boxes")) as server:
-        assert server.health()["limits"]["max_sandboxes"] == 3
+    monkeypatch.setenv("SANDBOX_SERVER_TOKEN", "t")
+    assert parse([])[1].max_sandboxes == 3
+    assert parse(["--max-sandboxes", "5"])[1].max_sandboxes == 5
 
 
 def _sandbox_dirs(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if not p.name.startswith(".")]  # .lock marks the root as taken
+
+
+def test_a_launched_server_ignores_the_callers_sandbox_server_variables(monkeypatch):
+    """The trainer's own server is configured by the options passed to it only: inherited
+    SANDBOX_SERVER_* variables (for a server the user starts by hand) change nothing."""
+    monkeypatch.setenv("SANDBOX_SERVER_MAX_SANDBOXES", "1")
+    monkeypatch.setenv("SANDBOX_SERVER_OUTPUT_LIMIT_BYTES", "10")
+    with start_local_server(max_sandboxes=3) as server:
+        health = server.health()
+    assert health["sandboxes"]["max"] == 3
+    assert health["limits"]["output_limit_bytes"] != 10
