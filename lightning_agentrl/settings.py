@@ -334,8 +334,11 @@ class TrainerSettings(_Section):
     """Training processes (devices) per node."""
     num_nodes: int = Field(1, ge=1)
     """Nodes; each runs `devices` processes (launched by Lightning, torchrun or SLURM: docs/scaling.md)."""
-    precision: str = "32-true"
-    """Lightning precision string."""
+    precision: Literal[
+        "32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true",
+        "transformer-engine", "transformer-engine-float16",
+    ] = "32-true"
+    """Lightning precision (``Trainer(precision=...)``)."""
     checkpoint_every: int = Field(50, ge=1)
     """Save a checkpoint every this many steps, at the end, and on a signal's stop: one file per save,
     `step_step=N.ckpt` (the previous one kept), with `last.ckpt` a link to the newest."""

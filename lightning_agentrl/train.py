@@ -249,9 +249,10 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     servers = start_local_servers(settings, model_path, run_dir)
     try:
         engine = make_engine(settings, model_path, tokenizer, urls=servers.urls if servers else None)
-        engine = wrap_engine(engine) if wrap_engine is not None else engine
-        service = build_rollout_service(settings, engine, sandbox, codec, tasks)
+        served = wrap_engine(engine) if wrap_engine is not None else engine  # the rollout service's view
+        service = build_rollout_service(settings, served, sandbox, codec, tasks)
         stop = build_stop(settings, run_dir, service, sandbox)
+        # the engine's own callbacks (sleep while training) need the engine itself, not a wrapper
         extra = [*engine_callbacks(engine), *callbacks, stop]  # after WeightSync: wake after the sync
         trainer = build_trainer(settings, run_dir, service, sandbox, tokenizer, extra=extra)
         logger = attach_logger(settings, run_dir, trainer)

@@ -125,3 +125,9 @@ def test_training_refuses_greedy_sampling_but_evaluation_may_be_greedy():
 def test_an_observation_role_that_is_not_a_tool_results_role_is_refused(role):
     with pytest.raises(ValueError, match="env.observation_role"):
         load_settings(overrides=[f"--env.observation_role={role}"])
+
+
+def test_an_unknown_precision_is_refused_before_any_model_loads():
+    with pytest.raises(SettingsError, match=r"trainer.precision: Input should be '32-true'.*\(got 'bogus'\)"):
+        load_settings(overrides=["--trainer.precision=bogus"])
+    assert load_settings(overrides=["--trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
