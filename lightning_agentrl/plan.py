@@ -499,7 +499,7 @@ def param_bytes_of(settings: Settings) -> int:
     precision = settings.trainer.precision
     if precision in ("bf16-true", "16-true", "bf16", "16"):
         return 2
-    if settings.trainer.strategy.startswith("deepspeed") and precision in ("bf16-mixed", "16-mixed"):
+    if settings.trainer.uses_deepspeed and precision in ("bf16-mixed", "16-mixed"):
         return 2
     return DTYPE_BYTES[settings.model.dtype]
 
@@ -527,7 +527,7 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     t, e, m = settings.trainer, settings.engine, settings.model
     b = param_bytes_of(settings)
     stage = _zero_stage(t.strategy)
-    deepspeed = t.strategy.startswith("deepspeed")
+    deepspeed = t.uses_deepspeed
     num_params = shape.num_parameters()
     k_per_param = optimizer_bytes_per_parameter(b, deepspeed)
     state = trainer_state_bytes(
@@ -667,7 +667,7 @@ def _fix_for(part: str, settings: Settings) -> str:
         "attention mask": ("set model.attn_implementation=flash_attention_2 (no [n, n] mask) or lower trainer.micro_batch_tokens "
                            "(and env.max_context_tokens if it is the larger)"),
         "optimizer states": (
-            "use trainer.strategy=deepspeed_stage_2/3 on more GPUs" if not t.strategy.startswith("deepspeed")
+            "use trainer.strategy=deepspeed_stage_2/3 on more GPUs" if not t.uses_deepspeed
             else "set trainer.offload_optimizer=true or use more GPUs"
         ),
         "parameters": "use trainer.strategy=deepspeed_stage_3 (shards the parameters) or more GPUs",

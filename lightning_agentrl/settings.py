@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 StrategyName = Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
+StalenessKind = Literal["none", "exp", "inverse"]  # algorithms/staleness.py implements each
 """The training strategies :func:`lightning_agentrl.strategies.make_strategy` builds."""
 
 _YAML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_YAML_DATA", default=None)
@@ -289,7 +290,7 @@ class AlgorithmSettings(_Section):
     """Clip of the value loss around the old values (None = plain squared error)."""
     importance_cap: float | None = Field(5.0, gt=0.0)
     """Truncate importance weights proximal/behavior at this value (None = no cap)."""
-    staleness_weighting: Literal["none", "exp", "inverse"] = "none"
+    staleness_weighting: StalenessKind = "none"
     """Down-weight tokens sampled `lag` versions ago: exp(-rate*lag), 1/(1+rate*lag), or not at all."""
     staleness_rate: float = Field(0.5, ge=0.0)
     """The rate of `staleness_weighting`."""
@@ -298,6 +299,11 @@ class AlgorithmSettings(_Section):
 
 
 class TrainerSettings(_Section):
+    @property
+    def uses_deepspeed(self) -> bool:
+        """``strategy`` is one of the DeepSpeed ZeRO stages."""
+        return self.strategy.startswith("deepspeed")
+
     max_steps: int = Field(2, ge=1)
     """Training steps to run. A training step is one rollout batch (`rollout.groups_per_step` groups); it is
     what `max_steps`, `checkpoint_every`, `sync_weights_every`, `warmup_steps` and the policy version count,

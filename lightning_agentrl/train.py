@@ -477,7 +477,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         *build_guards(settings, run_dir, service, sandbox),  # after TrajectoryArchive: a failing batch is saved
         WeightSync(service, settings.trainer.sync_weights_every),
         StepCheckpoint(run_dir / "checkpoints", settings.trainer.checkpoint_every,
-                       link_last=not settings.trainer.strategy.startswith("deepspeed")),
+                       link_last=not settings.trainer.uses_deepspeed),
         ExportPolicy(run_dir / "policy", tokenizer),
     ]
     if settings.eval.every_n_steps is not None:
@@ -517,7 +517,7 @@ def build_trainer(settings: Settings, run_dir: Path, service, sandbox, tokenizer
     from lightning_agentrl.strategies import make_strategy
 
     t = settings.trainer
-    deepspeed = t.strategy.startswith("deepspeed")
+    deepspeed = t.uses_deepspeed
     return L.Trainer(
         max_steps=t.max_steps,
         accelerator=t.accelerator,

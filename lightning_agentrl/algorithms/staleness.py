@@ -16,10 +16,12 @@ configurable discount for old data, and the bound drops data that is too old to 
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch import Tensor
+
+from lightning_agentrl.settings import StalenessKind
 
 
 def lag(policy_version: Tensor, current_version: int) -> Tensor:
@@ -40,7 +42,6 @@ def lag(policy_version: Tensor, current_version: int) -> Tensor:
     return torch.where(sampled, current_version - policy_version, torch.full_like(policy_version, -1))
 
 
-StalenessKind = Literal["none", "exp", "inverse"]
 STALENESS_KINDS: tuple[str, ...] = get_args(StalenessKind)
 
 
