@@ -232,12 +232,14 @@ def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float 
     (:func:`judge_policy`) asks (unset url: the local server, started and checked later by ``NodeSandbox``)."""
     if sandbox.url is None:
         return
-    if not sandbox.token:
-        raise PreflightError("sandbox.token: sandbox.url is set but no token is (the service needs its bearer token)")
+    if not sandbox.token_value:
+        raise PreflightError("sandbox.token: sandbox.url is set but no token is (the service needs its bearer token; "
+                             "a run folder never records it, so --resume last takes it again from --sandbox.token "
+                             "or AGENTRL_SANDBOX__TOKEN)")
     from sandbox_client import SandboxAuthError, SandboxClient
 
     async def health() -> dict:
-        async with SandboxClient(sandbox.url, sandbox.token, timeout_s=timeout_s, max_retries=0) as client:
+        async with SandboxClient(sandbox.url, sandbox.token_value, timeout_s=timeout_s, max_retries=0) as client:
             return await client.health()
 
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 StrategyName = Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
@@ -109,8 +109,15 @@ class EngineSettings(_Section):
 class SandboxSettings(_Section):
     url: str | None = None
     """Sandbox service URL. Unset: start the reference server on a free 127.0.0.1 port for this run."""
-    token: str | None = None
-    """Bearer token for `sandbox.url` (a random one is made for the local server)."""
+    token: SecretStr | None = None
+    """Bearer token for `sandbox.url` (a random one is made for the local server). A secret: printed and
+    recorded as `**********`, left out of the run folder's settings file (pass it again, or as
+    `AGENTRL_SANDBOX__TOKEN`, to `--resume last`)."""
+
+    @property
+    def token_value(self) -> str | None:
+        """The token itself (None when unset)."""
+        return self.token.get_secret_value() if self.token is not None else None
     request_timeout_s: float = Field(10.0, gt=0)
     """Deadline of one HTTP attempt (a command's own timeout comes on top)."""
     max_retries: int = Field(4, ge=0)

@@ -169,6 +169,7 @@ def _with_absolute_paths(settings: Settings) -> dict:
     """The settings as data, with local paths made absolute, so that ``--resume last`` (which takes
     this file as its base) works from any folder."""
     data = settings.model_dump(mode="json")
+    data["sandbox"].pop("token", None)  # a secret: never written down (a resume takes it from the command or environment)
     data["run"]["dir"] = str(Path(settings.run.dir).resolve())
     data["model"]["cache_dir"] = str(Path(settings.model.cache_dir).resolve())
     for section, key in (("env", "tasks"), ("model", "path")):
@@ -379,7 +380,7 @@ def make_sandbox(settings: Settings, log_dir: Path):
     from lightning_agentrl.distributed import NodeSandbox
 
     s = settings.sandbox
-    return NodeSandbox(s.url, s.token, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
+    return NodeSandbox(s.url, s.token_value, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
                        call_timeout_s=s.call_timeout_s, log_dir=log_dir, judge_isolation=judge_policy(settings))
 
 

@@ -131,7 +131,9 @@ def test_keydoor_trains_and_evaluates_without_the_sandbox_service(tmp_path, url,
 
     tasks = tmp_path / "maze.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"m{i}", "map": MAP}) + "\n" for i in range(2)))
-    sandbox = [] if url is None else [f"--sandbox.url=http://127.0.0.1:{_closed_port()}", "--sandbox.token=t"]
+    secret = "tok-s3cret-9f2"
+    sandbox = [] if url is None else [f"--sandbox.url=http://127.0.0.1:{_closed_port()}", f"--sandbox.token={secret}",
+                                      "--tracking.enabled=true"]
     settings = learn_settings(tmp_path, "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.max_turns=2",
                               "--trainer.max_steps=1", *sandbox)
     if url is not None:
@@ -142,6 +144,12 @@ def test_keydoor_trains_and_evaluates_without_the_sandbox_service(tmp_path, url,
     (batch,) = log.batches
     assert len(batch.trajectories) == 4 and all(t.info.get("sandbox_error") is None for t in batch.trajectories)
     assert not list(result.run_dir.glob("sandbox_server*.log"))
+    if url is not None:  # the token is a secret: in no file of the run folder (settings, MLflow store), masked in MLflow
+        from mlflow import MlflowClient
+
+        assert not [p for p in result.run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+        params = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.params
+        assert params["sandbox.token"] == "**********"
     # `evaluate` on the saved run: the same settings, no service started or checked either
     out = tmp_path / "evaluation"
     code = main(["evaluate", str(result.run_dir), "--split", "all", "--samples", "1", "--out", str(out), "--json"])
