@@ -62,7 +62,7 @@ DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json")
 class TaskSpec(BaseModel):
     """``task.json`` of a task folder: how to prompt and score the task (the trees are folders beside it)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     id: str = Field(min_length=1)
     prompt: str

@@ -70,7 +70,7 @@ class StrictRequest(BaseModel):
     """Requests take JSON types as they are: ``timeout_s: true`` or ``"30"`` is a 422 naming the field,
     not a 1 s or 30 s timeout (pydantic's lax mode would coerce them). An integer is still a number."""
 
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")  # a typo ("ttl") is a 422, not a silent default
 
 
 class CreateRequest(StrictRequest):

@@ -364,6 +364,7 @@ def test_coding_tasks_load_from_jsonl(tmp_path):
     ("overrides", "message"),
     [
         ({"hidden_test_count": True}, "hidden_test_count: Input should be a valid integer"),
+        ({"scoring_timeout_s": float("inf")}, "scoring_timeout_s: Input should be a finite number"),
         ({"files": None}, "files: Input should be an object"),
         ({"reward": 1}, r"reward: unknown key \(allowed: .*files, hidden_files, solution_files\)"),
         ({"hidden_files": {"calc.py": "x"}}, "collides with workspace file 'calc.py'"),

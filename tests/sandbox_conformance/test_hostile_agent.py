@@ -510,3 +510,14 @@ def test_a_file_name_that_is_not_utf8_gets_a_typed_422_and_a_fresh_score_of_zero
     assert (refused.status, refused.code) == (422, "unencodable_path")
     assert score.reward == 0.0 and "could not be listed" in score.output and "unencodable_path" in score.output
     _assert_still_serving(run)
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/sandboxes", {"files": {}, "ttl": 5}),
+                                            ("exec", {"command": "true", "timeout": 5})])
+def test_an_unknown_request_field_is_refused_naming_it(endpoint, sandbox, path, body):
+    path = f"/v1/sandboxes/{sandbox}/exec" if path == "exec" else path
+    response = _raw(endpoint, "POST", path, body)
+    if response.status_code == 201:
+        _raw(endpoint, "DELETE", f"/v1/sandboxes/{response.json()['id']}")
+    _assert_error(response, 422, "invalid_request")
+    assert ("ttl" if "ttl" in body else "timeout") in response.json()["error"]["message"], response.text
