@@ -30,7 +30,7 @@ smoke: install
 	$(PY) -m lightning_agentrl fit --config configs/smoke.yaml --run.dir=runs/smoke-$(RUN_ID)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 lint: install
 	$(VENV)/bin/ruff check .
