@@ -203,15 +203,14 @@ def check_run_dir(settings: Settings) -> Path:
 def check_new_run_dir(run_dir: Path, checkpoints: list[Path]) -> None:
     """A new run refuses a folder holding a previous run's outputs: checkpoints, trajectories or (rank 0
     alone) an MLflow run. Its files would mix with the new run's, and a resume would continue the wrong run.
-    Ranks other than 0 skip the MLflow record: Lightning starts them after rank 0 has written it."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
+    Other processes skip the MLflow record: Lightning starts them after rank 0 has written it, and other
+    nodes start while it may be writing it."""
     trajectories = run_dir / "trajectories"
     record = run_dir / "mlflow_run_id.txt"
     found = [*checkpoints[:1]]
     if trajectories.is_dir() and any(trajectories.iterdir()):
         found.append(trajectories)
-    if rank_zero_only.rank == 0 and record.exists():
+    if _first_process() and record.exists():
         found.append(record)
     if not found:
         return
@@ -221,6 +220,12 @@ def check_new_run_dir(run_dir: Path, checkpoints: list[Path]) -> None:
     else:  # killed before its first checkpoint: nothing to resume from
         ways = "it has no checkpoint to continue from (--resume last needs one): choose another run.dir or delete this one"
     raise SettingsError(f"run.dir: {run_dir} already holds a run ({held}); {ways}")
+
+
+def _first_process() -> bool:
+    """Whether this is the run's first process, before the Trainer exists to say so: the variables that
+    Lightning's launcher, torchrun and SLURM set for the others (unset for a single process)."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def check_same_layout(settings: Settings, run_dir: Path) -> None:

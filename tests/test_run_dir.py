@@ -47,6 +47,18 @@ def test_a_new_run_refuses_a_folder_holding_a_previous_runs_outputs(tmp_path, pr
     assert sorted(str(p) for p in run.rglob("*")) == before  # nothing written
 
 
+@pytest.mark.parametrize("variable", ["LOCAL_RANK", "NODE_RANK"])
+def test_the_other_processes_of_a_new_run_accept_the_mlflow_run_that_rank_zero_just_recorded(tmp_path, monkeypatch,
+                                                                                             variable):
+    """Lightning starts rank 1 once rank 0 has recorded the run in MLflow; another node may start while it does."""
+    from lightning_agentrl.train import check_run_dir
+
+    settings = learn_settings(tmp_path)
+    _mlflow_run(Path(settings.run.dir))
+    monkeypatch.setenv(variable, "1")
+    assert check_run_dir(settings) == Path(settings.run.dir)
+
+
 def test_a_folder_left_by_a_run_that_failed_before_writing_anything_is_reused(tmp_path):
     """Settings, a sandbox log and an empty trajectories/ are not a run's outputs: the same command runs again."""
     settings = learn_settings(tmp_path, "--trainer.max_steps=1")
