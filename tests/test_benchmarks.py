@@ -166,14 +166,27 @@ def test_packing_benchmark_compares_both_paths_on_the_same_tokens(tmp_path):
 
 def test_scaling_benchmark_doubles_an_axis_and_reports_the_exponent(tmp_path):
     out = tmp_path / "scaling.json"
-    run_benchmark("benchmarks/scaling_bench.py", "--axes", "groups", "--steps", "1", "--warmup", "1", "--groups", "1",
-                  "--group-size", "2", "--max-new-tokens", "4", "--threads", "1", "--out", str(out))
+    done = run_benchmark("benchmarks/scaling_bench.py", "--axes", "groups", "--steps", "1", "--warmup", "1", "--groups",
+                         "1", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1", "--pack-tokens", "64,128,256",
+                         "--segment-tokens", "32", "--out", str(out))
     record = json.loads(out.read_text())
+    # the train phase's attention check: packs of 32-token sequences, the training path and the whole-pack reference
+    from benchmarks.scaling_bench import slope
+
+    packs = record["packs"]
+    assert [(p["pack_tokens"], p["segment_tokens"]) for p in packs] == [(64, 32), (128, 32), (256, 32)]
+    assert all(p["train_s"] > 0 and p["block_mask_s"] > 0 for p in packs)
+    assert record["exponent_train_vs_pack_tokens"] == round(slope([64, 128, 256], [p["train_s"] for p in packs]), 2)
+    assert record["exponent_block_mask_reference"] == round(slope([64, 128, 256], [p["block_mask_s"] for p in packs]), 2)
+    assert f"train phase on packs of 64 to 256 tokens: exponent {record['exponent_train_vs_pack_tokens']}" in done.stdout
     base, doubled = record["runs"]
     assert (base["shape"]["groups"], doubled["shape"]["groups"]) == (1, 2)
     assert doubled["tokens_per_step"] > base["tokens_per_step"] > 0 and base["median_step_s"] > 0
     assert record["exponent_per_axis"]["groups"] == round(math.log2(doubled["median_step_s"] / base["median_step_s"]), 2)
     assert set(record["exponent_per_axis"]) == {"groups"}
+    done = subprocess.run([sys.executable, "benchmarks/scaling_bench.py", "--pack-tokens", "96,128", "--segment-tokens",
+                           "64"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "each a multiple of --segment-tokens" in done.stderr
 
 
 def test_peer_profile_shares_add_up_to_the_median_step():
