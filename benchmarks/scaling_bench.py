@@ -20,8 +20,9 @@ pack's cost is the layers' matrix products, linear in tokens, and even attention
 (an ``[n, n]`` mask) grows with an exponent near 1. So the train phase is also timed on its own, at
 the lengths where attention dominates: the training step's decoder forward + backward
 (``AgentRLModule.hidden_states``, the path ``training_step`` takes) on packs of ``--pack-tokens``
-tokens (1k to 4k by default) made of ``--segment-tokens``-token sequences, best of 2, in this
-process with ``--threads`` threads. Each sequence attends only to itself, so the cost should be
+tokens (1k to 4k by default) made of ``--segment-tokens``-token sequences, best of 3, in this
+process with one torch thread (a growth exponent needs no parallelism, and on a shared machine two
+threads made it swing from 0.7 to 1.4 where one thread repeats within 0.05). Each sequence attends only to itself, so the cost should be
 linear in the pack's length: ``exponent_train_vs_pack_tokens`` about 1. A regression to attention
 over the whole pack makes it quadratic; the same packs under one ``[n, n]`` block mask are timed
 alongside as that reference (``exponent_block_mask_reference``, about 2 at these lengths).
@@ -110,7 +111,7 @@ def pack_timings(args: argparse.Namespace) -> list[dict]:
     from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.settings import load_settings
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     settings = load_settings(None, ["--model.path=tiny", f"--model.cache_dir={CACHE_DIR}"])
     module = AgentRLModule(settings, str(build_tiny_model(CACHE_DIR)))
     module.configure_model()
@@ -121,10 +122,10 @@ def pack_timings(args: argparse.Namespace) -> list[dict]:
     for n in args.packs:
         ids = torch.randint(3, policy.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
         pack = (ids, torch.arange(length).repeat(n // length), torch.arange(n // length).repeat_interleave(length))
-        row = {"pack_tokens": n, "segment_tokens": length}
+        row = {"pack_tokens": n, "segment_tokens": length, "torch_threads": torch.get_num_threads()}
         for key, forward in paths.items():
             times = []
-            for _ in range(2):
+            for _ in range(3):
                 started = time.perf_counter()
                 forward(*pack).sum().backward()
                 times.append(time.perf_counter() - started)
