@@ -3,9 +3,10 @@
     python benchmarks/peer_trl.py                      # make bench (needs the `bench` extra: trl)
     python benchmarks/peer_trl.py --steps 3 --warmup 1
 
-Both sides train the project's tiny local model (``model.path: tiny``) on CPU with two torch
-threads: 8 prompts x 8 generations x at most 64 new tokens per optimizer step, beta 0 (no
-reference model), lr 1e-5, sampling at temperature 1, no vLLM. Each side runs in its own
+Both sides train the project's tiny local model (``model.path: tiny``) on CPU with the same number of
+torch threads (``--threads``, 2 by default; ``OMP_NUM_THREADS`` too, and each side records the count
+its process ran with): 8 prompts x 8 generations x at most 64 new tokens per optimizer step, beta 0
+(no reference model), lr 1e-5, sampling at temperature 1, no vLLM. Each side runs in its own
 subprocess, ``--warmup`` steps and then ``--steps`` measured ones; a step's time is the wall time
 between the ends of two consecutive optimizer steps (generation, scoring, forward/backward,
 optimizer, and whatever the trainer does between steps, checkpoints included), and the reported
@@ -21,11 +22,18 @@ figure is the median. Throughput is completion (generated) tokens per second of 
   action per episode, the same reward, and no observation after the action. Its tasks are the
   digits the TRL side's sampler gave each step, laid out so that the project's task order gives
   step k the same 8 prompts (the record checks it: ``same_prompts_per_step``). Everything else is the
-  defaults a user gets (``trainer.micro_batch_tokens``, a checkpoint every step, MLflow on).
+  defaults a user gets (``trainer.micro_batch_tokens``, a checkpoint every 50 steps, so none within
+  a default run's 7 steps, and the final one after the last step's end; MLflow on). Its torch engine
+  samples every row of a decoding step in one batched inverse-CDF draw (TRL: ``torch.multinomial``
+  inside ``transformers.generate``).
 
 The sides run alternately, ``--rounds`` times each (TRL, project, TRL, project, ...), so that both
 see the same spread of load on a shared machine; the reported step time of a side is the median
 over all its measured steps, and the record keeps each round's median and the load around it.
+A load average above the machine's cores (before or after any round) makes the comparison unsound:
+with more runnable threads than cores, multi-threaded torch ops wait on each other and a side's step
+time can grow several-fold, by different factors for the two sides. The record then says
+``load_over_cores: true`` and the printed line ends with a warning; rerun on an idle machine.
 
 Writes ``benchmarks/results/peer_trl.json`` (both sides' step times, tokens and settings, and the
 ratio) and ``benchmarks/results/peer_trl_profile.json`` (the share of the project's step taken by
@@ -50,7 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 CACHE_DIR = REPO / ".cache" / "lightning_agentrl"
-NUM_PROMPTS, NUM_GENERATIONS, NEW_TOKENS, LR, THREADS = 8, 8, 64, 1e-5, 2
+NUM_PROMPTS, NUM_GENERATIONS, NEW_TOKENS, LR, THREADS = 8, 8, 64, 1e-5, 2  # THREADS: --threads' default
 ENV_KIND = "benchmarks.peer_env:RepeatDigitEnv"
 
 
@@ -60,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps per side before measuring")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating TRL and project")
+    parser.add_argument("--threads", type=int, default=THREADS, help="torch threads of both sides (the same)")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="interpreter with trl installed (the `bench` extra); default: this one")
     parser.add_argument("--trl-bf16", action="store_true",
@@ -74,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps and --warmup must be at least 1 (the first step's time has no previous step end)")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
     return args
 
 
@@ -92,7 +103,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     from benchmarks.peer_env import prompt_text
     from lightning_agentrl.models.tiny import build_tiny_model
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     model_path = build_tiny_model(CACHE_DIR)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     draw = random.Random(args.seed)
@@ -141,6 +152,7 @@ def run_trl(args: argparse.Namespace) -> dict:
 
     return {
         "version": f"trl {trl.__version__}",
+        "torch_threads": torch.get_num_threads(),  # after training: what its ops ran with
         "step_s": times,
         "completion_tokens_per_step": [round(n * batch, 1) for n in lengths],
         "prompt_tokens_mean": len(prompt),
@@ -148,7 +160,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         "settings": {"per_device_train_batch_size": batch, "num_generations": NUM_GENERATIONS,
                      "max_completion_length": NEW_TOKENS, "beta": 0.0, "learning_rate": LR,
                      "loss_type": config.loss_type, "use_vllm": False, "gradient_checkpointing": False,
-                     "bf16": args.trl_bf16, "torch_threads": THREADS},
+                     "bf16": args.trl_bf16, "torch_threads": args.threads},
     }
 
 
@@ -176,7 +188,7 @@ def project_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
         f"--env.kind={ENV_KIND}", f"--env.tasks={args.tasks}", "--env.max_turns=1",
         f"--rollout.groups_per_step={NUM_PROMPTS}", f"--rollout.group_size={NUM_GENERATIONS}",
         f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0", "--algorithm.grpo_std=sample",
-        f"--trainer.lr={LR}", f"--trainer.threads={THREADS}", f"--trainer.max_steps={args.warmup + args.steps}",
+        f"--trainer.lr={LR}", f"--trainer.threads={args.threads}", f"--trainer.max_steps={args.warmup + args.steps}",
         "--tracking.experiment=peer_trl",
     ]
 
@@ -238,10 +250,13 @@ def run_project(args: argparse.Namespace) -> dict:
     overrides = project_overrides(args, run_dir)
     clock = stage_clock()
     fit(load_settings(None, overrides), callbacks=[clock])
+    import torch
+
     measured = clock.steps[args.warmup :]
     digit_of = {json.loads(line)["id"]: json.loads(line)["digit"] for line in Path(args.tasks).read_text().splitlines()}
     return {
         "version": "lightning-agentrl " + git_commit(),
+        "torch_threads": torch.get_num_threads(),  # after training: what its ops ran with
         "step_s": step_times([s["end"] for s in clock.steps], args.warmup),
         "completion_tokens_per_step": [s["completion_tokens"] for s in measured],
         "prompt_tokens_mean": round(statistics.fmean(s["prompt_tokens_mean"] for s in measured), 1),
@@ -264,7 +279,7 @@ def run_side(side: str, python: str, args: argparse.Namespace, *, tasks: Path | 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{side}.json"
         command = [python, __file__, "--side", side, "--side-out", str(out), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--seed", str(args.seed)]
+                   "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads)]
         if run_dir:
             command += ["--run-dir", run_dir]
         if tasks:
@@ -272,7 +287,8 @@ def run_side(side: str, python: str, args: argparse.Namespace, *, tasks: Path | 
         if args.trl_bf16:
             command.append("--trl-bf16")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
+               "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+               "TOKENIZERS_PARALLELISM": "false"}
         started, load_before = time.perf_counter(), os.getloadavg()[0]
         subprocess.run(command, cwd=REPO, env=env, check=True)
         record = json.loads(out.read_text())
@@ -321,7 +337,8 @@ def pooled(rounds: list[dict]) -> dict:
     for key in ("step_s", "completion_tokens_per_step", "stages"):
         if key in rounds[0]:
             record[key] = [x for r in rounds for x in r[key]]
-    record["rounds"] = [{**summarize(r), "load_avg_1min": r["load_avg_1min"]} for r in rounds]
+    record["rounds"] = [{**summarize(r), "load_avg_1min": r["load_avg_1min"], "torch_threads": r["torch_threads"]}
+                        for r in rounds]
     record.pop("load_avg_1min")
     return record
 
@@ -352,13 +369,52 @@ DIFFERENCES = [
     "none in the loss: both take a token-level mean over the batch (TRL loss_type 'dapo', the project's default "
     "algorithm.aggregation 'token-mean'), clip 0.2, beta 0, advantages scaled by the group's sample std (the "
     "project's algorithm.grpo_std=sample, set here to match TRL's torch.std)",
-    "project step includes its defaults: a checkpoint every step, MLflow logging, trajectory files (TRL: "
-    "save_strategy='no', report_to='none')",
+    "project step includes its defaults: MLflow logging, trajectory files, a checkpoint every 50 steps (none "
+    "within the default 1 + 6 steps; the final one comes after the last measured step) (TRL: save_strategy='no', "
+    "report_to='none')",
     "project sequences end with the end-of-turn id after an action cut at max_new_tokens (one context token, "
     "mask 0, not a completion token); TRL trains on the cut completion as it is",
     "sampling: each side draws its own completions (same prompts, temperature 1, different generators), so "
-    "completion lengths differ slightly; throughput is per completion token",
+    "completion lengths differ slightly; throughput is per completion token. The project's torch engine samples "
+    "every row of a decoding step in one batched inverse-CDF draw (per-request seeded uniforms); TRL samples "
+    "with torch.multinomial inside transformers.generate",
+    "threads: both sides run with the same torch thread count (record: torch_threads, as each process ran); "
+    "a load average above the cores (record: load_over_cores) makes the step times incomparable",
 ]
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def overloaded_runs(trl: dict, project: dict, cores: int) -> list[str]:
+    """The runs (``"trl round 1"``) whose 1-minute load average, before or after, exceeded ``cores``."""
+    return [f"{name} round {k + 1}" for name, side in (("trl", trl), ("project", project))
+            for k, r in enumerate(side["rounds"]) if max(r["load_avg_1min"].values()) > cores]
+
+
+def thread_counts(trl: dict, project: dict) -> dict:
+    """The torch threads each side's rounds ran with, and whether all of them are the same."""
+    counts = {name: [r["torch_threads"] for r in side["rounds"]] for name, side in (("trl", trl), ("project", project))}
+    return {**counts, "same": len({n for side in counts.values() for n in side}) == 1}
+
+
+def summary_line(record: dict) -> str:
+    shape, trl, project = record["shape"], record["trl"], record["project"]
+    loads = [r["load_avg_1min"][k] for side in (trl, project) for r in side["rounds"] for k in ("before", "after")]
+    line = (f"peer_trl ({shape['prompts']}x{shape['generations']}x{shape['max_new_tokens']} tokens/step, "
+            f"{shape['torch_threads']} threads, {shape['rounds_per_side']} alternating rounds): "
+            f"TRL {trl['completion_tokens_per_s']} completion tok/s ({trl['median_step_s']} s/step), "
+            f"project {project['completion_tokens_per_s']} tok/s ({project['median_step_s']} s/step), "
+            f"ratio {record['ratio_project_over_trl']}x (target 2x); load {min(loads):.1f} to {max(loads):.1f} "
+            f"on {record['cores']} cores")
+    if not record["torch_threads"]["same"]:
+        line += f"; WARNING: the sides ran with different torch threads {record['torch_threads']}"
+    if record["load_over_cores"]:
+        line += (f"; WARNING: load average above the {record['cores']} cores in {', '.join(record['overloaded_runs'])}:"
+                 f" the step times are not comparable, rerun on an idle machine")
+    return line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -374,13 +430,16 @@ def main(argv: list[str] | None = None) -> None:
         trl_record, project_record, same_trl = run_rounds(args, Path(tasks_dir))
     trl, project = summarize(trl_record), summarize(project_record)
     ratio = round(project["completion_tokens_per_s"] / trl["completion_tokens_per_s"], 2)
-    load = os.getloadavg()
+    load, cores = os.getloadavg(), machine_cores()
+    overloaded = overloaded_runs(trl_record, project_record, cores)
     record = {
         "command": shlex.join(["python", "benchmarks/peer_trl.py", *argv]),
-        "host": platform.platform(), "cpu_count": os.cpu_count(),
+        "host": platform.platform(), "cpu_count": os.cpu_count(), "cores": cores,
         "load_avg_at_end": [round(x, 2) for x in load],  # 1, 5, 15 min; the machine may be shared
+        "load_over_cores": bool(overloaded), "overloaded_runs": overloaded,
+        "torch_threads": thread_counts(trl_record, project_record),
         "shape": {"prompts": NUM_PROMPTS, "generations": NUM_GENERATIONS, "max_new_tokens": NEW_TOKENS,
-                  "lr": LR, "beta": 0.0, "torch_threads": THREADS, "warmup_steps": args.warmup,
+                  "lr": LR, "beta": 0.0, "torch_threads": args.threads, "warmup_steps": args.warmup,
                   "measured_steps": args.steps, "rounds_per_side": args.rounds, "order": "TRL, project, alternating",
                   "environment": ENV_KIND},
         "ratio_project_over_trl": ratio,
@@ -394,11 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     out.with_name(out.stem + "_profile.json").write_text(json.dumps(profile(project_record), indent=2) + "\n")
-    loads = [r["load_avg_1min"]["before"] for side in (trl_record, project_record) for r in side["rounds"]]
-    print(f"peer_trl ({NUM_PROMPTS}x{NUM_GENERATIONS}x{NEW_TOKENS} tokens/step, {THREADS} threads, "
-          f"{args.rounds} alternating rounds): TRL {trl['completion_tokens_per_s']} completion tok/s "
-          f"({trl['median_step_s']} s/step), project {project['completion_tokens_per_s']} tok/s "
-          f"({project['median_step_s']} s/step), ratio {ratio}x (target 2x); load {min(loads):.1f} to {max(loads):.1f}")
+    print(summary_line(record))
 
 
 if __name__ == "__main__":

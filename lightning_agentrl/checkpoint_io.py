@@ -24,7 +24,8 @@ damaged newest checkpoint still leaves an intact one for ``--resume last``.
 
 - A leftover temporary file is named ``.<target name>.<random>.tmp``: its suffix is not ``.ckpt``
   and its name does not start with ``last``, so neither ``ckpt_path="last"`` nor a glob for
-  ``*.ckpt`` picks it up. Such leftovers are only ever from killed writes and can be deleted.
+  ``*.ckpt`` picks it up. Such leftovers are only ever from killed writes (each as large as a
+  checkpoint): :class:`StepCheckpoint` deletes them from its folder when a run (or a resume) starts.
 - DeepSpeed strategies do not use a CheckpointIO at all: DeepSpeed writes a checkpoint *folder*
   itself, in place, so this atomicity does not extend to ZeRO checkpoints.
 
@@ -107,6 +108,8 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
 
 
 STEP_FILE = re.compile(r"step_step=(\d+)\.ckpt")
+LEFTOVER_TEMP = re.compile(rf"\..+\.[0-9a-f]{{8}}{re.escape(TEMP_SUFFIX)}")
+"""A temporary file of :func:`atomic_torch_save` or :func:`atomic_link` that a killed write left."""
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -138,6 +141,14 @@ class StepCheckpoint(ModelCheckpoint):
         """Seconds spent saving (state gathering, write, link), summed over the run (stage timings)."""
         self.batch_end_at: float | None = None
         """``time.perf_counter()`` when this callback's ``on_train_batch_end`` (the last one) returned."""
+
+    @override
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
+            for path in Path(self.dirpath).iterdir():
+                if LEFTOVER_TEMP.fullmatch(path.name) and not path.is_dir():
+                    path.unlink(missing_ok=True)  # a write killed mid-way (no write of this run is under way yet)
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:

@@ -191,16 +191,42 @@ _EXPECTED_WARNINGS = (
 def check_run_dir(settings: Settings) -> Path:
     """The run folder, refusing a resume without a checkpoint and a new run over an old one."""
     run_dir = Path(settings.run.dir)
-    last = run_dir / "checkpoints" / "last.ckpt"
-    if settings.run.resume == "last" and not checkpoint_candidates(last.parent):
-        raise SettingsError(f"run.resume=last but there is no checkpoint at {last}")
-    if settings.run.resume == "never" and last.exists():
-        raise SettingsError(
-            f"{run_dir} already holds a run ({last}); pass --resume last to continue it, or choose another run.dir"
-        )
+    checkpoints = checkpoint_candidates(run_dir / "checkpoints")  # a dangling last.ckpt link counts
+    if settings.run.resume == "last" and not checkpoints:
+        raise SettingsError(f"run.resume=last but there is no checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}")
+    if settings.run.resume == "never":
+        check_new_run_dir(run_dir, checkpoints)
     if settings.run.resume == "last":
         check_same_layout(settings, run_dir)
     return run_dir
+
+
+def check_new_run_dir(run_dir: Path, checkpoints: list[Path]) -> None:
+    """A new run refuses a folder holding a previous run's outputs: checkpoints, trajectories or (rank 0
+    alone) an MLflow run. Its files would mix with the new run's, and a resume would continue the wrong run.
+    Other processes skip the MLflow record: Lightning starts them after rank 0 has written it, and other
+    nodes start while it may be writing it."""
+    trajectories = run_dir / "trajectories"
+    record = run_dir / "mlflow_run_id.txt"
+    found = [*checkpoints[:1]]
+    if trajectories.is_dir() and any(trajectories.iterdir()):
+        found.append(trajectories)
+    if _first_process() and record.exists():
+        found.append(record)
+    if not found:
+        return
+    held = ", ".join(str(path) for path in found)
+    if checkpoints:
+        ways = "pass --resume last to continue it, or choose another run.dir"
+    else:  # killed before its first checkpoint: nothing to resume from
+        ways = "it has no checkpoint to continue from (--resume last needs one): choose another run.dir or delete this one"
+    raise SettingsError(f"run.dir: {run_dir} already holds a run ({held}); {ways}")
+
+
+def _first_process() -> bool:
+    """Whether this is the run's first process, before the Trainer exists to say so: the variables that
+    Lightning's launcher, torchrun and SLURM set for the others (unset for a single process)."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def check_same_layout(settings: Settings, run_dir: Path) -> None:

@@ -65,6 +65,37 @@ def test_peer_benchmark_help_and_argument_errors():
     done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--rounds", "0"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
+    assert "--threads" in help_text
+    done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--threads", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--threads must be at least 1" in done.stderr
+
+
+def _peer_record(loads: list[tuple[float, float]], threads: tuple[int, int]) -> dict:
+    """A peer_trl record of one round per side: (before, after) 1-minute loads and torch threads, TRL first."""
+    from benchmarks.peer_trl import overloaded_runs, thread_counts
+
+    sides = [{"completion_tokens_per_s": 100.0, "median_step_s": 2.0,
+              "rounds": [{"load_avg_1min": {"before": b, "after": a}, "torch_threads": n}]}
+             for (b, a), n in zip(loads, threads, strict=True)]
+    overloaded = overloaded_runs(*sides, cores=2)
+    return {"shape": {"prompts": 8, "generations": 8, "max_new_tokens": 64, "torch_threads": 2, "rounds_per_side": 1},
+            "trl": sides[0], "project": sides[1], "ratio_project_over_trl": 1.0, "cores": 2,
+            "load_over_cores": bool(overloaded), "overloaded_runs": overloaded,
+            "torch_threads": thread_counts(*sides)}
+
+
+def test_peer_benchmark_flags_a_load_above_the_cores_and_unequal_threads():
+    from benchmarks.peer_trl import summary_line
+
+    idle = _peer_record([(0.1, 1.9), (1.0, 2.0)], threads=(2, 2))  # its own 2 threads on 2 cores: not over
+    assert not idle["load_over_cores"] and idle["torch_threads"] == {"trl": [2], "project": [2], "same": True}
+    assert "WARNING" not in summary_line(idle) and "load 0.1 to 2.0 on 2 cores" in summary_line(idle)
+    busy = _peer_record([(1.0, 2.0), (6.5, 7.9)], threads=(2, 1))
+    assert busy["load_over_cores"] and busy["overloaded_runs"] == ["project round 1"]
+    line = summary_line(busy)
+    assert "WARNING: load average above the 2 cores in project round 1" in line
+    assert "WARNING: the sides ran with different torch threads" in line and not busy["torch_threads"]["same"]
 
 
 def test_peer_environment_loads_by_dotted_path_and_scores_a_completion(tmp_path):
@@ -135,14 +166,27 @@ def test_packing_benchmark_compares_both_paths_on_the_same_tokens(tmp_path):
 
 def test_scaling_benchmark_doubles_an_axis_and_reports_the_exponent(tmp_path):
     out = tmp_path / "scaling.json"
-    run_benchmark("benchmarks/scaling_bench.py", "--axes", "groups", "--steps", "1", "--warmup", "1", "--groups", "1",
-                  "--group-size", "2", "--max-new-tokens", "4", "--threads", "1", "--out", str(out))
+    done = run_benchmark("benchmarks/scaling_bench.py", "--axes", "groups", "--steps", "1", "--warmup", "1", "--groups",
+                         "1", "--group-size", "2", "--max-new-tokens", "4", "--threads", "1", "--pack-tokens", "64,128,256",
+                         "--segment-tokens", "32", "--out", str(out))
     record = json.loads(out.read_text())
+    # the train phase's attention check: packs of 32-token sequences, the training path and the whole-pack reference
+    from benchmarks.scaling_bench import slope
+
+    packs = record["packs"]
+    assert [(p["pack_tokens"], p["segment_tokens"]) for p in packs] == [(64, 32), (128, 32), (256, 32)]
+    assert all(p["train_s"] > 0 and p["block_mask_s"] > 0 for p in packs)
+    assert record["exponent_train_vs_pack_tokens"] == round(slope([64, 128, 256], [p["train_s"] for p in packs]), 2)
+    assert record["exponent_block_mask_reference"] == round(slope([64, 128, 256], [p["block_mask_s"] for p in packs]), 2)
+    assert f"train phase on packs of 64 to 256 tokens: exponent {record['exponent_train_vs_pack_tokens']}" in done.stdout
     base, doubled = record["runs"]
     assert (base["shape"]["groups"], doubled["shape"]["groups"]) == (1, 2)
     assert doubled["tokens_per_step"] > base["tokens_per_step"] > 0 and base["median_step_s"] > 0
     assert record["exponent_per_axis"]["groups"] == round(math.log2(doubled["median_step_s"] / base["median_step_s"]), 2)
     assert set(record["exponent_per_axis"]) == {"groups"}
+    done = subprocess.run([sys.executable, "benchmarks/scaling_bench.py", "--pack-tokens", "96,128", "--segment-tokens",
+                           "64"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "each a multiple of --segment-tokens" in done.stderr
 
 
 def test_peer_profile_shares_add_up_to_the_median_step():

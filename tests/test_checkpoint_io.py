@@ -230,3 +230,21 @@ def test_a_resume_after_a_change_keeps_last_on_the_newest_step(tmp_path: Path, c
     assert not list(root.glob("last-v*.ckpt"))
     assert sorted(p.name for p in root.glob("step_*.ckpt")) == (
         ["step_step=6.ckpt", "step_step=7.ckpt"] if every == 1 else ["step_step=6.ckpt", "step_step=7.ckpt"])
+
+
+def test_step_checkpoint_deletes_the_temp_files_of_killed_writes_when_a_run_starts(tmp_path: Path) -> None:
+    """A write killed mid-way leaves a checkpoint-sized ``.<name>.<hex>.tmp``; the next run in the folder
+    (a resume) deletes it at setup, and nothing else."""
+    _fit(tmp_path, AtomicCheckpointIO(), save_last="link", max_steps=2, checkpoint=StepCheckpoint(tmp_path, 2))
+    leftovers = [tmp_path / f".step_step=4.ckpt.0badc0de{TEMP_SUFFIX}", tmp_path / f".last.ckpt.12345678{TEMP_SUFFIX}"]
+    for path in leftovers:
+        path.write_bytes(b"torn write")
+    mine = tmp_path / f"notes{TEMP_SUFFIX}"  # not a name this module writes
+    mine.write_text("keep")
+
+    resumed = _fit(tmp_path, AtomicCheckpointIO(), save_last="link", max_steps=4, ckpt_path=str(tmp_path / "last.ckpt"),
+                   checkpoint=StepCheckpoint(tmp_path, 2))
+    assert resumed.global_step == 4
+    assert not any(path.exists() for path in leftovers)
+    assert mine.read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["last.ckpt", "step_step=2.ckpt", "step_step=4.ckpt"]

@@ -183,3 +183,14 @@ def test_several_updates_per_batch_with_two_processes(root):
     assert all(math.isfinite(v) for v in metric(root / run, "loss/total").values())
     assert metric(root / run, "mismatch/logprob_max")[0] < 1e-4  # proximal log-probs from before the updates
     assert sorted(groups(root / run, 0)) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+
+
+def test_throughput_counts_the_tokens_of_every_rank(root):
+    """Each rank trains its share of the batch: tokens per second is the whole step's, not rank 0's half."""
+    run = root / "throughput"
+    ok(fit(root, "throughput", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_steps=1"))
+    lines = (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()
+    tokens = sum(len(segment["token_ids"]) for line in lines for segment in json.loads(line)["segments"])
+    assert len({json.loads(line)["group_id"] for line in lines}) == 2 and tokens > 0  # both ranks' groups
+    logged = metric(run, "throughput/tokens_per_s")[1] * metric(run, "time/step_s")[1]  # step 0, logged as 1
+    assert logged == pytest.approx(tokens, rel=1e-9)

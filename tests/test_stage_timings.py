@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.fitting import SOLVE, learn_settings, scripted_fit
 
 TRAINER_STAGES = ["time/wait_rollouts_s", "time/forward_backward_s", "time/optimizer_s", "time/weight_sync_s",
@@ -49,3 +51,5 @@ def test_every_step_logs_its_stage_timings_and_they_fit_in_the_step(tmp_path):
     assert turns and all(turn.timings["generation_s"] > 0 and turn.timings["env_s"] > 0 for turn in turns)
     solved = [t for t in kept.trajectories if t.reward == 1.0]
     assert solved and all(t.timings["scoring_s"] == t.turns[-1].timings["env_s"] > 0 for t in solved)
+    # time/environment_s includes the scoring step (every turn's environment time), time/scoring_s is that step alone
+    assert all(t.timings["tool_s"] == pytest.approx(sum(turn.timings["env_s"] for turn in t.turns)) for t in solved)

@@ -12,13 +12,16 @@ Trainer stages (disjoint intervals of one step, so they sum to at most ``time/st
 - ``time/step_s``: the step's wall time, end of the previous step to the end of this one.
 
 Rollout stages, per episode of the step's batch (mean over its episodes, from ``Trajectory.timings``;
-episodes run concurrently and, with ``rollout.max_staleness`` > 0, during earlier steps):
-``time/generation_s``, ``time/environment_s`` (environment steps), ``time/scoring_s`` (the final
-step that ran the hidden checks).
+episodes run concurrently and, with ``rollout.max_staleness`` > 0, during earlier steps; with several
+processes, rank 0's episodes): ``time/generation_s``, ``time/environment_s`` (every environment step,
+*including* the final one that ran the hidden checks) and ``time/scoring_s`` (that final step alone:
+a part of ``time/environment_s``, not an addition to it; ``environment_s - scoring_s`` is the tools).
 
-``throughput/tokens_per_s``: the batch's tokens (every segment's ids) over ``time/step_s``.
-``throughput/mfu`` (CUDA only): ``6 * parameters * tokens`` over the forward/backward and optimizer
-time, as a fraction of the device's peak FLOP/s for the training precision (Lightning's table).
+``throughput/tokens_per_s``: the step's tokens (every segment's ids) over ``time/step_s``, summed over
+all processes (the whole run's rate; each rank trains its own share of the batch).
+``throughput/mfu`` (CUDA only): per device, ``6 * parameters * tokens`` over the forward/backward and
+optimizer time, as a fraction of one device's peak FLOP/s for the training precision (Lightning's
+table), with ``tokens`` a device's mean share (the summed tokens over the number of processes).
 
 A step's numbers are complete only once the checkpoint callback (always the last) has run, so they are
 logged at the start of the next step, or at the end of training, under the step's own index. The final
@@ -110,13 +113,22 @@ class StageTimings(L.Callback):
         metrics["time/weight_sync_s"] = (self._sync.seconds if self._sync else 0.0) - self._sync_before
         metrics["time/checkpoint_s"] = (self._checkpoint.seconds if self._checkpoint else 0.0) - self._checkpoint_before
         metrics["time/step_s"] = step_s
-        tokens = metrics.pop("tokens")
+        tokens = _sum_over_ranks(trainer, metrics.pop("tokens"))  # a collective: every rank flushes
         metrics["throughput/tokens_per_s"] = tokens / step_s
         compute_s = metrics["time/forward_backward_s"] + metrics["time/optimizer_s"]
         if self._peak_flops and compute_s > 0:
-            metrics["throughput/mfu"] = 6 * self._num_params * tokens / compute_s / self._peak_flops
+            per_device = tokens / trainer.world_size
+            metrics["throughput/mfu"] = 6 * self._num_params * per_device / compute_s / self._peak_flops
         if trainer.logger is not None and trainer.is_global_zero:
             trainer.logger.log_metrics(metrics, step=self._step_index)
+
+
+def _sum_over_ranks(trainer: L.Trainer, value: float) -> float:
+    """``value`` summed over the run's processes (float64: token counts stay exact)."""
+    if trainer.world_size == 1:
+        return value
+    total = torch.tensor(value, dtype=torch.float64, device=trainer.strategy.root_device)
+    return float(trainer.strategy.reduce(total, reduce_op="sum"))
 
 
 def _rollout_means(trajectories) -> dict[str, float]:
