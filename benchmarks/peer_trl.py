@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="interpreter with trl installed (the `bench` extra); default: this one")
     parser.add_argument("--trl-bf16", action="store_true",
                         help="TRL's own default, bf16 autocast (off: float32, the project's default precision)")
+    parser.add_argument("--project-set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a settings override for the project side only, e.g. rollout.max_staleness=1 "
+                        "(rollout overlapped with training; then not the same on-policy step as TRL's); repeatable")
     parser.add_argument("--run-dir", default=None, help="the project's run folder; default runs/peer_trl-<time>")
     parser.add_argument("--out", default=str(RESULTS / "peer_trl.json"))
     parser.add_argument("--side", choices=["trl", "project"], help=argparse.SUPPRESS)  # one side, in a subprocess
@@ -190,6 +193,7 @@ def project_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
         f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0", "--algorithm.grpo_std=sample",
         f"--trainer.lr={LR}", f"--trainer.threads={args.threads}", f"--trainer.max_steps={args.warmup + args.steps}",
         "--tracking.experiment=peer_trl",
+        *(f"--{override}" for override in args.project_set),
     ]
 
 
@@ -282,6 +286,8 @@ def run_side(side: str, python: str, args: argparse.Namespace, *, tasks: Path | 
                    "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads)]
         if run_dir:
             command += ["--run-dir", run_dir]
+        for override in args.project_set:
+            command += ["--project-set", override]
         if tasks:
             command += ["--tasks", str(tasks)]
         if args.trl_bf16:
@@ -409,6 +415,8 @@ def summary_line(record: dict) -> str:
             f"project {project['completion_tokens_per_s']} tok/s ({project['median_step_s']} s/step), "
             f"ratio {record['ratio_project_over_trl']}x (target 2x); load {min(loads):.1f} to {max(loads):.1f} "
             f"on {record['cores']} cores")
+    if record.get("project_set"):
+        line += f"; project side with {' '.join(record['project_set'])}"
     if not record["torch_threads"]["same"]:
         line += f"; WARNING: the sides ran with different torch threads {record['torch_threads']}"
     if record["load_over_cores"]:
@@ -442,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
                   "lr": LR, "beta": 0.0, "torch_threads": args.threads, "warmup_steps": args.warmup,
                   "measured_steps": args.steps, "rounds_per_side": args.rounds, "order": "TRL, project, alternating",
                   "environment": ENV_KIND},
+        "project_set": args.project_set,  # overrides of the project side beyond the shared shape
         "ratio_project_over_trl": ratio,
         "target_ratio": 2.0,
         "same_prompts_per_step": same_trl and same_prompts_per_step(trl_record, project_record),

@@ -212,3 +212,13 @@ def test_sampling_benchmark_times_both_samplers_on_the_same_distributions(tmp_pa
     assert set(ms) == {"per_row", "batched"} and all(v > 0 for v in ms.values())
     assert math.isclose(record["speedup"], ms["per_row"] / ms["batched"], rel_tol=0.02)
     assert f"{record['speedup']}x" in done.stdout
+
+
+def test_peer_project_side_overrides_reach_its_settings_and_the_summary():
+    from benchmarks.peer_trl import parse_args, project_overrides, summary_line
+
+    args = parse_args(["--project-set", "rollout.max_staleness=1", "--tasks", "t.jsonl"])
+    overrides = project_overrides(args, Path("run"))
+    assert overrides[-1] == "--rollout.max_staleness=1"  # after the shared shape: it wins
+    record = {**_peer_record([(0.1, 1.0), (0.1, 1.0)], threads=(2, 2)), "project_set": args.project_set}
+    assert summary_line(record).endswith("project side with rollout.max_staleness=1")
