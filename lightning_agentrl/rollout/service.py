@@ -137,6 +137,7 @@ class RolloutService:
         self._gate: asyncio.Event | None = None
         self._started = threading.Event()
         self._initial: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+        self._stopping = False  # the service cancels its tasks: a cancelled group is then no failure
         self.num_in_flight = 0
         self.num_episodes_finished = 0
         self.num_groups_finished = 0
@@ -211,6 +212,7 @@ class RolloutService:
         loop = self._loop
 
         def cancel_all() -> None:
+            self._stopping = True
             for task in asyncio.all_tasks(loop):
                 task.cancel()
 
@@ -312,12 +314,13 @@ class RolloutService:
                     group_id = self._next_group * self.world_size + self.rank
                     self._next_group += 1
                 self._pending.add(group_id)
-                task = asyncio.create_task(self._run_group(client, slots, group_id))
+                task = asyncio.create_task(self._run_group(client, slots, group_id), name=f"group {group_id}")
                 running.add(task)
                 task.add_done_callback(running.discard)
                 task.add_done_callback(self._check_failed)
                 await asyncio.sleep(0)
         finally:
+            self._stopping = True
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
@@ -325,7 +328,11 @@ class RolloutService:
                 await client.close()
 
     def _check_failed(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            if not self._stopping:  # nothing of the service cancelled it: the group would never reach the buffer
+                self.buffer.fail(RolloutServiceError(f"a rollout group was cancelled ({task.get_name()}) while "
+                                                     "the service was running"))
+        elif task.exception() is not None:
             self.buffer.fail(task.exception())
 
     async def _run_group(self, client, slots: asyncio.Semaphore, group_id: int) -> None:
