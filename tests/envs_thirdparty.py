@@ -206,3 +206,21 @@ class DistanceCountdownEnv(CountdownEnv):
     """``state_similarity`` returns a distance (0 for equal states), not a similarity in [0, 1]."""
 
     state_similarity = staticmethod(lambda a, b: float(abs(len(a) - len(b)) + 5))
+
+
+class SetStateCountdownEnv(CountdownEnv):
+    """Keeps the numbers said in a set and its position as a tuple, without ``state_dict``."""
+
+    def __init__(self, task: CountdownTask) -> None:
+        super().__init__(task)
+        self.said: set[int] = set()
+        self.where = (task.start, 0)
+
+
+class DownCountdownEnv(CountdownEnv):
+    """Its own backend (no sandbox service) is down: every step raises ``EnvInfraError``."""
+
+    async def step(self, action_text: str) -> StepResult:
+        from lightning_agentrl.envs.base import EnvInfraError
+
+        raise EnvInfraError("search backend unreachable")

@@ -95,3 +95,28 @@ def test_a_module_that_fails_to_import_is_an_env_kind_error(tmp_path, monkeypatc
     with pytest.raises(SettingsError, match="invalid settings") as err:
         load_settings(None, ["--env.kind=broken_user_envs:Env"])
     assert f"env.kind: cannot import 'broken_user_envs' (from 'broken_user_envs:Env'): {message}" in str(err.value)
+
+
+def test_parking_an_environment_without_state_dict_warns_once_naming_what_is_lost(caplog):
+    from lightning_agentrl.rollout.agent_loop import save_env_state
+
+    envs = [thirdparty.SetStateCountdownEnv(thirdparty.CountdownTask(f"c{i}", start=3)) for i in range(2)]
+    with caplog.at_level(logging.WARNING, "lightning_agentrl.rollout.agent_loop"):
+        states = [save_env_state(env) for env in envs]
+    assert states[0] == {"current": 3, "where": (3, 0)}
+    (record,) = [r for r in caplog.records if "has no state_dict" in r.getMessage()]  # once per class
+    message = record.getMessage()
+    assert message.startswith("SetStateCountdownEnv has no state_dict: a parked episode restored from a checkpoint "
+                              "loses task (CountdownTask, dropped), said (set, dropped), where (tuple, comes back as "
+                              "list)")
+
+
+def test_an_outage_of_an_environment_s_own_backend_is_not_called_the_sandbox_service_s(tmp_path):
+    from lightning_agentrl.callbacks.circuit_breaker import SandboxOutage
+
+    settings = countdown(tmp_path, "DownCountdownEnv")
+    with pytest.raises(SandboxOutage) as err:
+        scripted_fit(settings, COUNT_DOWN)
+    assert str(err.value).startswith("the environment's infrastructure failed: every episode of the step (4) ended "
+                                     "with sandbox_error; last error: EnvInfraError: search backend unreachable.")
+    assert "sandbox service" not in str(err.value)

@@ -185,14 +185,30 @@ def save_env_state(env: Environment) -> dict:
     observation)."""
     if hasattr(env, "state_dict"):
         return env.state_dict()
-    state = {}
+    state, dropped = {}, []
     for name, value in vars(env).items():
         try:
-            json.dumps(value)
+            kept = json.loads(json.dumps(value))
         except (TypeError, ValueError):
-            continue  # clients, tasks, score objects: rebuilt by the service, not state
+            dropped.append(f"{name} ({type(value).__name__}, dropped)")  # clients, tasks: rebuilt; a set: lost
+            continue
+        if kept != value:
+            dropped.append(f"{name} ({type(value).__name__}, comes back as {type(kept).__name__})")
         state[name] = value
+    _warn_lossy_state(type(env), dropped)
     return state
+
+
+_warned_lossy: set[type] = set()
+
+
+def _warn_lossy_state(cls: type, lossy: list[str]) -> None:
+    """Once per class: the attributes a parked episode's checkpoint does not keep as they are."""
+    if lossy and cls not in _warned_lossy:
+        _warned_lossy.add(cls)
+        log.warning("%s has no state_dict: a parked episode restored from a checkpoint loses %s (what "
+                    "from_settings rebuilds is fine; write state_dict and load_state_dict for the rest)",
+                    cls.__qualname__, ", ".join(lossy))
 
 
 def restore_env_state(env: Environment, state: dict) -> Environment:
