@@ -224,3 +224,21 @@ class DownCountdownEnv(CountdownEnv):
         from lightning_agentrl.envs.base import EnvInfraError
 
         raise EnvInfraError("search backend unreachable")
+
+
+BLOCK_S = 6.0
+
+
+class BlockingCountdownEnv(CountdownEnv):
+    """A common mistake: blocking work (``time.sleep``, a synchronous HTTP client) inside ``async def step``
+    (once per process, so that a test does not wait for every episode's)."""
+
+    blocked = False
+
+    async def step(self, action_text: str) -> StepResult:
+        import time
+
+        if not BlockingCountdownEnv.blocked:
+            BlockingCountdownEnv.blocked = True
+            time.sleep(BLOCK_S)
+        return await super().step(action_text)

@@ -120,3 +120,20 @@ def test_an_outage_of_an_environment_s_own_backend_is_not_called_the_sandbox_ser
     assert str(err.value).startswith("the environment's infrastructure failed: every episode of the step (4) ended "
                                      "with sandbox_error; last error: EnvInfraError: search backend unreachable.")
     assert "sandbox service" not in str(err.value)
+
+
+def test_a_step_that_blocks_the_event_loop_stops_the_run_naming_it(tmp_path, caplog):
+    """``time.sleep`` inside ``async def step`` blocks every episode and the episode timeout (2 s) cannot
+    fire: the watchdog names the method once the loop has not run for that long (before: a silent hang
+    until the step returned, forever for a blocking call that never does)."""
+    import time
+
+    settings = countdown(tmp_path, "BlockingCountdownEnv", "--env.episode_timeout_s=2")
+    thirdparty.BlockingCountdownEnv.blocked = False
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, "lightning_agentrl.rollout.service"), pytest.raises(Exception) as err:
+        scripted_fit(settings, COUNT_DOWN)
+    assert "BlockingCountdownEnv.step (" in str(err.value) and "envs_thirdparty.py:" in str(err.value)
+    assert "has blocked the rollout's event loop for" in str(err.value) and "asyncio.to_thread" in str(err.value)
+    assert "time.sleep(BLOCK_S)" in caplog.text  # the blocked thread's stack is logged
+    assert time.monotonic() - started < 5 * thirdparty.BLOCK_S
