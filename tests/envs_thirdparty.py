@@ -100,6 +100,14 @@ class TupleStepEnv(CountdownEnv):
         return result.observation, result.reward, result.done, result.info
 
 
+class ToolDictEnv(CountdownEnv):
+    """``info["tool"]`` given as the parsed call (a dict) instead of its name."""
+
+    async def step(self, action_text: str) -> StepResult:
+        result = await super().step(action_text)
+        return StepResult(result.observation, result.reward, result.done, {**result.info, "tool": {"name": "say"}})
+
+
 class SyncStepEnv(CountdownEnv):
     """``step`` written as a plain method."""
 

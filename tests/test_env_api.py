@@ -88,6 +88,7 @@ def test_a_sync_step_is_refused_at_settings_time():
     ("TupleStepEnv", "TupleStepEnv.step must return a StepResult, got tuple"),
     # was AttributeError: 'int' object has no attribute 'encode' (state_key hashed it before the check)
     ("IntStateCountdownEnv", "IntStateCountdownEnv.state_text must be a str, got int 3"),
+    ("ToolDictEnv", r"ToolDictEnv.step returned info\['tool'\] dict \{'name': 'say'\}; it must be the tool's name"),
 ])
 def test_what_an_environment_returns_is_checked_naming_its_class_and_method(tiny_tokenizer, env_class, message):
     """A NaN reward would train every weight to NaN; a gym tuple would fail far from its cause."""

@@ -99,6 +99,10 @@ def checked_step(env: Environment, result: Any, *, max_observation_chars: int | 
     if not isinstance(result.done, bool) or not isinstance(result.info, dict):
         raise EnvContractError(f"{name} returned done={result.done!r} and info={_short(result.info)}; they must "
                                "be a bool and a dict")
+    tool = result.info.get("tool")
+    if tool is not None and not isinstance(tool, str):
+        raise EnvContractError(f"{name} returned info['tool'] {_short(tool)}; it must be the tool's name (a str) "
+                               "or None")
     observation = result.observation if max_observation_chars is None else clip(result.observation, max_observation_chars)
     return replace(result, observation=encodable(observation))
 

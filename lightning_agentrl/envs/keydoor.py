@@ -77,7 +77,10 @@ def parse_task(data: dict, where: str) -> KeyDoorTask:
     split = data.get("split", "train")
     if split not in ("train", "test"):
         raise ValueError(f"{where}: split must be train or test, got {split!r}")
-    return KeyDoorTask(str(data["id"]), tuple(rows), split)
+    task_id = data["id"]
+    if isinstance(task_id, bool) or not isinstance(task_id, str | int) or task_id == "":
+        raise ValueError(f"{where}: id must be a non-empty string, got {task_id!r}")
+    return KeyDoorTask(str(task_id), tuple(rows), split)
 
 
 def load_keydoor_tasks(path: str | Path, *, split: str | None = None) -> list[KeyDoorTask]:
