@@ -145,6 +145,7 @@ class RolloutService:
         self._started = threading.Event()
         self._initial: tuple[list[tuple[str, torch.Tensor]], int] | None = None
         self._stopping = False  # the service cancels its tasks: a cancelled group is then no failure
+        self._watchdog: LoopWatchdog | None = None
         self.num_in_flight = 0
         self.num_episodes_finished = 0
         self.num_groups_finished = 0
@@ -191,7 +192,8 @@ class RolloutService:
         self._thread = threading.Thread(target=self._run_loop, name="rollout-service", daemon=True)
         self._thread.start()
         self._started.wait()
-        LoopWatchdog(self._loop, self._thread, self.budget.episode_timeout_s, self.buffer.fail).start()
+        self._watchdog = LoopWatchdog(self._loop, self._thread, self.budget.episode_timeout_s, self.buffer.fail)
+        self._watchdog.start()
         return self
 
     def _run_loop(self) -> None:
@@ -228,7 +230,8 @@ class RolloutService:
             loop.call_soon_threadsafe(cancel_all)
         except RuntimeError:  # the loop already ended (its failure is in the buffer): nothing to cancel
             pass
-        self._thread.join(timeout=60)
+        blocked = self._watchdog is not None and self._watchdog.blocked_by is not None
+        self._thread.join(timeout=5 if blocked else 60)  # a loop an environment blocks may never return
         self._thread = None
 
     def __enter__(self) -> RolloutService:
@@ -500,6 +503,7 @@ class LoopWatchdog(threading.Thread):
         super().__init__(name="rollout-watchdog", daemon=True)
         self.loop, self.watched, self.stall_s, self.fail, self.interval_s = loop, watched, stall_s, fail, interval_s
         self.last_beat = time.monotonic()
+        self.blocked_by: str | None = None  # the environment method that blocked the loop, once it did
 
     def _beat(self) -> None:
         self.last_beat = time.monotonic()
@@ -523,6 +527,7 @@ class LoopWatchdog(threading.Thread):
                            f"{self.stall_s:g}): an `async def` must not block; run blocking work with "
                            "`await asyncio.to_thread(...)`")
                 log.error("%s\n%s", message, stack)
+                self.blocked_by = where
                 self.fail(RuntimeError(message))
                 return
             if not warned:
