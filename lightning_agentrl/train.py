@@ -533,6 +533,7 @@ def build_guards(settings: Settings, run_dir: Path, service, sandbox) -> list:
     breaker = InfraCircuitBreaker(
         sandbox, run_dir / "checkpoints" / "last.ckpt", max_error_frac=r.max_infra_error_frac,
         window=r.infra_error_window, on_failure=r.on_infra_failure, wait_s=r.infra_wait_s,
+        uses_sandbox=not isinstance(sandbox, NoSandbox),
     )
     return [breaker, EmptyStepGuard(service, max_empty_steps=r.max_empty_steps)]
 

@@ -100,6 +100,14 @@ class TupleStepEnv(CountdownEnv):
         return result.observation, result.reward, result.done, result.info
 
 
+class ToolDictEnv(CountdownEnv):
+    """``info["tool"]`` given as the parsed call (a dict) instead of its name."""
+
+    async def step(self, action_text: str) -> StepResult:
+        result = await super().step(action_text)
+        return StepResult(result.observation, result.reward, result.done, {**result.info, "tool": {"name": "say"}})
+
+
 class SyncStepEnv(CountdownEnv):
     """``step`` written as a plain method."""
 
@@ -141,3 +149,104 @@ class ParityCountdownEnv(CountdownEnv):
     """Countdown whose GiGPO similarity says two states are alike when their numbers share a parity."""
 
     state_similarity = staticmethod(_same_parity)
+
+
+class CancellingCountdownEnv(CountdownEnv):
+    """Its backend's own timeout surfaces as ``asyncio.CancelledError`` (a cancelled inner request) on the
+    second step: nothing of the trainer cancelled the episode."""
+
+    async def step(self, action_text: str) -> StepResult:
+        import asyncio
+
+        if self.current < self.task.start:
+            raise asyncio.CancelledError("inner request cancelled")
+        return await super().step(action_text)
+
+
+class BuggyCountdownEnv(CountdownEnv):
+    """A bug of the user's on the second step: a plain ``KeyError`` no ``classify_error`` maps."""
+
+    async def step(self, action_text: str) -> StepResult:
+        if self.current < self.task.start:
+            return {}["missing"]
+        return await super().step(action_text)
+
+
+HUGE = 20_000
+
+
+class HugeCountdownEnv(CountdownEnv):
+    """Every observation carries a page of ``HUGE`` characters (a web page, a log) after its first line."""
+
+    async def step(self, action_text: str) -> StepResult:
+        result = await super().step(action_text)
+        return StepResult(result.observation + "\n" + "x" * HUGE, result.reward, result.done, result.info)
+
+
+class SurrogateCountdownEnv(CountdownEnv):
+    """Text a web page may hold: lone surrogates (not UTF-8) in the opening messages and observations."""
+
+    async def reset(self) -> list[dict]:
+        system, user = await super().reset()
+        return [{**system, "content": system["content"] + " \ud800"}, {**user, "content": user["content"] + " \udfff"}]
+
+    async def step(self, action_text: str) -> StepResult:
+        result = await super().step(action_text)
+        return StepResult(result.observation + " \ud83d end", result.reward, result.done, result.info)
+
+
+class IntStateCountdownEnv(CountdownEnv):
+    """``state_text`` returns the number itself (an int), not text."""
+
+    @property
+    def state_text(self):  # type: ignore[override]
+        return self.current
+
+
+class MethodSimilarityCountdownEnv(CountdownEnv):
+    """``state_similarity`` written as a plain method (it must be a staticmethod)."""
+
+    def state_similarity(self, a: str, b: str) -> float:  # type: ignore[override]
+        return 1.0 if a == b else 0.0
+
+
+class DistanceCountdownEnv(CountdownEnv):
+    """``state_similarity`` returns a distance (0 for equal states), not a similarity in [0, 1]."""
+
+    state_similarity = staticmethod(lambda a, b: float(abs(len(a) - len(b)) + 5))
+
+
+class SetStateCountdownEnv(CountdownEnv):
+    """Keeps the numbers said in a set and its position as a tuple, without ``state_dict``."""
+
+    def __init__(self, task: CountdownTask) -> None:
+        super().__init__(task)
+        self.said: set[int] = set()
+        self.where = (task.start, 0)
+
+
+class DownCountdownEnv(CountdownEnv):
+    """Its own backend (no sandbox service) is down: every step raises ``EnvInfraError``."""
+
+    async def step(self, action_text: str) -> StepResult:
+        from lightning_agentrl.envs.base import EnvInfraError
+
+        raise EnvInfraError("search backend unreachable")
+
+
+BLOCK_S = 6.0
+
+
+class BlockingCountdownEnv(CountdownEnv):
+    """A common mistake: blocking work (``time.sleep``, a synchronous HTTP client) inside ``async def step``
+    (once per process, so that a test does not wait for every episode's)."""
+
+    blocked = False
+
+    async def step(self, action_text: str) -> StepResult:
+        import time
+
+        if not BlockingCountdownEnv.blocked:
+            BlockingCountdownEnv.blocked = True
+            time.sleep(BLOCK_S)
+        return await super().step(action_text)

@@ -69,9 +69,12 @@ def test_a_third_party_backend_error_is_classified_by_the_environment(tiny_token
     assert env.current == 2
 
 
-def test_an_unclassified_error_fails_loudly(tiny_tokenizer):
-    with pytest.raises(ZeroDivisionError):
+def test_an_unclassified_error_fails_loudly_naming_the_class_and_method(tiny_tokenizer):
+    from lightning_agentrl.envs.base import EnvError
+
+    with pytest.raises(EnvError, match="^FlakyCountdownEnv.step raised ZeroDivisionError: backend failed at 1$") as err:
         play_flaky(tiny_tokenizer, ZeroDivisionError)
+    assert isinstance(err.value.__cause__, ZeroDivisionError)
 
 
 def test_a_sync_step_is_refused_at_settings_time():
@@ -83,6 +86,9 @@ def test_a_sync_step_is_refused_at_settings_time():
 @pytest.mark.parametrize(("env_class", "message"), [
     ("NanCountdownEnv", "NanCountdownEnv.step returned reward nan; it must be a finite number"),
     ("TupleStepEnv", "TupleStepEnv.step must return a StepResult, got tuple"),
+    # was AttributeError: 'int' object has no attribute 'encode' (state_key hashed it before the check)
+    ("IntStateCountdownEnv", "IntStateCountdownEnv.state_text must be a str, got int 3"),
+    ("ToolDictEnv", r"ToolDictEnv.step returned info\['tool'\] dict \{'name': 'say'\}; it must be the tool's name"),
 ])
 def test_what_an_environment_returns_is_checked_naming_its_class_and_method(tiny_tokenizer, env_class, message):
     """A NaN reward would train every weight to NaN; a gym tuple would fail far from its cause."""

@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import pytest
+import torch
 
 from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.envs.keydoor import (
@@ -54,10 +55,49 @@ def test_equal_states_reached_by_different_paths_have_equal_text():
 
     around, rewards = asyncio.run(walk(["south", "south", "north", "east", "west", "north"]))
     direct, _ = asyncio.run(walk(["south", "south", "north", "north"]))
-    assert around.state_text == direct.state_text == "#######\n#@..#G#\n#.#.A.#\n#.#.#.#\n#######\nkeys: a"
+    assert around.state_text == direct.state_text == "at 1,1 keys: a open: none"
     assert around.state_key == direct.state_key
     assert [r.reward for r in rewards] == [0.0, KEY_REWARD, 0.0, 0.0, 0.0, 0.0]
     assert rewards[3].observation.startswith("A wall blocks the way.")  # a bump keeps the state
+    # the agent sees the map (its square, the keys still lying, the doors still closed) in each observation
+    assert rewards[-1].observation == "You moved.\n#######\n#@..#G#\n#.#.A.#\n#.#.#.#\n#######\nkeys: a"
+
+
+def _reachable_state_texts(task) -> list[str]:
+    """The state text of every (square, keys, doors) state reachable on ``task``'s map."""
+    from collections import deque
+
+    from lightning_agentrl.envs.keydoor import MOVES
+
+    env, texts = KeyDoorEnv(task), {}
+    queue = deque([(env.position, frozenset(), frozenset())])
+    while queue:
+        state = queue.popleft()
+        if state in texts:
+            continue
+        env.load_state_dict({"position": state[0], "keys": state[1], "opened": state[2]})
+        texts[state] = env.state_text
+        for delta in MOVES.values():
+            env.load_state_dict({"position": state[0], "keys": state[1], "opened": state[2]})
+            if not env._move(delta)[2]:
+                queue.append((env.position, frozenset(env.keys), frozenset(env.opened)))
+    return list(texts.values())
+
+
+def test_different_states_never_merge_in_similarity_mode_on_any_map():
+    """At the shipped recipe's gigpo_similarity (0.99), every reachable state of every shipped map, and of a
+    12x12 room, is its own anchor group. Before, the state text was the whole map: two squares differed by
+    one character in hundreds, and a 12x12 room's states fell into a few groups."""
+    import yaml
+
+    threshold = yaml.safe_load((REPO / "configs" / "keydoor.yaml").read_text())["algorithm"]["gigpo_similarity"]
+    rows = [list("#" + "." * 10 + "#") for _ in range(10)]
+    rows[0][1], rows[9][10] = "SG"
+    room = ["#" * 12, *("".join(row) for row in rows), "#" * 12]
+    for task in [*load_keydoor_tasks(REPO / "tasks" / "keydoor"), parse_task({"id": "room", "map": room}, "x")]:
+        texts = _reachable_state_texts(task)
+        ids = adv.anchor_group_ids(texts, torch.zeros(len(texts), dtype=torch.long), threshold)
+        assert len(set(texts)) == len(texts) > 10 and int(ids.max()) + 1 == len(texts), task.id
 
 
 @pytest.mark.parametrize(("line", "problem"), [
@@ -65,6 +105,7 @@ def test_equal_states_reached_by_different_paths_have_equal_text():
     ({"id": "x", "map": ["####", "#SG.", "####"]}, "border must be walls"),
     ({"id": "x", "map": ["#####", "#S?G#", "#####"]}, "unknown map glyphs ['?']"),
     ({"id": "x", "maze": []}, "keys id, map and optionally split"),
+    ({"id": None, "map": MAP}, "id must be a non-empty string, got None"),  # was the task id "None"
 ])
 def test_a_malformed_task_line_is_refused_naming_the_line(line, problem):
     with pytest.raises(ValueError, match="tasks.jsonl:3") as err:
@@ -75,8 +116,10 @@ def test_a_malformed_task_line_is_refused_naming_the_line(line, problem):
 def test_keydoor_trains_through_fit_and_gigpo_merges_recurring_states(tmp_path):
     """Per group, episode 0 solves the map (10 moves: key, door, goal); episode 1 walks east and
     west for 10 turns. Episode 1's states recur within it and its start state is episode 0's: per
-    group 11 anchor states for 20 turns, the start state shared by 6 turns, in similarity mode (only
-    equal texts are above 0.99) as with exact keys."""
+    group 11 anchor states for 20 turns, the start state shared by 6 turns, in similarity mode as with
+    exact keys (the state texts, square, keys and doors, differ by more than 1% between any two states;
+    the counts are what they were when the state text was the whole map, since equal states still
+    have equal texts and different states different ones)."""
     tasks = tmp_path / "maze.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"m{i}", "map": MAP}) + "\n" for i in range(2)))
     settings = learn_settings(tmp_path, "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.max_turns=10",

@@ -74,3 +74,42 @@ def test_a_missing_sub_agent_model_is_refused_at_preflight_naming_the_setting(tm
     with pytest.raises(PreflightError, match="env.sub_agent.model_path: .*empty has no config.json"):
         check_sub_agent_path(str(tmp_path / "empty"), network=False)
     check_sub_agent_path("tiny", network=False)
+
+
+def test_a_sub_agent_s_answers_depend_on_the_episode_and_the_call_not_on_earlier_calls(tiny_tokenizer):
+    """Sampled at temperature 1, call k of episode g0-e0 gets the seed of (run seed, g0-e0, k): the same
+    answers from a fresh sub-agent and from one another episode asked first (before: the seed was the run
+    seed plus the process's count of calls, so the answers changed with the episodes' interleaving, per
+    rank and after a resume)."""
+    import asyncio
+
+    from lightning_agentrl.rollout.agent_loop import EpisodeBudget, run_episode
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.rollout.engine import SamplingParams
+    from lightning_agentrl.rollout.sub_agent import build_sub_agent
+    from tests.envs_thirdparty import CountdownTask
+    from tests.fitting import REPO, TINY
+    from tests.rollout.conftest import ScriptedEngine
+
+    settings = load_settings(None, ["--env.sub_agent.model_path=tiny", "--env.sub_agent.temperature=1.0",
+                                    "--env.sub_agent.max_new_tokens=12", "--engine.kind=torch", *TINY,
+                                    f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}"])
+    codec = ChatCodec(tiny_tokenizer)
+
+    async def answers(agent, episode_id: str) -> list[str]:
+        env = AskEnv(CountdownTask("c", start=3))
+        env.sub_agent = agent
+        AskEnv.answers.clear()
+        engine = ScriptedEngine(codec, {"*": ["ask: what comes after 3?", "ask: and after 2?"]})
+        await run_episode(engine=engine, env=env, codec=codec, sampling=SamplingParams(max_new_tokens=8),
+                          budget=EpisodeBudget(max_turns=2), episode_id=episode_id, task_id="c", group_id=0)
+        return [answer for answer, _ in AskEnv.answers]
+
+    async def fresh_and_busy():  # one event loop: the sub-agent's engine lives in it
+        fresh = await answers(build_sub_agent(settings), "g0-e0")
+        busy = build_sub_agent(settings)
+        return fresh, await answers(busy, "g1-e0"), await answers(busy, "g0-e0")
+
+    fresh, other, again = asyncio.run(fresh_and_busy())
+    assert again == fresh and len(fresh) == 2
+    assert other != fresh  # another episode, other seeds

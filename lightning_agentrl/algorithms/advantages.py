@@ -281,7 +281,8 @@ def anchor_group_ids(
         for g, key in zip(task_group, turn_state_keys, strict=True):
             candidates = representatives.setdefault(g, [])
             match = next(
-                (gid for rep, gid in candidates if similar(rep, key) > similarity_threshold), None
+                (gid for rep, gid in candidates if _checked_similarity(similar, rep, key) > similarity_threshold),
+                None,
             )
             if match is None:
                 match = num_groups
@@ -289,6 +290,15 @@ def anchor_group_ids(
                 candidates.append((key, match))
             ids.append(match)
     return torch.tensor(ids, dtype=torch.long, device=turn_task_group.device)
+
+
+def _checked_similarity(similar: Callable[[str, str], float], a: str, b: str) -> float:
+    """``similar(a, b)``, refused (``ValueError``) outside [0, 1]: a distance would merge every state."""
+    value = similar(a, b)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"state similarity {getattr(similar, '__qualname__', similar)} returned {value!r} "
+                         f"for {a[:60]!r} and {b[:60]!r}; it must be a number in [0, 1]")
+    return value
 
 
 def gigpo(

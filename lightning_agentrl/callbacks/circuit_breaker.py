@@ -89,7 +89,7 @@ class SandboxErrorWindow:
 
 class InfraCircuitBreaker(L.Callback):
     def __init__(self, sandbox, checkpoint: Path, *, max_error_frac: float, window: int,
-                 on_failure: str = "stop", wait_s: float = 600.0) -> None:
+                 on_failure: str = "stop", wait_s: float = 600.0, uses_sandbox: bool = True) -> None:
         if not 0.0 <= max_error_frac <= 1.0:
             raise ValueError(f"rollout.max_infra_error_frac must be in [0, 1], got {max_error_frac}")
         if window < 1:
@@ -97,6 +97,8 @@ class InfraCircuitBreaker(L.Callback):
         if on_failure not in ("stop", "wait"):
             raise ValueError(f"rollout.on_infra_failure must be 'stop' or 'wait', got {on_failure!r}")
         self.sandbox = sandbox
+        # what failed, as the messages say it: an environment without the sandbox service has its own backend
+        self.what = "the sandbox service" if uses_sandbox else "the environment's infrastructure"
         self.checkpoint = Path(checkpoint)
         self.max_error_frac = max_error_frac
         self.on_failure = on_failure
@@ -115,7 +117,7 @@ class InfraCircuitBreaker(L.Callback):
         if why is None:
             return
         last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
-        what = f"the sandbox service failed: {why} with sandbox_error; last error: {last_error}"
+        what = f"{self.what} failed: {why} with sandbox_error; last error: {last_error}"
         self.num_trips += 1
         if self.on_failure == "wait" and self._service_came_back(trainer, what):
             self.window.clear()
@@ -123,7 +125,7 @@ class InfraCircuitBreaker(L.Callback):
         if self._saved_step != trainer.global_step:
             trainer.save_checkpoint(self.checkpoint)
         raise SandboxOutage(f"{what}. Checkpoint: {self.checkpoint} (step {trainer.global_step}); "
-                            f"continue with --resume last once the service is back")
+                            "continue with --resume last once it is back")
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

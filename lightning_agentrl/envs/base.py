@@ -19,7 +19,7 @@ import hashlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -57,19 +57,37 @@ class EnvContractError(TypeError):
     """An environment returned something its contract does not allow (the message names its class and method)."""
 
 
+class EnvError(RuntimeError):
+    """An environment's own code raised what its :meth:`Environment.classify_error` does not map (a bug):
+    the run stops, and the message says ``<Class>.<method> raised <Type>: <message>`` (the original
+    exception is the cause, and its traceback is logged)."""
+
+
+def encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate, as a web page may hold) replaced by ``?``:
+    the tokenizer takes only encodable text.
+
+    >>> encodable("a\\ud800b")
+    'a?b'
+    """
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def checked_messages(env: Environment, messages: Any) -> list[dict]:
-    """``reset``'s opening messages, checked: a list of ``{"role": str, "content": str, ...}``."""
+    """``reset``'s opening messages, checked: a list of ``{"role": str, "content": str, ...}`` (copies,
+    their contents made :func:`encodable`)."""
     ok = isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
     if not ok:
         raise EnvContractError(f"{type(env).__qualname__}.reset must return a non-empty list of "
                                f"{{'role': str, 'content': str}} messages, got {_short(messages)}")
-    return messages
+    return [{**m, "content": encodable(m["content"])} for m in messages]
 
 
-def checked_step(env: Environment, result: Any) -> StepResult:
+def checked_step(env: Environment, result: Any, *, max_observation_chars: int | None = None) -> StepResult:
     """``step``'s result, checked: a :class:`StepResult` with a str observation, a finite number reward
-    (a NaN reward would train every weight to NaN), a bool ``done`` and a dict ``info``."""
+    (a NaN reward would train every weight to NaN), a bool ``done`` and a dict ``info``. The observation
+    is made :func:`encodable` and :func:`clip`-ped to ``max_observation_chars`` (``env.max_observation_chars``)."""
     name = f"{type(env).__qualname__}.step"
     if not isinstance(result, StepResult):
         raise EnvContractError(f"{name} must return a StepResult, got {_short(result)}")
@@ -81,7 +99,12 @@ def checked_step(env: Environment, result: Any) -> StepResult:
     if not isinstance(result.done, bool) or not isinstance(result.info, dict):
         raise EnvContractError(f"{name} returned done={result.done!r} and info={_short(result.info)}; they must "
                                "be a bool and a dict")
-    return result
+    tool = result.info.get("tool")
+    if tool is not None and not isinstance(tool, str):
+        raise EnvContractError(f"{name} returned info['tool'] {_short(tool)}; it must be the tool's name (a str) "
+                               "or None")
+    observation = result.observation if max_observation_chars is None else clip(result.observation, max_observation_chars)
+    return replace(result, observation=encodable(observation))
 
 
 def checked_state_text(env: Environment) -> str:

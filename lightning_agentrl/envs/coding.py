@@ -143,9 +143,8 @@ class CodingEnv(Environment):
             return self._observe(f"error: {err}", error=True, **info)
 
     def _observe(self, text: str, error: bool = False, **info) -> StepResult:
-        text = clip(text, self.max_observation_chars)
-        self._last_observation = text
-        return StepResult(text, info={**info, "error": error})
+        self._last_observation = clip(text, self.max_observation_chars)  # kept with a parked episode's state
+        return StepResult(text, info={**info, "error": error})  # the agent loop clips what the agent sees
 
     def classify_error(self, err: Exception) -> EnvInfraError | ToolTimeout | None:
         from sandbox_client import CommandTimeout, SandboxInfraError

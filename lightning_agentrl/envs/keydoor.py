@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_agentrl.envs.base import Environment, StepResult, clip
+from lightning_agentrl.envs.base import Environment, StepResult
 from lightning_agentrl.envs.tools import ToolCallError, ToolSpec, parse_tool_call
 
 if TYPE_CHECKING:
@@ -77,7 +77,10 @@ def parse_task(data: dict, where: str) -> KeyDoorTask:
     split = data.get("split", "train")
     if split not in ("train", "test"):
         raise ValueError(f"{where}: split must be train or test, got {split!r}")
-    return KeyDoorTask(str(data["id"]), tuple(rows), split)
+    task_id = data["id"]
+    if isinstance(task_id, bool) or not isinstance(task_id, str | int) or task_id == "":
+        raise ValueError(f"{where}: id must be a non-empty string, got {task_id!r}")
+    return KeyDoorTask(str(task_id), tuple(rows), split)
 
 
 def load_keydoor_tasks(path: str | Path, *, split: str | None = None) -> list[KeyDoorTask]:
@@ -110,12 +113,11 @@ class KeyDoorEnv(Environment):
 
     @classmethod
     def from_settings(cls, task, *, client, settings: EnvSettings, native_tools: bool) -> KeyDoorEnv:
-        return cls(task, native_tools=native_tools, max_observation_chars=settings.max_observation_chars)
+        return cls(task, native_tools=native_tools)
 
-    def __init__(self, task: KeyDoorTask, *, native_tools: bool = False, max_observation_chars: int = 2000) -> None:
+    def __init__(self, task: KeyDoorTask, *, native_tools: bool = False) -> None:
         self.task = task
         self.tools = [tool.schema() for tool in KEYDOOR_TOOLS] if native_tools else None
-        self.max_observation_chars = max_observation_chars
         self.position = task.find("S")
         self.keys: set[str] = set()
         self.opened: set[str] = set()
@@ -123,11 +125,21 @@ class KeyDoorEnv(Environment):
     async def reset(self) -> list[dict]:
         tools = "move, as defined for this conversation." if self.tools else KEYDOOR_TOOLS[0].render()
         return [{"role": "system", "content": SYSTEM_PROMPT.replace("{tools}", tools)},
-                {"role": "user", "content": f"Reach G.\n{self.state_text}"}]
+                {"role": "user", "content": f"Reach G.\n{self.view}"}]
 
     @property
     def state_text(self) -> str:
-        """The map as the agent sees it (``@``, keys left, doors still closed) and the keys held."""
+        """The state and nothing else: the agent's square, the keys held, the doors opened (``at 1,3 keys: a
+        open: none``). Short on purpose: in similarity mode (``algorithm.gigpo_similarity``) two states that
+        differ by one square differ by a character in ~25, where the whole map's text would differ by one
+        character in hundreds and merge different states."""
+        (r, c), keys, opened = self.position, "".join(sorted(self.keys)), "".join(sorted(self.opened))
+        return f"at {r},{c} keys: {keys or 'none'} open: {opened or 'none'}"
+
+    @property
+    def view(self) -> str:
+        """The map as the agent sees it (``@``, keys left, doors still closed) and the keys held: what the
+        observations show."""
         rows = []
         for r, row in enumerate(self.task.map):
             glyphs = [self._glyph(g) for g in row]
@@ -151,8 +163,8 @@ class KeyDoorEnv(Environment):
             return StepResult(f"error: direction must be one of {', '.join(MOVES)}", info={"tool": "move", "error": True})
         text, reward, done = self._move(MOVES[direction])
         info = {"tool": "move", "error": False, **({"submitted": True} if done else {})}
-        observation = text if done else f"{text}\n{self.state_text}"
-        return StepResult(clip(observation, self.max_observation_chars), reward=reward, done=done, info=info)
+        observation = text if done else f"{text}\n{self.view}"
+        return StepResult(observation, reward=reward, done=done, info=info)
 
     def _move(self, delta: tuple[int, int]) -> tuple[str, float, bool]:
         r, c = self.position[0] + delta[0], self.position[1] + delta[1]

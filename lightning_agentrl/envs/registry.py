@@ -34,13 +34,24 @@ def env_class(kind: str) -> type[Environment]:
     if not sep or not module_name or not class_name or "." in class_name:
         raise ValueError(f"{kind!r} is neither a shipped environment ({', '.join(SHIPPED)}) nor a dotted path "
                          "module.path:ClassName")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import {module_name!r} (from {kind!r}): {err}") from None
+    module = _import(kind, module_name)
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ValueError(f"module {module_name!r} has no {class_name!r}")
+    _check_class(path, cls)
+    return cls
+
+
+def _import(kind: str, module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import {module_name!r} (from {kind!r}): {err}") from None
+    except Exception as err:  # a SyntaxError, an error raised while the module runs
+        raise ValueError(f"cannot import {module_name!r} (from {kind!r}): {type(err).__name__}: {err}") from err
+
+
+def _check_class(path: str, cls) -> None:
     if not (inspect.isclass(cls) and issubclass(cls, Environment)):
         raise ValueError(f"{path} is not a subclass of lightning_agentrl.envs.base.Environment")
     if inspect.isabstract(cls):
@@ -50,7 +61,27 @@ def env_class(kind: str) -> type[Environment]:
     if sync:
         raise ValueError(f"{path}: {', '.join(sync)} must be `async def` (the rollout service awaits them on its "
                          "event loop; run blocking work with `await asyncio.to_thread(...)`)")
-    return cls
+    _check_similarity(path, cls.state_similarity)
+
+
+def _check_similarity(path: str, similar) -> None:
+    """``state_similarity``, as GiGPO calls it (on the class, with two state texts): callable with two
+    arguments, and where it understands the probe ``("a", "a")`` (a similarity may parse only its own
+    states), 1.0 for those equal states."""
+    if similar is None:
+        return
+    try:
+        inspect.signature(similar).bind("a", "a")
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: state_similarity must be a function of two state texts, e.g. a @staticmethod "
+                         f"(GiGPO calls it on the class): {err}") from None
+    try:
+        value = similar("a", "a")
+    except Exception:  # noqa: BLE001 - it may parse its own state texts only; the range is checked in use
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != 1.0:
+        raise ValueError(f"{path}: state_similarity('a', 'a') returned {value!r}; it must be a similarity in [0, 1], "
+                         "1.0 for equal states (not a distance)")
 
 
 def load_env_tasks(settings: Settings, split: str, *, tasks: str | Path | None = None) -> list[EnvTask]:

@@ -43,6 +43,7 @@ ids the engine returned (a digest of each generation is kept in ``Trajectory.inf
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -50,6 +51,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from lightning_agentrl.envs.base import (
+    EnvError,
     EnvInfraError,
     Environment,
     ToolTimeout,
@@ -76,6 +78,11 @@ SCORED = (TerminationReason.SUBMITTED, TerminationReason.SCORING_TIMEOUT)  # the
 
 log = logging.getLogger(__name__)
 
+current_episode: contextvars.ContextVar[EpisodeState] = contextvars.ContextVar("current_episode")
+"""The state of the episode whose task is running (set by :meth:`Episode.play`): a sub-agent an environment
+calls seeds its sampling from the episode's id and its count of sub-agent calls
+(:mod:`~lightning_agentrl.rollout.sub_agent`)."""
+
 
 def _env_default(name: str):
     return EnvSettings.model_fields[name].default
@@ -91,13 +98,14 @@ class EpisodeBudget:
     generation_timeout_s: float = _env_default("generation_timeout_s")
     episode_timeout_s: float = _env_default("episode_timeout_s")
     max_tool_errors: int = _env_default("max_tool_errors")
+    max_observation_chars: int = _env_default("max_observation_chars")
 
     @classmethod
     def from_settings(cls, env: EnvSettings) -> EpisodeBudget:
         return cls(**{name: getattr(env, name) for name in cls.__dataclass_fields__})
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_context_tokens", "max_tool_errors"):
+        for name in ("max_turns", "max_context_tokens", "max_tool_errors", "max_observation_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EpisodeBudget.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("generation_timeout_s", "episode_timeout_s"):
@@ -133,6 +141,13 @@ class EpisodeState:
     env_state: dict = field(default_factory=dict)
     parked_version: int = -1  # the engine's policy version when the episode was last parked
     num_parks: int = 0
+    sub_agent_calls: int = 0  # the sub-agent's sampling seed of call k is request_seed(seed, "<id>/sub-agent", k)
+
+    def next_sub_agent_seed(self, run_seed: int | None) -> int | None:
+        """The seed of this episode's next sub-agent call: a pure function of the run seed, the episode and
+        the call's index in it (as :func:`request_seed` is for the policy's requests)."""
+        self.sub_agent_calls += 1
+        return request_seed(run_seed, f"{self.trajectory.episode_id}/sub-agent", self.sub_agent_calls - 1)
 
     def state_dict(self) -> dict:
         return {
@@ -147,6 +162,7 @@ class EpisodeState:
             "env_state": self.env_state,
             "parked_version": self.parked_version,
             "num_parks": self.num_parks,
+            "sub_agent_calls": self.sub_agent_calls,
         }
 
     @classmethod
@@ -169,14 +185,30 @@ def save_env_state(env: Environment) -> dict:
     observation)."""
     if hasattr(env, "state_dict"):
         return env.state_dict()
-    state = {}
+    state, dropped = {}, []
     for name, value in vars(env).items():
         try:
-            json.dumps(value)
+            kept = json.loads(json.dumps(value))
         except (TypeError, ValueError):
-            continue  # clients, tasks, score objects: rebuilt by the service, not state
+            dropped.append(f"{name} ({type(value).__name__}, dropped)")  # clients, tasks: rebuilt; a set: lost
+            continue
+        if kept != value:
+            dropped.append(f"{name} ({type(value).__name__}, comes back as {type(kept).__name__})")
         state[name] = value
+    _warn_lossy_state(type(env), dropped)
     return state
+
+
+_warned_lossy: set[type] = set()
+
+
+def _warn_lossy_state(cls: type, lossy: list[str]) -> None:
+    """Once per class: the attributes a parked episode's checkpoint does not keep as they are."""
+    if lossy and cls not in _warned_lossy:
+        _warned_lossy.add(cls)
+        log.warning("%s has no state_dict: a parked episode restored from a checkpoint loses %s (what "
+                    "from_settings rebuilds is fine; write state_dict and load_state_dict for the rest)",
+                    cls.__qualname__, ", ".join(lossy))
 
 
 def restore_env_state(env: Environment, state: dict) -> Environment:
@@ -190,18 +222,33 @@ def restore_env_state(env: Environment, state: dict) -> Environment:
 
 
 # -- the loop ---------------------------------------------------------------------------------------
-async def env_call(env: Environment, call):
-    """Await one call of ``env``; an exception of its backend that its ``classify_error`` maps to
-    :class:`EnvInfraError` or :class:`ToolTimeout` is raised as that (from the original)."""
+async def env_call(env: Environment, call, method: str):
+    """Await ``env.<method>(...)`` (the coroutine ``call``); an exception of its backend that its
+    ``classify_error`` maps to :class:`EnvInfraError` or :class:`ToolTimeout` is raised as that (from the
+    original). Anything else it raises is its own bug: :class:`EnvError` naming the class and method, with
+    the traceback logged; a ``CancelledError`` this task was not sent (a cancelled inner request) too,
+    where it would otherwise end the episode's group without a word and leave the run waiting for it."""
+    name = f"{type(env).__qualname__}.{method}"
     try:
         return await call
-    except (EnvInfraError, ToolTimeout):
+    except (EnvInfraError, ToolTimeout, EngineInfraError, TimeoutError):  # a sub-agent's engine; a user's timeout
         raise
+    except asyncio.CancelledError as err:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():  # the trainer cancelled the episode (a timeout, a stop)
+            raise
+        raise _env_error(f"{name} raised CancelledError: {err or 'no message'} (not sent by the rollout: a "
+                         "cancelled request inside the environment; catch it there)", err) from err
     except Exception as err:
         mapped = env.classify_error(err)
-        if mapped is None:
-            raise
-        raise mapped from err
+        if mapped is not None:
+            raise mapped from err
+        raise _env_error(f"{name} raised {type(err).__name__}: {err}", err) from err
+
+
+def _env_error(message: str, err: BaseException) -> EnvError:
+    log.error("%s", message, exc_info=err)  # the traceback: the run's error line names only the method
+    return EnvError(message)
 
 
 async def close_env(env: Environment) -> None:
@@ -296,6 +343,7 @@ class Episode:
             async with asyncio.timeout(max(self.budget.episode_timeout_s - spent, 0.0)) as deadline:
                 if self.state is None:
                     await self.reset()
+                current_episode.set(self.state)  # this episode's task only (each episode runs in its own)
                 await self.play_turns(started, park_after_s)
         except (TimeoutError, ToolTimeout, EnvInfraError, EngineInfraError) as err:
             self.end_by_error(err, deadline)
@@ -305,7 +353,7 @@ class Episode:
         return self.finish(started)
 
     async def reset(self) -> None:
-        messages = checked_messages(self.env, await env_call(self.env, self.env.reset()))
+        messages = checked_messages(self.env, await env_call(self.env, self.env.reset(), "reset"))
         self.state = EpisodeState(trajectory=self.trajectory, messages=messages)
         first = Segment()
         first.extend(self.codec.prompt_ids(messages, tools=self.env.tools), mask=0)
@@ -350,7 +398,8 @@ class Episode:
     async def env_step(self, turn: Turn, action_text: str):
         self.phase = "tool"
         t0 = time.monotonic()
-        result = checked_step(self.env, await env_call(self.env, self.env.step(action_text)))
+        result = checked_step(self.env, await env_call(self.env, self.env.step(action_text), "step"),
+                              max_observation_chars=self.budget.max_observation_chars)
         turn.timings["env_s"] = time.monotonic() - t0
         self.state.tool_s += turn.timings["env_s"]
         self.phase = "episode"
@@ -389,8 +438,9 @@ class Episode:
     def append_action(self, segment: Segment, generation, *, tool: str | None = None) -> Turn:
         start = len(segment.token_ids)
         segment.extend(generation.token_ids, mask=1, logprobs=generation.logprobs, version=generation.policy_version)
+        state_text = checked_state_text(self.env)  # before state_key, which hashes it
         turn = Turn(action_start=start, action_end=len(segment.token_ids), state_key=self.env.state_key,
-                    state_text=checked_state_text(self.env), tool=tool, timings={"generation_s": self.generation_s})
+                    state_text=state_text, tool=tool, timings={"generation_s": self.generation_s})
         segment.turns.append(turn)
         return turn
 

@@ -31,13 +31,18 @@ is gone, its next tool call ends the episode with ``sandbox_error``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from lightning_agentrl.envs.base import Environment
 from lightning_agentrl.envs.registry import EnvTask as Task  # any environment's task: an object with an id
 from lightning_agentrl.rollout.agent_loop import (
     EpisodeBudget,
@@ -52,6 +57,8 @@ from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
 from lightning_agentrl.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,8 @@ class RolloutService:
         self._gate: asyncio.Event | None = None
         self._started = threading.Event()
         self._initial: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+        self._stopping = False  # the service cancels its tasks: a cancelled group is then no failure
+        self._watchdog: LoopWatchdog | None = None
         self.num_in_flight = 0
         self.num_episodes_finished = 0
         self.num_groups_finished = 0
@@ -183,6 +192,8 @@ class RolloutService:
         self._thread = threading.Thread(target=self._run_loop, name="rollout-service", daemon=True)
         self._thread.start()
         self._started.wait()
+        self._watchdog = LoopWatchdog(self._loop, self._thread, self.budget.episode_timeout_s, self.buffer.fail)
+        self._watchdog.start()
         return self
 
     def _run_loop(self) -> None:
@@ -211,6 +222,7 @@ class RolloutService:
         loop = self._loop
 
         def cancel_all() -> None:
+            self._stopping = True
             for task in asyncio.all_tasks(loop):
                 task.cancel()
 
@@ -218,7 +230,8 @@ class RolloutService:
             loop.call_soon_threadsafe(cancel_all)
         except RuntimeError:  # the loop already ended (its failure is in the buffer): nothing to cancel
             pass
-        self._thread.join(timeout=60)
+        blocked = self._watchdog is not None and self._watchdog.blocked_by is not None
+        self._thread.join(timeout=5 if blocked else 60)  # a loop an environment blocks may never return
         self._thread = None
 
     def __enter__(self) -> RolloutService:
@@ -312,12 +325,13 @@ class RolloutService:
                     group_id = self._next_group * self.world_size + self.rank
                     self._next_group += 1
                 self._pending.add(group_id)
-                task = asyncio.create_task(self._run_group(client, slots, group_id))
+                task = asyncio.create_task(self._run_group(client, slots, group_id), name=f"group {group_id}")
                 running.add(task)
                 task.add_done_callback(running.discard)
                 task.add_done_callback(self._check_failed)
                 await asyncio.sleep(0)
         finally:
+            self._stopping = True
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
@@ -325,7 +339,11 @@ class RolloutService:
                 await client.close()
 
     def _check_failed(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            if not self._stopping:  # nothing of the service cancelled it: the group would never reach the buffer
+                self.buffer.fail(RolloutServiceError(f"a rollout group was cancelled ({task.get_name()}) while "
+                                                     "the service was running"))
+        elif task.exception() is not None:
             self.buffer.fail(task.exception())
 
     async def _run_group(self, client, slots: asyncio.Semaphore, group_id: int) -> None:
@@ -471,3 +489,58 @@ class RolloutService:
         self.buffer.load_state_dict(state["buffer"])
         self.num_episodes_finished = state["num_episodes_finished"]
         self.num_skipped_steps = state.get("num_skipped_steps", 0)  # absent in older checkpoints
+
+
+class LoopWatchdog(threading.Thread):
+    """Watches the service's event loop from a thread of its own: an environment's ``async def`` that blocks
+    (``time.sleep``, a synchronous HTTP client) stops every episode, and no episode timeout can fire on a
+    blocked loop. When the loop has not run for ``stall_s`` (``env.episode_timeout_s``) inside an
+    environment's method, ``fail`` gets an error naming it (the run stops instead of hanging without a
+    word); a stall elsewhere is logged once. It ends with the loop's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, watched: threading.Thread, stall_s: float, fail,
+                 *, interval_s: float = 1.0) -> None:
+        super().__init__(name="rollout-watchdog", daemon=True)
+        self.loop, self.watched, self.stall_s, self.fail, self.interval_s = loop, watched, stall_s, fail, interval_s
+        self.last_beat = time.monotonic()
+        self.blocked_by: str | None = None  # the environment method that blocked the loop, once it did
+
+    def _beat(self) -> None:
+        self.last_beat = time.monotonic()
+
+    def run(self) -> None:
+        warned = False
+        while self.watched.is_alive():
+            try:
+                self.loop.call_soon_threadsafe(self._beat)
+            except RuntimeError:  # the loop closed
+                return
+            time.sleep(self.interval_s)
+            stalled = time.monotonic() - self.last_beat
+            if stalled < self.stall_s:
+                warned = False
+                continue
+            frame = sys._current_frames().get(self.watched.ident)
+            where, stack = _env_frame(frame), "".join(traceback.format_stack(frame)) if frame else ""
+            if where is not None:
+                message = (f"{where} has blocked the rollout's event loop for {stalled:.0f} s (env.episode_timeout_s="
+                           f"{self.stall_s:g}): an `async def` must not block; run blocking work with "
+                           "`await asyncio.to_thread(...)`")
+                log.error("%s\n%s", message, stack)
+                self.blocked_by = where
+                self.fail(RuntimeError(message))
+                return
+            if not warned:
+                log.warning("the rollout's event loop has not run for %.0f s; it is in:\n%s", stalled, stack)
+                warned = True
+
+
+def _env_frame(frame) -> str | None:
+    """``<Class>.<method> (file:line)`` of the innermost frame of an environment's method, or None."""
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Environment):
+            code = frame.f_code
+            return f"{type(owner).__qualname__}.{code.co_name} ({code.co_filename}:{frame.f_lineno})"
+        frame = frame.f_back
+    return None

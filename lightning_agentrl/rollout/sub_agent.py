@@ -12,6 +12,7 @@ from itertools import count
 from typing import TYPE_CHECKING
 
 from lightning_agentrl.models import pad_token_id
+from lightning_agentrl.rollout.agent_loop import current_episode, request_seed
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import SamplingParams, TorchEngine
 
@@ -30,8 +31,15 @@ class EngineSubAgent:
         self.num_calls = 0
 
     async def generate(self, messages: list[dict]) -> str:
+        """Sampled with the seed of (run seed, episode, index of the call in the episode): the same answer
+        whatever other episodes asked before, on any rank, after a resume. Outside an episode's turns (a
+        call from ``reset``), the seed of (run seed, the process's count of such calls)."""
         call = next(self._calls)
-        seed = None if self.sampling.seed is None else self.sampling.seed + call
+        episode = current_episode.get(None)
+        if episode is not None:
+            seed = episode.next_sub_agent_seed(self.sampling.seed)
+        else:
+            seed = request_seed(self.sampling.seed, "sub-agent", call)
         request = replace(self.sampling, seed=seed)
         generation = await self.engine.generate(self.codec.prompt_ids(messages), request, f"sub-agent-{call}")
         self.num_calls += 1

@@ -305,6 +305,14 @@ def test_gigpo_similarity_grouping_merges_near_identical_states():
     assert similar["step_advantages"].tolist() == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
 
 
+@pytest.mark.parametrize("value", [5.0, -0.1, float("nan"), "1", True])
+def test_a_similarity_outside_zero_one_is_refused_naming_the_states(value):
+    """A distance (0 for equal states, 5 apart) would put every state above any threshold: one anchor group."""
+    groups = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"returned .* for 'at 3' and 'at 2'; it must be a number in \[0, 1\]"):
+        adv.anchor_group_ids(["at 3", "at 2"], groups, 0.5, similarity=lambda a, b: value)
+
+
 # ---------------------------------------------------------------------------------------------
 # GAE
 # ---------------------------------------------------------------------------------------------
