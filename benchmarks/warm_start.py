@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_agentrl.envs.coding import SYSTEM_PROMPT
+from lightning_agentrl.envs.coding import CodingEnv
 from lightning_agentrl.envs.learn_tasks import ANSWER_FILE, KEY_FILE, PROMPT, LearnSuiteSpec
-from lightning_agentrl.envs.tools import CODING_TOOLS
 from lightning_agentrl.rollout.chat import ChatCodec
 
 DETOUR_COMMAND = "ls"
@@ -42,11 +41,8 @@ DETOUR_OUTPUT = f"exit code 0\n{ANSWER_FILE}\n{KEY_FILE}\n"
 
 
 def opening_messages(system_prompt: str | None = None, prompt: str = PROMPT) -> list[dict]:
-    """The system and user messages :class:`CodingEnv` opens every episode with (``system_prompt``
-    as in ``env.system_prompt``: None = the environment's built-in one)."""
-    tools = "\n".join(tool.render() for tool in CODING_TOOLS)
-    system = (SYSTEM_PROMPT if system_prompt is None else system_prompt).replace("{tools}", tools)
-    return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    """The system and user messages :class:`CodingEnv` opens every episode with (tools as text)."""
+    return CodingEnv.opening_messages(prompt, system_prompt)
 
 
 def tool_call(name: str, **arguments: str) -> str:

@@ -84,12 +84,17 @@ class CodingEnv(Environment):
 
     async def reset(self) -> list[dict]:
         self.sandbox_id = await self.client.create(dict(self.task.files))
-        tools = NATIVE_TOOLS_NOTE if self.tools else "\n".join(tool.render() for tool in CODING_TOOLS)
-        return [
-            # replace, not str.format: a custom prompt may contain other braces (JSON examples)
-            {"role": "system", "content": self.system_prompt.replace("{tools}", tools)},
-            {"role": "user", "content": self.task.prompt},
-        ]
+        return self.opening_messages(self.task.prompt, self.system_prompt, native_tools=self.tools is not None)
+
+    @staticmethod
+    def opening_messages(prompt: str, system_prompt: str | None = None, *, native_tools: bool = False) -> list[dict]:
+        """The system and user messages every episode opens with (``system_prompt`` as in
+        ``env.system_prompt``: None = the built-in one; its ``{tools}`` becomes the tools' text, or a
+        note naming them when the chat template renders their schemas)."""
+        tools = NATIVE_TOOLS_NOTE if native_tools else "\n".join(tool.render() for tool in CODING_TOOLS)
+        system = SYSTEM_PROMPT if system_prompt is None else system_prompt
+        # replace, not str.format: a custom prompt may contain other braces (JSON examples)
+        return [{"role": "system", "content": system.replace("{tools}", tools)}, {"role": "user", "content": prompt}]
 
     @property
     def state_key(self) -> str:
