@@ -154,7 +154,8 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         started = time.perf_counter()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._delete_older_steps(trainer)
+        if self._last_global_step_saved == trainer.global_step:  # only after a save: no listing on other steps
+            self._delete_older_steps(trainer)
         self.batch_end_at = time.perf_counter()
         self.seconds += self.batch_end_at - started
 
