@@ -123,3 +123,18 @@ def sandbox_server():
 
     with start_local_server() as server:
         yield server
+
+
+def counting_service(codec, tasks, engine, plan, *, submit_at: int, max_turns: int = 4, max_new_tokens: int = 64,
+                     **extra):
+    """A rollout service on :class:`CountingEnv` (no sandbox) with a seeded sampler; ``extra`` goes to
+    :class:`~lightning_agentrl.rollout.service.RolloutService` as it is (e.g. ``episode_budget``)."""
+    from lightning_agentrl.rollout.agent_loop import EpisodeBudget
+    from lightning_agentrl.rollout.engine import SamplingParams
+    from lightning_agentrl.rollout.service import RolloutService
+
+    return RolloutService(
+        engine=engine, make_client=NoClient, make_env=lambda client, task: CountingEnv(submit_at=submit_at),
+        codec=codec, tasks=tasks, sampling=SamplingParams(max_new_tokens=max_new_tokens, seed=0),
+        budget=EpisodeBudget(max_turns=max_turns), plan=plan, **extra,
+    )

@@ -6,11 +6,10 @@ import pytest
 
 from lightning_agentrl.experiments.forced_truncation import ForcedTruncation
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget
-from lightning_agentrl.rollout.engine import SamplingParams
-from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
+from lightning_agentrl.rollout.service import RolloutPlan
 from lightning_agentrl.settings import SettingsError, load_settings
 from lightning_agentrl.trajectory import TerminationReason
-from tests.rollout.conftest import CountingEnv, NoClient, ScriptedEngine, call
+from tests.rollout.conftest import ScriptedEngine, call, counting_service
 
 
 def plan() -> RolloutPlan:
@@ -36,17 +35,7 @@ def test_the_cut_episodes_are_a_seeded_share_and_keep_their_budget():
 
 def test_forced_episodes_end_with_max_turns_in_the_service(codec, task):
     engine = ScriptedEngine(codec, {"*": [call("run", command="ls"), call("submit")]})
-    service = RolloutService(
-        engine=engine,
-        make_client=NoClient,
-        make_env=lambda client, task: CountingEnv(submit_at=2),
-        codec=codec,
-        tasks=[task],
-        sampling=SamplingParams(max_new_tokens=64, seed=0),
-        budget=EpisodeBudget(max_turns=4),
-        plan=plan(),
-        episode_budget=truncation(0.5),
-    )
+    service = counting_service(codec, [task], engine, plan(), submit_at=2, episode_budget=truncation(0.5))
     with service:
         batch = service.take_batch(0, timeout_s=30)
     expected = {f"g{g}-e{i}": truncation(0.5)(EpisodeBudget(max_turns=4), g, i).max_turns == 1

@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_agentrl.rollout.agent_loop import EpisodeBudget
 from lightning_agentrl.rollout.buffer import RolloutServiceError
-from lightning_agentrl.rollout.engine import SamplingParams
-from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
-from tests.rollout.conftest import CountingEnv, NoClient, ScriptedEngine, call
+from lightning_agentrl.rollout.service import RolloutPlan
+from tests.rollout.conftest import ScriptedEngine, call, counting_service
 
 
 class RefusingEngine(ScriptedEngine):
@@ -18,16 +16,7 @@ class RefusingEngine(ScriptedEngine):
 
 
 def test_stop_after_the_loop_died_keeps_the_cause(codec, task):
-    service = RolloutService(
-        engine=RefusingEngine(codec, {"*": [call("submit")]}),
-        make_client=NoClient,
-        make_env=lambda client, task: CountingEnv(submit_at=1),
-        codec=codec,
-        tasks=[task],
-        sampling=SamplingParams(max_new_tokens=16, seed=0),
-        budget=EpisodeBudget(max_turns=2),
-        plan=RolloutPlan(group_size=2, groups_per_step=1, max_in_flight=2, max_staleness=0),
-    )
+    service = counting_service(codec, [task], RefusingEngine(codec, {"*": [call("submit")]}), RolloutPlan(group_size=2, groups_per_step=1, max_in_flight=2, max_staleness=0), submit_at=1, max_turns=2, max_new_tokens=16)
     service.start(initial_weights=[("lm_head.weight", torch.zeros(1))], version=0)
     with pytest.raises(RolloutServiceError) as caught:
         service.take_batch(0, timeout_s=30)

@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_agentrl.rollout.agent_loop import EpisodeBudget
-from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
 from lightning_agentrl.tasks import load_tasks
-from tests.rollout.conftest import REPO, CountingEnv, NoClient, ScriptedEngine, call
+from tests.rollout.conftest import REPO, ScriptedEngine, call, counting_service
 
 STEPS, GROUPS_PER_STEP, GROUP_SIZE = 2, 4, 2
 
 
 def make_service(codec, tasks) -> RolloutService:
-    return RolloutService(
-        engine=ScriptedEngine(codec, {"*": [call("submit")]}),
-        make_client=NoClient,
-        make_env=lambda client, task: CountingEnv(submit_at=1),
-        codec=codec,
-        tasks=tasks,
-        sampling=SamplingParams(max_new_tokens=64, seed=0),
-        budget=EpisodeBudget(max_turns=2),
-        plan=RolloutPlan(group_size=GROUP_SIZE, groups_per_step=GROUPS_PER_STEP, max_in_flight=8, max_staleness=0),
-    )
+    return counting_service(codec, tasks, ScriptedEngine(codec, {"*": [call("submit")]}), RolloutPlan(group_size=GROUP_SIZE, groups_per_step=GROUPS_PER_STEP, max_in_flight=8, max_staleness=0), submit_at=1, max_turns=2)
 
 
 def batches(service: RolloutService) -> list[set[tuple[int, str, str]]]:

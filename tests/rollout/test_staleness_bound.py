@@ -7,10 +7,8 @@ import time
 
 import pytest
 
-from lightning_agentrl.rollout.agent_loop import EpisodeBudget
-from lightning_agentrl.rollout.engine import SamplingParams
-from lightning_agentrl.rollout.service import RolloutPlan, RolloutService
-from tests.rollout.conftest import CountingEnv, NoClient, ScriptedEngine, call
+from lightning_agentrl.rollout.service import RolloutPlan
+from tests.rollout.conftest import ScriptedEngine, call, counting_service
 
 NUM_STEPS = 5
 GROUPS_PER_STEP = 2
@@ -19,16 +17,7 @@ GROUPS_PER_STEP = 2
 @pytest.mark.parametrize("max_staleness", [0, 2])
 def test_every_token_is_within_the_staleness_bound_under_a_slow_trainer(codec, task, max_staleness):
     engine = ScriptedEngine(codec, {"*": [call("run", command="ls"), call("submit")]}, delay_s=0.005)
-    service = RolloutService(
-        engine=engine,
-        make_client=NoClient,
-        make_env=lambda client, task: CountingEnv(submit_at=2),
-        codec=codec,
-        tasks=[task],
-        sampling=SamplingParams(max_new_tokens=64, seed=0),
-        budget=EpisodeBudget(max_turns=4),
-        plan=RolloutPlan(group_size=2, groups_per_step=GROUPS_PER_STEP, max_in_flight=8, max_staleness=max_staleness),
-    )
+    service = counting_service(codec, [task], engine, RolloutPlan(group_size=2, groups_per_step=GROUPS_PER_STEP, max_in_flight=8, max_staleness=max_staleness), submit_at=2)
     most_ahead = 0
     with service:
         for step in range(NUM_STEPS):
@@ -57,16 +46,7 @@ def test_groups_dropped_as_stale_are_replaced_so_generation_keeps_running_ahead(
             await asyncio.sleep(2.0)
 
     engine = ScriptedEngine(codec, {"*": [call("submit")]}, before_request=slow_first_groups)
-    service = RolloutService(
-        engine=engine,
-        make_client=NoClient,
-        make_env=lambda client, task: CountingEnv(submit_at=1),
-        codec=codec,
-        tasks=[task],
-        sampling=SamplingParams(max_new_tokens=64, seed=0),
-        budget=EpisodeBudget(max_turns=4),
-        plan=RolloutPlan(group_size=2, groups_per_step=1, max_in_flight=8, max_staleness=2),
-    )
+    service = counting_service(codec, [task], engine, RolloutPlan(group_size=2, groups_per_step=1, max_in_flight=8, max_staleness=2), submit_at=1)
     ready_before_take = []
     with service:
         for step in range(14):
