@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.warm_start import warm_start  # noqa: E402
 from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation  # noqa: E402
 from lightning_agentrl.envs.learn_tasks import LearnSuiteSpec  # noqa: E402
+from lightning_agentrl.envs.registry import load_env_tasks  # noqa: E402
 from lightning_agentrl.settings import Settings, load_settings  # noqa: E402
 from lightning_agentrl.tasks import load_tasks  # noqa: E402
 from lightning_agentrl.trajectory import load_trajectories  # noqa: E402
@@ -88,7 +89,7 @@ def run_with_evaluation(settings: Settings, *, every: int, samples_per_task: int
     from lightning_agentrl.train import fit
 
     evaluation = HeldOutEvaluation(
-        load_tasks(settings.env.tasks, split="test"), every_n_steps=every, samples_per_task=samples_per_task, seed=seed
+        load_env_tasks(settings, "test"), every_n_steps=every, samples_per_task=samples_per_task, seed=seed
     )
     result = fit(settings, callbacks=[evaluation])
     return result, evaluation.history

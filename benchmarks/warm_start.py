@@ -112,12 +112,20 @@ def render_demonstration(
     ``value_in_loss=False`` masks the written value's tokens out (mask 0): the demonstration then
     says nothing about *what* to write, only how.
     """
-    ids = codec.prompt_ids(opening_messages(system_prompt, prompt))
+    return render_turns(codec, opening_messages(system_prompt, prompt), turns,
+                        mask_span=None if value_in_loss else _value_span)
+
+
+def render_turns(codec: ChatCodec, opening: list[dict], turns: list[tuple[str, str | None]], *, mask_span=None):
+    """Token ids and loss mask (1 = action) of an episode opening with ``opening`` (the environment's
+    messages) and going on with ``turns``; ``mask_span(codec, action_ids, action)`` may name a span of an
+    action to leave out of the loss."""
+    ids = codec.prompt_ids(opening)
     mask = [0] * len(ids)
     for action, observation in turns:
         action_ids = codec.encode(action) + [codec.eos_token_id]
         action_mask = [1] * len(action_ids)
-        span = None if value_in_loss else _value_span(codec, action_ids, action)
+        span = None if mask_span is None else mask_span(codec, action_ids, action)
         if span is not None:
             action_mask[span[0] : span[1]] = [0] * (span[1] - span[0])
         ids += action_ids
@@ -202,6 +210,21 @@ def warm_start(
     value_in_loss: bool = True,
 ) -> WarmStartResult:
     """Train ``model_path`` on format-only demonstrations; save model and tokenizer to ``out_dir``."""
+
+    def demonstrations(codec: ChatCodec, num: int):
+        return make_demonstrations(
+            codec, keys, spec, num=num, seed=seed, detour_prob=detour_prob, echo_prob=echo_prob,
+            system_prompt=system_prompt, value_in_loss=value_in_loss,
+        )
+
+    return train_on_demonstrations(model_path, out_dir, demonstrations, steps=steps, batch_size=batch_size, lr=lr,
+                                   seed=seed)
+
+
+def train_on_demonstrations(model_path, out_dir, demonstrations, *, steps: int, batch_size: int, lr: float,
+                            seed: int) -> WarmStartResult:
+    """``steps`` AdamW steps of :func:`masked_nll` on ``demonstrations(codec, steps * batch_size)`` (a list of
+    (ids, mask)); saves the model and tokenizer to ``out_dir``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
@@ -210,10 +233,7 @@ def warm_start(
     codec = ChatCodec(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.train()
-    demos = make_demonstrations(
-        codec, keys, spec, num=steps * batch_size, seed=seed, detour_prob=detour_prob, echo_prob=echo_prob,
-        system_prompt=system_prompt, value_in_loss=value_in_loss,
-    )
+    demos = demonstrations(codec, steps * batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     pad = tokenizer.pad_token_id
     loss_value = float("nan")
@@ -239,6 +259,38 @@ def warm_start(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return WarmStartResult(out, steps, loss_value, time.monotonic() - started)
+
+
+def random_walk_turns(task, max_turns: int, rng: random.Random) -> tuple[list[dict], list[tuple[str, str | None]]]:
+    """A rooms episode (``lightning_agentrl.envs.rooms``) walked by a uniformly random choice among the exits
+    the room lists: the opening messages and (action, observation) per turn. It teaches the answer format
+    (one listed exit per turn), nothing about which exit leads to the goal."""
+    import asyncio
+
+    from lightning_agentrl.envs.rooms import RoomsEnv
+
+    env = RoomsEnv(task)
+    opening = asyncio.run(env.reset())
+    turns: list[tuple[str, str | None]] = []
+    for _ in range(rng.randint(1, max_turns)):
+        action = rng.choice(list(task.rooms[env.room]))
+        result = asyncio.run(env.step(action))
+        turns.append((action, None if result.done else result.observation))
+        if result.done:
+            break
+    return opening, turns
+
+
+def rooms_warm_start(model_path, out_dir, tasks: list, *, max_turns: int, steps: int = 60, batch_size: int = 16,
+                     lr: float = 2e-3, seed: int = 0) -> WarmStartResult:
+    """Format-only warm start for the rooms worlds: random walks over the training tasks' starts."""
+
+    def demonstrations(codec: ChatCodec, num: int):
+        rng = random.Random(seed)
+        return [render_turns(codec, *random_walk_turns(tasks[i % len(tasks)], max_turns, rng)) for i in range(num)]
+
+    return train_on_demonstrations(model_path, out_dir, demonstrations, steps=steps, batch_size=batch_size, lr=lr,
+                                   seed=seed)
 
 
 @torch.no_grad()

@@ -39,6 +39,24 @@ def test_compare_writes_both_arms_at_equal_budget(tmp_path):
     assert [row.split("|")[2].strip() for row in rows] == ["mask on", "mask off"]
 
 
+def test_a_rooms_comparison_pairs_arms_by_seed_and_records_how_episodes_end(tmp_path):
+    run_benchmark("benchmarks/compare.py", "rooms_truncation", "--seeds", "0", "1", "--root", str(tmp_path / "runs"),
+                  "--out-dir", str(tmp_path), "--rooms-warm-start-steps", "2", "--eval-samples", "2",
+                  "--eval-every", "1", "--", *TINY[:3], "--engine.max_new_tokens=4")
+    record = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
+    assert record["warm_start"]["kind"] == "rooms" and record["config"] == "configs/credit_truncation.yaml"
+    runs = {(r["arm"], r["seed"]): r for r in record["runs"]}
+    assert set(runs) == {("reward 0", 0), ("compact filter", 0), ("reward 0", 1), ("compact filter", 1)}
+    for run in runs.values():
+        assert [h["step"] for h in run["success_per_step"]] == [0, 1, 2]
+        assert sum(run["late_terminations"].values()) == 2 * 2  # 2 steps x 1 group x 2 episodes
+        assert sum(run["late_submit_turns"].values()) == run["late_terminations"].get("submitted", 0)
+    paired = record["summary"]["compact filter"]["paired_diff_vs_first"]["per_seed"]
+    assert paired == [runs[("compact filter", s)]["final_success"] - runs[("reward 0", s)]["final_success"] for s in (0, 1)]
+    rows = (tmp_path / "compare_rooms_truncation.md").read_text().splitlines()
+    assert [row.split("|")[2].strip() for row in rows] == ["reward 0", "compact filter"]
+
+
 def test_learn_writes_the_record_and_the_figure(tmp_path):
     out = tmp_path / "learn.json"
     run_benchmark("benchmarks/learn_cpu.py", "--run-dir", str(tmp_path / "run"), "--out", str(out),

@@ -1,0 +1,143 @@
+"""Write the rooms worlds of the credit-assignment comparisons (``tasks/rooms/*.jsonl``).
+
+    python benchmarks/rooms_worlds.py            # rewrites tasks/rooms/ (deterministic) and prints each
+                                                 # world's random-walk success, the baseline a method starts from
+
+Each world is built so that the reason a method exists is present (lightning_agentrl/envs/rooms.py):
+
+- ``maze``: 16 rooms on a 4 x 4 grid, a random spanning tree plus extra doors (loops), so a room is
+  reached by different paths and dead ends waste turns; the goal in a corner; one task per start room,
+  10 starts to train on and 5 held out. GiGPO vs GRPO, staleness weighting.
+- ``maze_noise``: the same maze where every observation ends with a clock (the turns spent): a room
+  reached at different turns reads differently (GiGPO's similarity mode vs exact anchors).
+- ``maze_bonus``: the same maze with bonus rooms on the shortest paths (0.2 each, once): per-turn
+  rewards (a turn-level critic, GAE, vs GRPO, which sees only the episode's final reward).
+- ``shortcut``: a corridor world where a cheap exit (reward 0.25) lies one or two turns from every
+  start and the goal (reward 1) takes 5 to 7, with a turn budget that a loose policy overruns:
+  truncation cuts long, correct work (compact filtering vs reward 0).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from lightning_agentrl.envs.rooms import DIRECTIONS, RoomsTask, parse_task  # noqa: E402
+
+NAMES = ["attic", "bakery", "cellar", "dungeon", "forge", "gallery", "harbor", "igloo",
+         "jetty", "kitchen", "library", "mill", "nursery", "orchard", "pantry", "quarry"]
+OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
+STEP = {"north": (-1, 0), "south": (1, 0), "east": (0, 1), "west": (0, -1)}
+
+
+def grid_maze(size: int = 4, extra_doors: int = 3, seed: int = 7) -> dict[str, dict[str, str]]:
+    """A random spanning tree of the size x size grid (depth-first, so it has dead ends) plus
+    ``extra_doors`` doors between neighbours (loops: a room reached by two paths)."""
+    rng = random.Random(seed)
+    name = {(r, c): NAMES[r * size + c] for r in range(size) for c in range(size)}
+    rooms: dict[str, dict[str, str]] = {n: {} for n in name.values()}
+
+    def connect(a, b, direction):
+        rooms[name[a]][direction] = name[b]
+        rooms[name[b]][OPPOSITE[direction]] = name[a]
+
+    def neighbours(cell):
+        for direction, (dr, dc) in STEP.items():
+            other = (cell[0] + dr, cell[1] + dc)
+            if other in name:
+                yield direction, other
+
+    seen, stack = {(0, 0)}, [(0, 0)]
+    while stack:
+        cell = stack[-1]
+        options = [(d, o) for d, o in neighbours(cell) if o not in seen]
+        if not options:
+            stack.pop()
+            continue
+        direction, other = rng.choice(options)
+        connect(cell, other, direction)
+        seen.add(other)
+        stack.append(other)
+    walls = [(cell, d, o) for cell in name for d, o in neighbours(cell) if name[o] not in rooms[name[cell]].values()]
+    for cell, direction, other in rng.sample(walls, extra_doors):
+        connect(cell, other, direction)
+    return {room: dict(sorted(exits.items(), key=lambda kv: DIRECTIONS.index(kv[0]))) for room, exits in rooms.items()}
+
+
+def random_walk_success(task: RoomsTask, max_turns: int, episodes: int = 4000, seed: int = 0) -> float:
+    """Share of uniformly random walks (over the room's exits) that reach the goal in ``max_turns``."""
+    rng, wins = random.Random(seed), 0.0
+    for _ in range(episodes):
+        room = task.start
+        for _ in range(max_turns):
+            room = task.rooms[room][rng.choice(list(task.rooms[room]))]
+            if room == task.goal or room in task.exit_rooms:
+                wins += room == task.goal
+                break
+    return wins / episodes
+
+
+def maze_tasks(kind: str) -> list[dict]:
+    rooms = grid_maze()
+    goal = NAMES[-1]
+    starts = [n for n in NAMES if n != goal]
+    held_out = set(random.Random(1).sample(starts, 5))
+    bonus = {}
+    if kind == "maze_bonus":
+        from lightning_agentrl.envs.rooms import shortest_path
+
+        probe = RoomsTask(id="probe", start=NAMES[0], goal=goal, rooms=rooms)
+        path, room = shortest_path(probe), NAMES[0]
+        for direction in path[:-1]:
+            room = rooms[room][direction]
+            bonus[room] = 0.2
+    return [{"id": f"{kind}_{start}", "split": "test" if start in held_out else "train", "start": start,
+             "goal": goal, "rooms": rooms, "bonus_rooms": bonus, "noise": kind == "maze_noise"}
+            for start in starts]
+
+
+def shortcut_tasks() -> list[dict]:
+    """A corridor attic .. forge to the goal (vault, east of forge), a dead end (igloo, south of cellar), and
+    a porch (the cheap exit, 0.25) west of attic and north of bakery. From attic the goal is 5 turns away
+    and the porch 1; from bakery 4 and 1; from cellar 3 and 2."""
+    corridor = ["attic", "bakery", "cellar", "dungeon", "forge"]
+    rooms: dict[str, dict[str, str]] = {n: {} for n in [*corridor, "igloo", "porch", "vault"]}
+    for a, b in zip(corridor, corridor[1:], strict=False):
+        rooms[a]["east"], rooms[b]["west"] = b, a
+    rooms["forge"]["east"], rooms["vault"]["west"] = "vault", "forge"
+    rooms["attic"]["west"], rooms["porch"]["east"] = "porch", "attic"
+    rooms["bakery"]["north"], rooms["porch"]["south"] = "porch", "bakery"
+    rooms["cellar"]["south"], rooms["igloo"]["north"] = "igloo", "cellar"
+    rooms = {room: dict(sorted(exits.items(), key=lambda kv: DIRECTIONS.index(kv[0]))) for room, exits in rooms.items()}
+    held_out = {"bakery"}
+    return [{"id": f"shortcut_{start}", "split": "test" if start in held_out else "train", "start": start,
+             "goal": "vault", "rooms": rooms, "exit_rooms": {"porch": 0.25}}
+            for start in ("attic", "bakery", "cellar")]
+
+
+WORLDS = {"maze": lambda: maze_tasks("maze"), "maze_noise": lambda: maze_tasks("maze_noise"),
+          "maze_bonus": lambda: maze_tasks("maze_bonus"), "shortcut": shortcut_tasks}
+
+
+def main() -> int:
+    out = REPO / "tasks" / "rooms"
+    out.mkdir(parents=True, exist_ok=True)
+    for world, build in WORLDS.items():
+        lines = [json.dumps(task) for task in build()]
+        for number, line in enumerate(lines, 1):
+            parse_task(json.loads(line), f"{world}:{number}")
+        (out / f"{world}.jsonl").write_text("\n".join(lines) + "\n")
+        for turns in (6, 10):
+            rates = [random_walk_success(parse_task(json.loads(line), world), turns) for line in lines]
+            print(f"{world}: random-walk success in {turns} turns per start "
+                  + " ".join(f"{r:.2f}" for r in rates))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

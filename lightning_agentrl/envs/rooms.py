@@ -1,0 +1,163 @@
+"""Rooms: a graph of named rooms walked one exit per turn, for comparing credit-assignment methods.
+
+``env.kind: lightning_agentrl.envs.rooms:RoomsEnv``. Each turn the agent sees the room it is in and
+its exits, and answers with one direction (``north``). The episode ends at the goal (reward 1), at
+an *exit room* (its own reward, e.g. a cheap shortcut worth 0.25), or at ``env.max_turns``. A
+*bonus room* pays its reward once, on the first entry (per-turn rewards). Other rooms pay nothing.
+A direction the room has no exit for is a wall (the turn is spent); an answer that is not a direction is an
+error (``env.max_tool_errors`` in a row end the episode).
+
+The worlds are built so that the reason a method exists is present (``benchmarks/rooms_worlds.py``
+writes them and says which comparison uses which): the same room is reached by different paths and
+dead ends waste turns (GiGPO's anchor states), a cheap exit lies near the start while the goal takes
+more turns than a loose policy has (compact filtering), bonus rooms lie on the way (a turn-level
+critic). With ``noise`` on, every observation ends with a clock, the turns spent so far (``clock 4``), as
+a timestamp in a tool's output would: a room reached by different paths at different turns reads
+differently, so GiGPO's exact anchor groups split it while its similarity mode
+(``algorithm.gigpo_similarity``) merges it.
+
+Tasks are JSONL, one start a line, the world inline::
+
+    {"id": "maze_03", "split": "train", "start": "attic", "goal": "vault",
+     "rooms": {"attic": {"east": "hall"}, "hall": {"west": "attic", "north": "vault"}, "vault": {}},
+     "exit_rooms": {}, "bonus_rooms": {}, "noise": false}
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_agentrl.envs.base import Environment, StepResult
+
+GOAL_REWARD = 1.0
+DIRECTIONS = ("north", "south", "east", "west")
+SYSTEM_PROMPT = "Walk the rooms to the vault. Answer with one exit: north, south, east or west."
+
+
+@dataclass(frozen=True)
+class RoomsTask:
+    id: str
+    start: str
+    goal: str
+    rooms: dict[str, dict[str, str]]
+    split: str = "train"
+    exit_rooms: dict[str, float] = field(default_factory=dict)
+    bonus_rooms: dict[str, float] = field(default_factory=dict)
+    noise: bool = False
+
+
+def parse_task(data: dict, where: str) -> RoomsTask:
+    """A task from one JSONL line; ``ValueError`` naming ``where`` and the problem."""
+    try:
+        task = RoomsTask(**data)
+    except TypeError as err:
+        raise ValueError(f"{where}: {err}") from None
+    rooms = task.rooms
+    if not isinstance(rooms, dict) or task.start not in rooms or task.goal not in rooms:
+        raise ValueError(f"{where}: start and goal must be rooms")
+    for room, exits in rooms.items():
+        bad = {d: r for d, r in exits.items() if d not in DIRECTIONS or r not in rooms}
+        if bad:
+            raise ValueError(f"{where}: room {room!r} has exits to unknown directions or rooms: {bad}")
+    for name, table in (("exit_rooms", task.exit_rooms), ("bonus_rooms", task.bonus_rooms)):
+        if set(table) - set(rooms):
+            raise ValueError(f"{where}: {name} names unknown rooms {sorted(set(table) - set(rooms))}")
+    if task.split not in ("train", "test"):
+        raise ValueError(f"{where}: split must be train or test, got {task.split!r}")
+    if shortest_path(task) is None:
+        raise ValueError(f"{where}: the goal cannot be reached from {task.start!r}")
+    return task
+
+
+def load_rooms_tasks(path: str | Path, *, split: str | None = None) -> list[RoomsTask]:
+    """The tasks in a JSONL file, sorted by id."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"no rooms tasks (a .jsonl file): {file}")
+    tasks = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{file}:{number}: not JSON: {err.msg}") from None
+            tasks.append(parse_task(data, f"{file}:{number}"))
+    if len({t.id for t in tasks}) != len(tasks):
+        raise ValueError(f"{file}: task ids repeat")
+    return sorted((t for t in tasks if split is None or t.split == split), key=lambda t: t.id)
+
+
+def shortest_path(task: RoomsTask) -> list[str] | None:
+    """A shortest list of directions from the start to the goal (not through exit rooms); None if none."""
+    paths = {task.start: []}
+    queue = deque([task.start])
+    while queue:
+        room = queue.popleft()
+        if room == task.goal:
+            return paths[room]
+        if room in task.exit_rooms:
+            continue
+        for direction, following in task.rooms[room].items():
+            if following not in paths:
+                paths[following] = [*paths[room], direction]
+                queue.append(following)
+    return None
+
+
+class RoomsEnv(Environment):
+    """One episode in a rooms world."""
+
+    @classmethod
+    def load_tasks(cls, path, *, split):
+        return load_rooms_tasks(path, split=split)
+
+    def __init__(self, task: RoomsTask) -> None:
+        self.task = task
+        self.room = task.start
+        self.visited = {task.start}
+        self.clock = 0  # turns spent: the noise of ``noise`` worlds
+        self._view = self._describe()
+
+    async def reset(self) -> list[dict]:
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self._view}]
+
+    def _describe(self) -> str:
+        exits = ", ".join(d for d in DIRECTIONS if d in self.task.rooms[self.room])
+        text = f"{self.room}. exits: {exits or 'none'}"
+        return f"{text}. clock {self.clock}" if self.task.noise else text
+
+    @property
+    def state_text(self) -> str:
+        """What the agent sees of its state: the room, its exits and (with ``noise``) the clock."""
+        return self._view
+
+    async def step(self, action_text: str) -> StepResult:
+        direction = action_text.strip().strip(".").lower()
+        self.clock += 1
+        exits = self.task.rooms[self.room]
+        if direction not in exits:  # a wall (the turn is spent) or not a direction (an error)
+            self._view = self._describe()
+            if direction in DIRECTIONS:
+                return StepResult(f"a wall. {self._view}", info={"tool": "move", "error": False})
+            return StepResult(f"not a direction: {direction[:20]!r}. {self._view}", info={"tool": "move", "error": True})
+        self.room = exits[direction]
+        first_entry = self.room not in self.visited
+        self.visited.add(self.room)
+        if self.room == self.task.goal:
+            return StepResult("the vault.", reward=GOAL_REWARD, done=True, info={"tool": "move", "submitted": True})
+        if self.room in self.task.exit_rooms:
+            reward = self.task.exit_rooms[self.room]
+            return StepResult(f"{self.room}: the way out.", reward=reward, done=True, info={"tool": "move", "submitted": True})
+        reward = self.task.bonus_rooms.get(self.room, 0.0) if first_entry else 0.0
+        self._view = self._describe()
+        return StepResult(self._view, reward=reward, info={"tool": "move", "error": False})
+
+    def state_dict(self) -> dict:
+        return {"room": self.room, "visited": sorted(self.visited), "clock": self.clock}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.room, self.visited, self.clock = state["room"], set(state["visited"]), state["clock"]
+        self._view = self._describe()
