@@ -9,7 +9,9 @@ RUN_ID := $(shell date +%Y%m%d-%H%M%S)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install smoke test lint format bench mlflow-ui validate-tasks learn compare compare-gigpo compare-gigpo_detour compare-mask compare-truncation clean
+# benchmarks/compare.py NAME, each a `make compare-NAME` target
+COMPARISONS = gigpo gigpo_detour mask truncation rooms_gigpo rooms_similarity rooms_truncation rooms_critic rooms_staleness
+.PHONY: install smoke test lint format bench mlflow-ui validate-tasks learn compare credit $(addprefix compare-,$(COMPARISONS)) clean
 
 install: $(STAMP)
 
@@ -69,7 +71,15 @@ compare: install
 	$(MAKE) -j3 compare-gigpo compare-mask compare-truncation COMPARE_THREADS=1
 	$(MAKE) compare-gigpo_detour
 
-compare-gigpo compare-gigpo_detour compare-mask compare-truncation: install
+# Each credit-assignment method where its reason to exist is present (the rooms worlds, tasks/rooms/,
+# configs/credit_*.yaml; README "Where each method should win"). Two at a time, one torch thread each;
+# the staleness comparison alone at the end (it measures wall-clock time to a target).
+credit: install
+	$(MAKE) -j2 compare-rooms_gigpo compare-rooms_truncation COMPARE_THREADS=1
+	$(MAKE) -j2 compare-rooms_similarity compare-rooms_critic COMPARE_THREADS=1
+	$(MAKE) compare-rooms_staleness COMPARE_THREADS=1
+
+$(addprefix compare-,$(COMPARISONS)): install
 	$(PY) benchmarks/compare.py $(patsubst compare-%,%,$@) --root runs/$@-$(RUN_ID) -- --trainer.threads=$(COMPARE_THREADS)
 
 validate-tasks: install

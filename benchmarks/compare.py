@@ -65,7 +65,7 @@ COMPARISONS: dict[str, dict] = {
         "question": "GRPO vs GiGPO (exact anchors) in a maze of rooms reached by different paths, with dead ends",
         "config": "configs/credit_gigpo.yaml",
         "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo": ["--algorithm.advantage=gigpo"]},
-        "warm": ROOMS,
+        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
     },
     "rooms_similarity": {
         "question": "the same maze where every observation carries a clock (the turns spent): GRPO vs GiGPO with exact "
@@ -74,28 +74,28 @@ COMPARISONS: dict[str, dict] = {
         "common": ["--env.tasks=tasks/rooms/maze_noise.jsonl"],
         "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo exact": ["--algorithm.advantage=gigpo"],
                  "gigpo similarity": ["--algorithm.advantage=gigpo", "--algorithm.gigpo_similarity=0.93"]},
-        "warm": ROOMS,
+        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
     },
     "rooms_truncation": {
         "question": "truncated episodes scored 0 vs compact filtering where the goal takes more turns than a cheap "
         "exit (0.25) and a loose policy overruns the turn budget",
         "config": "configs/credit_truncation.yaml",
         "arms": {"reward 0": ["--rollout.truncation=zero"], "compact filter": ["--rollout.truncation=filter"]},
-        "warm": ROOMS,
+        "warm": ROOMS, "eval_every": 10, "eval_samples": 24,  # one held-out start
     },
     "rooms_critic": {
         "question": "a turn-level critic (GAE, value head) vs GRPO with per-turn rewards (bonus rooms on the way)",
         "config": "configs/credit_critic.yaml",
         "arms": {"grpo": ["--algorithm.advantage=grpo"],
                  "gae": ["--algorithm.advantage=gae", "--model.value_head=true"]},
-        "warm": ROOMS,
+        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
     },
     "rooms_staleness": {
         "question": "staleness weighting (exp, rate 0.5) vs none, with partial rollouts, at max_staleness 2 and 4",
         "config": "configs/credit_staleness.yaml",
         "arms": {f"bound {k} {name}": [f"--rollout.max_staleness={k}", f"--algorithm.staleness_weighting={kind}"]
                  for k in (2, 4) for name, kind in (("none", "none"), ("weighted", "exp"))},
-        "warm": ROOMS,
+        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
     },
 }
 
@@ -221,16 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--warm-start-steps", type=int, default=100)
-    parser.add_argument("--rooms-warm-start-steps", type=int, default=60)
+    parser.add_argument("--rooms-warm-start-steps", type=int, default=40)
     parser.add_argument("--echo-prob", type=float, default=0.5)
     parser.add_argument("--value-in-loss", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task")
-    parser.add_argument("--eval-every", type=int, default=30, help="held-out evaluation every N steps (and at the end)")
+    parser.add_argument("--eval-samples", type=int, default=None,
+                        help="episodes per held-out task (default: the comparison's, 4 for copy-the-key)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="held-out evaluation every N steps and at the end (default: the comparison's, else 30)")
     parser.add_argument("--target", type=float, default=0.5, help="report when each run first reached this success")
     own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
     args.overrides = overrides  # settings overrides for every arm, after --
     spec = COMPARISONS[args.name]
+    args.eval_samples = args.eval_samples or spec.get("eval_samples", 4)
+    args.eval_every = args.eval_every or spec.get("eval_every", 30)
     config = spec.get("config", f"configs/compare_{args.name}.yaml")
     root = Path(args.root or f"runs/compare_{args.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     started = time.monotonic()
