@@ -5,8 +5,8 @@
 
 A randomly initialized model never writes a valid tool call, so GRPO on it sees reward 0 in every
 episode: every group's advantages are exactly zero and the steps train nothing. The smoke run
-therefore starts from a short format-only warm start, the one of ``make learn``
-(``benchmarks/warm_start.py``: demonstrations read key.txt and write a RANDOM value), which leaves
+therefore starts from a short format-only warm start (``benchmarks/warm_start.py``, as in ``make
+learn`` but shorter and without its echo demonstrations: read key.txt, write a RANDOM value), which leaves
 the policy at chance (1 in 4) on the copy-the-key suite (``tasks/learn``): a group of 8 then has all
 rewards equal with probability 0.75^8 + 0.25^8 = 0.10, and the smoke run's 4 groups all do with
 probability 1e-4. The steps:
