@@ -1,5 +1,5 @@
-# Every target creates and uses .venv itself. `make smoke` runs a CPU training smoke run;
-# `make test` runs the whole suite.
+# Every target creates and uses .venv itself. `make smoke` runs a CPU training smoke run that fails
+# unless it trained on a real gradient (scripts/smoke.py); `make test` runs the whole suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m tests.real_tokenizers
 	touch $(STAMP)
 
+# A short format-only warm start, then `fit --config configs/smoke.yaml` from it; exit 1 if no group
+# had reward variance.
 smoke: install
-	$(PY) -m lightning_agentrl fit --config configs/smoke.yaml --run.dir=runs/smoke-$(RUN_ID)
+	$(PY) scripts/smoke.py --run.dir=runs/smoke-$(RUN_ID)
 
 test: install
 	$(PY) -m pytest -q --durations=30

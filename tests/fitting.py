@@ -97,7 +97,7 @@ def learn_settings(root: Path, *overrides: str, tasks: list[str] = LEARN_TASKS):
         if not (root / "tasks" / name).exists():
             shutil.copytree(REPO / "tasks" / "learn" / name, root / "tasks" / name)
     return load_settings(
-        REPO / "configs" / "smoke.yaml",
+        REPO / "tests" / "fixtures" / "tiny_bugfix.yaml",
         [f"--run.dir={root / 'run'}", f"--env.tasks={root / 'tasks'}", "--env.split=all",
          f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}", "--trainer.threads=1",
          "--trainer.max_steps=2", "--engine.max_new_tokens=48", "--env.max_turns=2", "--rollout.group_size=2",

@@ -35,7 +35,7 @@ def error_line(stderr: str) -> str:
 
 # -- start-up checks -------------------------------------------------------------------------------
 def test_fit_with_an_unreachable_sandbox_service_stops_in_seconds_before_any_model_loads(tmp_path):
-    done, seconds = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={tmp_path / 'run'}",
+    done, seconds = cli("fit", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--run.dir={tmp_path / 'run'}",
                         f"--sandbox.url={DEAD}", "--sandbox.token=x", "--trainer.max_steps=3")
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: sandbox.url: the sandbox service at {DEAD} does not answer")
@@ -45,7 +45,7 @@ def test_fit_with_an_unreachable_sandbox_service_stops_in_seconds_before_any_mod
 
 
 def test_fit_with_an_unreachable_tracking_server_stops_in_seconds(tmp_path):
-    done, seconds = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={tmp_path / 'run'}",
+    done, seconds = cli("fit", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--run.dir={tmp_path / 'run'}",
                         f"--tracking.uri={DEAD}")
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: tracking.uri: the MLflow server at {DEAD} is unreachable")
@@ -97,7 +97,7 @@ class _HealthOnlyServer:
 
 def test_fit_with_a_tracking_server_that_answers_only_its_health_call_stops_in_seconds(tmp_path):
     hanging = _HealthOnlyServer("hang")
-    done, seconds = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={tmp_path / 'run'}",
+    done, seconds = cli("fit", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--run.dir={tmp_path / 'run'}",
                         f"--tracking.uri={hanging.url}")
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(
@@ -107,13 +107,13 @@ def test_fit_with_a_tracking_server_that_answers_only_its_health_call_stops_in_s
     assert seconds < 120  # vs minutes of MLflow retries in the first MLflow call; imports dominate
     assert not (tmp_path / "run" / "mlflow_run_id.txt").exists()
     start = time.monotonic()  # the check alone, without the imports: its 5 s deadline
-    assert main(["validate", "--config", "configs/smoke.yaml", f"--tracking.uri={hanging.url}"]) == 2
+    assert main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--tracking.uri={hanging.url}"]) == 2
     assert time.monotonic() - start < 15
 
 
 def test_a_tracking_server_that_fails_after_the_start_up_check_is_one_error_line(tmp_path):
     failing = _HealthOnlyServer("500", search_answers=True)  # passes the check, then fails every call
-    done, _ = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={tmp_path / 'run'}",
+    done, _ = cli("fit", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--run.dir={tmp_path / 'run'}",
                   f"--tracking.uri={failing.url}", env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})  # the test's time
     assert done.returncode == 2, done.stderr[-3000:]
     assert error_line(done.stderr).startswith(f"error: tracking.uri: recording the run in {failing.url} failed: ")
@@ -123,7 +123,7 @@ def test_a_tracking_server_that_fails_after_the_start_up_check_is_one_error_line
 @pytest.mark.parametrize("status", ["404", "500"])
 def test_a_tracking_uri_whose_api_fails_is_named(status, capsys):
     server = _HealthOnlyServer(status)
-    assert main(["validate", "--config", "configs/smoke.yaml", f"--tracking.uri={server.url}"]) == 2
+    assert main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--tracking.uri={server.url}"]) == 2
     assert error_line(capsys.readouterr().err).startswith(
         f"error: tracking.uri: {server.url} answered HTTP {status} to GET /api/2.0/mlflow/experiments/search")
 
@@ -163,7 +163,7 @@ def test_check_health_names_every_server_of_a_fleet_that_does_not_answer():
     ],
 )
 def test_validate_names_the_setting_of_a_bad_input_or_a_dead_service(override, expected, capsys):
-    status = main(["validate", "--config", "configs/smoke.yaml", *_split(override)])
+    status = main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", *_split(override)])
     assert status == 2
     assert error_line(capsys.readouterr().err).startswith(expected)
 
@@ -173,7 +173,7 @@ def _split(override: str) -> list[str]:
 
 
 def test_validate_offline_skips_the_network_checks_only(capsys):
-    args = ["validate", "--config", "configs/smoke.yaml", f"--sandbox.url={DEAD}", "--sandbox.token=x"]
+    args = ["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--sandbox.url={DEAD}", "--sandbox.token=x"]
     assert main([*args, "--offline"]) == 0
     assert main([*args, "--offline", "--env.tasks=/nonexistent"]) == 2
     assert "env.tasks" in capsys.readouterr().err
@@ -183,7 +183,7 @@ def test_a_live_sandbox_service_that_refuses_the_token_is_named(capsys):
     from sandbox_server.launch import start_local_server
 
     with start_local_server() as server:
-        args = ["validate", "--config", "configs/smoke.yaml", f"--sandbox.url={server.url}"]
+        args = ["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--sandbox.url={server.url}"]
         assert main([*args, f"--sandbox.token={server.token}"]) == 0
         capsys.readouterr()
         assert main([*args, "--sandbox.token=wrong"]) == 2
@@ -195,7 +195,7 @@ def test_a_sandbox_service_whose_judge_shares_the_agents_uid_is_refused_unless_w
 
     # A server that keeps one uid for everything (what a server not run as root gives).
     with start_local_server(sandbox_uid=-1, allow_root_commands=True) as server:
-        args = ["validate", "--config", "configs/smoke.yaml", f"--sandbox.url={server.url}",
+        args = ["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--sandbox.url={server.url}",
                 f"--sandbox.token={server.token}", "--sandbox.judge_isolation=require"]
         assert main(args) == 2
         assert error_line(capsys.readouterr().err).startswith(
@@ -227,7 +227,7 @@ SMALL = ["--engine.max_new_tokens=24", "--env.max_turns=2", "--trainer.threads=1
 def start_fit(run_dir: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
     return subprocess.Popen(
-        [sys.executable, "-m", "lightning_agentrl", "fit", "--config", "configs/smoke.yaml", f"--run.dir={run_dir}",
+        [sys.executable, "-m", "lightning_agentrl", "fit", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--run.dir={run_dir}",
          *SMALL, *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -325,7 +325,7 @@ def test_a_deadlocked_run_exits_after_the_grace_period(tmp_path, tiny_model_path
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
-        [sys.executable, "-c", script, "fit", "--config", "configs/smoke.yaml", f"--run.dir={run}", *SMALL,
+        [sys.executable, "-c", script, "fit", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--run.dir={run}", *SMALL,
          "--trainer.stop_grace_s=3", "--trainer.max_steps=1"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -384,7 +384,7 @@ def test_sigterm_mid_step_checkpoints_exits_143_and_resume_continues_exactly(tmp
 
     intact = last.read_bytes()
     truncate(last)
-    refused, _ = cli("fit", "--config", "configs/smoke.yaml", f"--run.dir={stopped}", *SMALL, *args, "--resume", "last")
+    refused, _ = cli("fit", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--run.dir={stopped}", *SMALL, *args, "--resume", "last")
     assert refused.returncode == 2
     assert error_line(refused.stderr).startswith(f"error: run.resume=last: no intact checkpoint in {last.parent}: {last}")
     last.write_bytes(intact)
@@ -579,7 +579,7 @@ def test_a_local_sandbox_server_that_cannot_start_is_a_settings_error(tmp_path):
 def test_a_hub_id_that_is_not_cached_needs_a_reachable_hub(monkeypatch, capsys):
     monkeypatch.setenv("HF_ENDPOINT", DEAD)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    args = ["validate", "--config", "configs/smoke.yaml", "--model.path=no-such-org/no-such-model"]
+    args = ["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", "--model.path=no-such-org/no-such-model"]
     assert main(args) == 2
     assert error_line(capsys.readouterr().err).startswith(
         f"error: model.path: no-such-org/no-such-model is not a local folder nor in the hub cache, and the hub ({DEAD}) is unreachable"
@@ -622,12 +622,12 @@ def test_an_incomplete_model_folder_is_named_before_any_model_loads(tmp_path, ti
         shutil.copy(tiny_model_path / "model.safetensors", folder / "model-00001-of-00002.safetensors")
     else:
         folder = _model_folder(tmp_path, tiny_model_path, *files)
-    assert main(["validate", "--config", "configs/smoke.yaml", f"--model.path={folder}", "--offline"]) == 2
+    assert main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--model.path={folder}", "--offline"]) == 2
     assert error_line(capsys.readouterr().err).startswith(f"error: model.path: {folder} {expected}")
 
 
 def test_a_complete_model_folder_passes_and_vllm_needs_safetensors(tmp_path, tiny_model_path, capsys):
-    args = ["validate", "--config", "configs/smoke.yaml", "--offline"]
+    args = ["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", "--offline"]
     assert main([*args, f"--model.path={tiny_model_path}"]) == 0
     assert main([*args, f"--model.path={tiny_model_path}", "--engine.kind=vllm"]) == 0
     capsys.readouterr()
@@ -753,7 +753,7 @@ def test_a_last_ckpt_that_is_a_fifo_or_a_dangling_link_is_named_not_waited_on(tm
 def test_a_config_json_that_is_not_json_is_one_error_line(tmp_path, tiny_model_path, capsys):
     folder = _model_folder(tmp_path, tiny_model_path, "tokenizer.json", "tokenizer_config.json", "model.safetensors")
     (folder / "config.json").write_text('{"model_type": "llama", ')
-    assert main(["validate", "--config", "configs/smoke.yaml", "--offline", f"--model.path={folder}"]) == 2
+    assert main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", "--offline", f"--model.path={folder}"]) == 2
     assert error_line(capsys.readouterr().err).startswith(f"error: model.path: {folder} has a config.json that is not JSON")
 
 

@@ -50,11 +50,11 @@ class CaptureBatches(L.Callback):
 
 
 def two_task_settings(root: Path, tiny_model_path: Path, *overrides: str):
-    """The smoke recipe on two bug-fix tasks copied under ``root``, for 2 steps."""
+    """tests/fixtures/tiny_bugfix.yaml on two bug-fix tasks copied under ``root``, for 2 steps."""
     for name in TWO_TASKS:
         shutil.copytree(REPO / "tasks" / "bugfix" / name, root / "tasks" / name)
     return load_settings(
-        REPO / "configs" / "smoke.yaml",
+        REPO / "tests" / "fixtures" / "tiny_bugfix.yaml",
         [f"--run.dir={root / 'run'}", f"--env.tasks={root / 'tasks'}", "--env.split=all", "--trainer.max_steps=2",
          f"--model.cache_dir={tiny_model_path.parent}", *overrides],
     )

@@ -306,12 +306,12 @@ def test_plan_cli_table_and_refusal(capsys):
     assert "does not fit" in out
     assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--gpu-memory", "lots"]) == 2
     assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--gpu-memory", "0GiB"]) == 2
-    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--model-config", "/nonexistent.json"]) == 2
+    assert main(["plan", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), "--model-config", "/nonexistent.json"]) == 2
     assert main(["plan", "--config", str(REPO / "configs" / "gpu_zero2.yaml"), "--gpus", "0"]) == 2
 
 
 def test_plan_says_what_it_assumed_without_a_gpu(capsys):
-    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--trainer.devices=auto"]) == 0
+    assert main(["plan", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), "--trainer.devices=auto"]) == 0
     out = capsys.readouterr().out
     assert "counted as 1 GPU" in out and "GPUs of 80 GiB" in out
 
@@ -338,7 +338,7 @@ def test_parse_bytes_rejects_non_finite_and_absurd_sizes(text, capsys):
     """F1: 1e999 overflowed to inf and int(inf) raised OverflowError; now a clear error, exit 2."""
     with pytest.raises(ValueError, match="not a"):
         parse_bytes(text)
-    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--gpu-memory", text]) == 2
+    assert main(["plan", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), "--gpu-memory", text]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: not a") and "Traceback" not in err
 
@@ -399,11 +399,11 @@ def test_a_bad_config_json_is_a_settings_error_naming_the_field_and_file(change,
 def test_a_config_json_that_is_not_json_is_a_settings_error(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text("{not json")
-    assert main(["plan", "--config", str(REPO / "configs" / "smoke.yaml"), "--model-config", str(path)]) == 2
+    assert main(["plan", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), "--model-config", str(path)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {path}: cannot read it as a config.json")
     path.write_text("[1, 2]")
     with pytest.raises(SettingsError, match="not a JSON object"):
-        plan_for(load_settings(REPO / "configs" / "smoke.yaml"), model_config=path)
+        plan_for(load_settings(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), model_config=path)
 
 
 def test_fit_on_gpu_without_cuda_is_refused_before_anything(tmp_path, capsys, monkeypatch):

@@ -171,7 +171,7 @@ def test_a_template_that_cannot_do_what_the_settings_ask_is_one_line_at_start(ge
     from lightning_agentrl.__main__ import main
     from tests.test_fit import REPO
 
-    argv = ["validate", "--config", str(REPO / "configs" / "smoke.yaml"), "--offline", f"--model.path={gemma3_model}"]
+    argv = ["validate", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), "--offline", f"--model.path={gemma3_model}"]
     assert main([*argv, override]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.match(f"error: {message}", err), err

@@ -43,7 +43,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_p
     for name in ("binary_search_first", "balanced_brackets_unclosed"):
         shutil.copytree(REPO / "tasks" / "bugfix" / name, tasks / name)
     command = [
-        sys.executable, "-m", "lightning_agentrl", "fit", "--config", str(REPO / "configs" / "smoke.yaml"),
+        sys.executable, "-m", "lightning_agentrl", "fit", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"),
         f"--env.tasks={tasks}", "--env.split=all", f"--model.cache_dir={tiny_model_path.parent}",
         "--trainer.max_steps=4", "--algorithm.entropy_coef=0.01", "--trainer.lr=1e-3",
         "--engine.max_new_tokens=24", "--env.max_turns=2", "--trainer.threads=1",
@@ -81,7 +81,7 @@ def test_async_run_killed_and_resumed_trains_every_group_exactly_once(tmp_path, 
         shutil.copytree(REPO / "tasks" / "bugfix" / name, tasks / name)
     run = tmp_path / "run"
     command = [
-        sys.executable, "-m", "lightning_agentrl", "fit", "--config", str(REPO / "configs" / "smoke.yaml"),
+        sys.executable, "-m", "lightning_agentrl", "fit", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"),
         f"--env.tasks={tasks}", "--env.split=all", f"--model.cache_dir={tiny_model_path.parent}",
         "--trainer.max_steps=4", "--rollout.max_staleness=1", "--rollout.group_size=2", "--rollout.max_in_flight=4",
         "--engine.max_new_tokens=24", "--env.max_turns=2", "--trainer.threads=1", "--tracking.enabled=false",

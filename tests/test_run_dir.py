@@ -72,7 +72,7 @@ def test_the_closing_mlflow_line_is_one_shell_command_for_a_folder_with_spaces(t
     root = tmp_path / "a folder"
     learn_settings(root)  # copies the tasks
     run = root / "my run"
-    argv = ["fit", "--config", str(REPO / "configs" / "smoke.yaml"), f"--run.dir={run}", f"--env.tasks={root / 'tasks'}",
+    argv = ["fit", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), f"--run.dir={run}", f"--env.tasks={root / 'tasks'}",
             "--env.split=all", f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}", "--trainer.threads=1",
             "--trainer.max_steps=1", "--engine.max_new_tokens=16", "--env.max_turns=1", "--rollout.group_size=2",
             "--rollout.groups_per_step=1", "--tracking.sample_trajectories=0", *TINY]

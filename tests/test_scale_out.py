@@ -1,11 +1,11 @@
 """``fit`` with two training processes (gloo on CPU) under every strategy, as users run it.
 
-Each strategy trains the smoke recipe for 2 steps with 2 processes, then resumes from the run
-folder alone (no config, no strategy flags) for a third step. Deterministic sampling makes the
-first step's episodes the same in every run, so each strategy's first step must equal one
-process training on the whole batch: the same loss and the same gradient norm. A resume with
-another process count is refused, and 2 nodes x 1 process (NODE_RANK=0/1 on this machine) train
-like 1 node x 2 processes, each node with its own sandbox server.
+Each strategy trains the tiny test recipe (tests/fixtures/tiny_bugfix.yaml) for 2 steps with 2
+processes, then resumes from the run folder alone (no config, no strategy flags) for a third step.
+Deterministic sampling makes the first step's episodes the same in every run, so each strategy's first
+step must equal one process training on the whole batch: the same loss and the same gradient norm. A
+resume with another process count is refused, and 2 nodes x 1 process (NODE_RANK=0/1 on this machine)
+train like 1 node x 2 processes, each node with its own sandbox server.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def fit(root: Path, run: str, *overrides: str, config: bool = True, env: dict | 
     command = [sys.executable, "-m", "lightning_agentrl", "fit", f"--run.dir={root / run}", *overrides]
     if config:
         command[4:4] = [
-            "--config", str(REPO / "configs" / "smoke.yaml"),
+            "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"),
             f"--env.tasks={root / 'tasks'}", "--env.split=all", f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}",
             "--trainer.accelerator=cpu", "--trainer.threads=1", "--trainer.max_steps=2", "--trainer.lr=1e-3",
             "--algorithm.entropy_coef=0.01", "--engine.max_new_tokens=24", "--env.max_turns=2",
