@@ -68,11 +68,11 @@ COMPARISONS: dict[str, dict] = {
         "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
     },
     "rooms_similarity": {
-        "question": "the same maze where every observation carries a clock (the turns spent): GRPO vs GiGPO with exact "
+        "question": "the same maze where every observation carries a clock (the turns spent): GiGPO with exact "
         "anchors (a room reached at another turn reads differently) vs GiGPO's similarity mode (merges them)",
         "config": "configs/credit_gigpo.yaml",
         "common": ["--env.tasks=tasks/rooms/maze_noise.jsonl"],
-        "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo exact": ["--algorithm.advantage=gigpo"],
+        "arms": {"gigpo exact": ["--algorithm.advantage=gigpo"],
                  "gigpo similarity": ["--algorithm.advantage=gigpo", "--algorithm.gigpo_similarity=0.93"]},
         "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
     },
