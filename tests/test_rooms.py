@@ -84,7 +84,14 @@ def test_noise_is_the_clock_and_a_parked_episode_resumes_with_it():
 
 
 @pytest.mark.parametrize("line, problem", [
-    ({**LINE, "goal": "z"}, "start and goal must be rooms"),
+    ({**LINE, "goal": "z"}, "start and goal must be two different rooms"),
+    ({**LINE, "goal": "a"}, "start and goal must be two different rooms"),
+    ({**LINE, "rooms": [["a"]]}, "rooms must map room names"),
+    ({**LINE, "exit_rooms": {"b": float("nan")}}, "rewards must be finite"),
+    ({**LINE, "bonus_rooms": {"b": True}}, "rewards must be finite"),
+    ({**LINE, "exit_rooms": {"g": 1.0}}, "cannot be exit rooms"),
+    ({**LINE, "id": 7}, "id must be a non-empty string"),
+    ({**LINE, "noise": "yes"}, "noise must be true or false"),
     ({**LINE, "rooms": {**LINE["rooms"], "a": {"up": "b"}}}, "unknown directions or rooms"),
     ({**LINE, "rooms": {**LINE["rooms"], "c": {"west": "b"}}}, "cannot be reached"),
     ({**LINE, "colour": "red"}, "colour"),

@@ -26,6 +26,7 @@ Tasks are JSONL, one start a line, the world inline::
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,15 +57,25 @@ def parse_task(data: dict, where: str) -> RoomsTask:
     except TypeError as err:
         raise ValueError(f"{where}: {err}") from None
     rooms = task.rooms
-    if not isinstance(rooms, dict) or task.start not in rooms or task.goal not in rooms:
-        raise ValueError(f"{where}: start and goal must be rooms")
+    if not isinstance(task.id, str) or not task.id:
+        raise ValueError(f"{where}: id must be a non-empty string, got {task.id!r}")
+    if not isinstance(rooms, dict) or not all(isinstance(r, str) and isinstance(e, dict) for r, e in rooms.items()):
+        raise ValueError(f"{where}: rooms must map room names to their exits ({{direction: room}})")
+    if task.start not in rooms or task.goal not in rooms or task.start == task.goal:
+        raise ValueError(f"{where}: start and goal must be two different rooms")
     for room, exits in rooms.items():
-        bad = {d: r for d, r in exits.items() if d not in DIRECTIONS or r not in rooms}
+        bad = {d: r for d, r in exits.items() if d not in DIRECTIONS or not isinstance(r, str) or r not in rooms}
         if bad:
             raise ValueError(f"{where}: room {room!r} has exits to unknown directions or rooms: {bad}")
     for name, table in (("exit_rooms", task.exit_rooms), ("bonus_rooms", task.bonus_rooms)):
-        if set(table) - set(rooms):
-            raise ValueError(f"{where}: {name} names unknown rooms {sorted(set(table) - set(rooms))}")
+        if not isinstance(table, dict) or set(table) - set(rooms):
+            raise ValueError(f"{where}: {name} must map rooms of the world to rewards")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in table.values()):
+            raise ValueError(f"{where}: {name} rewards must be finite numbers, got {table}")
+    if task.start in task.exit_rooms or task.goal in task.exit_rooms:
+        raise ValueError(f"{where}: the start and the goal cannot be exit rooms")
+    if not isinstance(task.noise, bool):
+        raise ValueError(f"{where}: noise must be true or false, got {task.noise!r}")
     if task.split not in ("train", "test"):
         raise ValueError(f"{where}: split must be train or test, got {task.split!r}")
     if shortest_path(task) is None:
