@@ -1,19 +1,27 @@
-"""Credit-assignment comparisons at equal rollout budget, on held-out copy-the-key tasks.
+"""Credit-assignment comparisons at equal rollout budget, scored on held-out tasks.
 
-    python benchmarks/compare.py gigpo        # GRPO vs GiGPO (states repeat: every read of key.txt)
-    python benchmarks/compare.py gigpo_detour # the same where a state is reached by different paths
-    python benchmarks/compare.py mask         # loss mask on vs off (SPEC §2 predicts on wins)
-    python benchmarks/compare.py truncation   # truncated episodes: reward 0 vs compact filtering
+    python benchmarks/compare.py rooms_gigpo       # GRPO vs GiGPO: rooms reached by different paths, dead ends
+    python benchmarks/compare.py rooms_similarity  # GiGPO exact vs similarity mode: observations carry a clock
+    python benchmarks/compare.py rooms_truncation  # reward 0 vs compact filtering: truncation cuts long, correct work
+    python benchmarks/compare.py rooms_critic      # GAE (turn-level critic) vs GRPO: the world pays per turn
+    python benchmarks/compare.py rooms_staleness   # staleness weighting vs none at bounds 2 and 4, partial rollouts
+    python benchmarks/compare.py mask              # copy-the-key: loss mask on vs off (also gigpo, gigpo_detour,
+                                                   # truncation: the first comparisons, on copy-the-key)
     python benchmarks/compare.py mask --seeds 0 1 2 3 -- --trainer.max_steps=30
 
-Each arm runs ``configs/compare_<name>.yaml`` plus the arm's overrides, for every seed, from the
-same format-only warm start (one per comparison, so both arms start from identical weights); the
-seed changes the RL sampling and the task order. Both arms of a seed see the same number of
-episodes (``trainer.max_steps x groups_per_step x group_size``). The score of a run is its
-held-out success at the last step (``samples_per_task`` sampled episodes per held-out task).
+Each arm runs the comparison's config (``configs/credit_*.yaml`` for the rooms worlds,
+``configs/compare_<name>.yaml`` for copy-the-key) plus the arm's overrides, for every seed, from the same
+format-only warm start (one per comparison, so every arm starts from identical weights); the seed changes
+the RL sampling and the task order. Every arm of a seed generates the same number of episodes
+(``trainer.max_steps x groups_per_step x group_size``; compact filtering leaves some out of the loss, it
+generates none in their place). A run's score at an evaluation is the comparison's ``score`` over
+``samples_per_task`` episodes per held-out task: ``solved`` (the share that reached the goal) in the rooms
+worlds, ``success`` (the mean final reward) on copy-the-key, where the two are equal.
 
-Writes ``benchmarks/results/compare_<name>.json`` (every run, per-arm mean and std over seeds)
-and ``compare_<name>.md`` (a table row per arm, for the README).
+Writes ``benchmarks/results/compare_<name>.json`` after every run (``complete`` false until the last; every
+run's curve, how its late training episodes ended, per-arm mean and std over seeds, paired per-seed
+differences) and ``compare_<name>.md`` (the README rows). Each run's record also stays in its folder, so
+calling again with the same ``--root`` reuses the finished runs and continues a stopped one.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ COMPARISONS: dict[str, dict] = {
         "question": "GRPO vs GiGPO (exact anchors) in a maze of rooms reached by different paths, with dead ends",
         "config": "configs/credit_gigpo.yaml",
         "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo": ["--algorithm.advantage=gigpo"]},
-        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
+        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
     "rooms_similarity": {
         "question": "the same maze where every observation carries a clock (the turns spent): GiGPO with exact "
@@ -74,36 +82,42 @@ COMPARISONS: dict[str, dict] = {
         "common": ["--env.tasks=tasks/rooms/maze_noise.jsonl"],
         "arms": {"gigpo exact": ["--algorithm.advantage=gigpo"],
                  "gigpo similarity": ["--algorithm.advantage=gigpo", "--algorithm.gigpo_similarity=0.93"]},
-        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
+        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
     "rooms_truncation": {
         "question": "truncated episodes scored 0 vs compact filtering where the goal takes more turns than a cheap "
         "exit (0.25) and a loose policy overruns the turn budget",
         "config": "configs/credit_truncation.yaml",
         "arms": {"reward 0": ["--rollout.truncation=zero"], "compact filter": ["--rollout.truncation=filter"]},
-        "warm": ROOMS, "eval_every": 10, "eval_samples": 24,  # one held-out start
+        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 24,  # one held-out start
     },
     "rooms_critic": {
         "question": "a turn-level critic (GAE, value head) vs GRPO with per-turn rewards (bonus rooms on the way)",
         "config": "configs/credit_critic.yaml",
         "arms": {"grpo": ["--algorithm.advantage=grpo"],
+                 "grpo + value head": ["--algorithm.advantage=grpo", "--model.value_head=true"],
                  "gae": ["--algorithm.advantage=gae", "--model.value_head=true"]},
-        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
+        # the value head's loss shares the trunk and the gradient clip: the middle arm trains it without using it
+        "pairs": [("grpo", "gae"), ("grpo + value head", "gae")],
+        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
     "rooms_staleness": {
         "question": "staleness weighting (exp, rate 0.5) vs none, with partial rollouts, at max_staleness 2 and 4",
         "config": "configs/credit_staleness.yaml",
         "arms": {f"bound {k} {name}": [f"--rollout.max_staleness={k}", f"--algorithm.staleness_weighting={kind}"]
                  for k in (2, 4) for name, kind in (("none", "none"), ("weighted", "exp"))},
-        "warm": ROOMS, "eval_every": 10, "eval_samples": 8,
+        "pairs": [("bound 2 none", "bound 2 weighted"), ("bound 4 none", "bound 4 weighted")],
+        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
 }
 
 
 def episode_stats(run_dir: Path, last_steps: int = 10) -> dict:
     """From the saved training batches: the share of truncated episodes (max_turns, max_context, timeout)
-    over the run, and for the last ``last_steps`` steps how episodes ended (``termination`` counts and the
-    mean final reward per kind) and at which turn those that ended on their own (``submitted``) ended."""
+    over the run, and over the last ``last_steps`` steps how episodes ended and at which turn. An ending is
+    the termination reason and, for an episode that ended on its own, its final reward
+    (``submitted@1`` the goal, ``submitted@0.25`` a cheap exit): ``late_endings`` counts them,
+    ``late_turns`` gives each one's turn counts."""
     from lightning_agentrl.trajectory import load_trajectories
 
     files = sorted((run_dir / "trajectories").glob("step_*.jsonl"))
@@ -113,20 +127,20 @@ def episode_stats(run_dir: Path, last_steps: int = 10) -> dict:
             total += 1
             truncated += t.termination.value in ("max_turns", "max_context", "timeout")
     late = [t for path in files[-last_steps:] for t in load_trajectories(path)]
-    ends: dict[str, int] = {}
-    submit_turns: dict[int, int] = {}
+    endings: dict[str, dict[int, int]] = {}
     for t in late:
-        ends[t.termination.value] = ends.get(t.termination.value, 0) + 1
-        if t.termination.value == "submitted":
-            submit_turns[len(t.turns)] = submit_turns.get(len(t.turns), 0) + 1
+        ending = t.termination.value + (f"@{t.reward:g}" if t.termination.value == "submitted" else "")
+        turns = endings.setdefault(ending, {})
+        turns[len(t.turns)] = turns.get(len(t.turns), 0) + 1
     return {"train_truncation_rate": truncated / max(total, 1),
-            "late_terminations": dict(sorted(ends.items())),
-            "late_submit_turns": dict(sorted(submit_turns.items())),
+            "late_endings": {e: sum(turns.values()) for e, turns in sorted(endings.items())},
+            "late_turns": {e: dict(sorted(turns.items())) for e, turns in sorted(endings.items())},
             "late_mean_reward": statistics.fmean(t.reward for t in late) if late else 0.0}
 
 
 def warm_start_for(spec: dict, base, root: Path, args) -> dict:
-    """The comparison's format-only warm start (one for all its runs, so every arm starts from the same weights)."""
+    """The comparison's format-only warm start (one for all its runs, so every arm starts from the same
+    weights); one left in ``root`` by an earlier call is reused only if it was made the same way."""
     if spec["warm"] == COPY_KEY:
         return warm_started_model(base, root / "warm_start", steps=args.warm_start_steps, seed=0,
                                   detour_prob=spec["detour_prob"], echo_prob=args.echo_prob,
@@ -136,81 +150,124 @@ def warm_start_for(spec: dict, base, root: Path, args) -> dict:
     from lightning_agentrl.envs.registry import load_env_tasks
     from lightning_agentrl.train import resolve_model_path
 
+    made_from = {"kind": ROOMS, "tasks": str(base.env.tasks), "steps": args.rooms_warm_start_steps,
+                 "max_turns": base.env.max_turns, "model": str(base.model.path)}
     record_file = root / "warm_start" / "warm_start.json"
     if record_file.exists():
-        return json.loads(record_file.read_text())
+        record = json.loads(record_file.read_text())
+        if {k: record.get(k) for k in made_from} != made_from:
+            raise SystemExit(f"error: {record_file} was made from {record}, not {made_from}; use another --root")
+        return record
     result = rooms_warm_start(resolve_model_path(base), root / "warm_start", load_env_tasks(base, "train"),
                               max_turns=base.env.max_turns, steps=args.rooms_warm_start_steps, seed=0)
-    record = {"path": str(result.path), "steps": result.steps, "final_loss": result.final_loss,
-              "seconds": result.seconds, "kind": ROOMS}
+    record = {"path": str(result.path), **made_from, "final_loss": result.final_loss, "seconds": result.seconds}
     record_file.write_text(json.dumps(record, indent=2))
     return record
 
 
 def run_arm(config: str, spec: dict, arm: str, seed: int, root: Path, warm: dict, args) -> dict:
-    """One run of one arm and seed, with held-out evaluation; its record."""
+    """One run of one arm and seed, with held-out evaluation; its record, also kept in the run folder
+    (``compare_run.json``) so that a later call with the same ``--root`` reuses a finished run. A run
+    folder left without one (a run that stopped) is continued from its last checkpoint."""
     run_dir = root / f"{arm.replace(' ', '_')}-seed{seed}"
+    if (run_dir / "compare_run.json").exists():
+        return json.loads((run_dir / "compare_run.json").read_text())
     overrides = [*spec.get("common", []), *args.overrides, *spec["arms"][arm]]
+    resume = ["--run.resume=last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
     settings = load_settings(config, [f"--run.dir={run_dir}", f"--run.seed={seed}", *overrides,
-                                      f"--model.path={warm['path']}"])
+                                      f"--model.path={warm['path']}", *resume])
     t0, started_at = time.monotonic(), time.time()
     result, history = run_with_evaluation(settings, every=args.eval_every, samples_per_task=args.eval_samples,
                                           seed=seed)
-    curve = [{"step": h["step"], "success": h["success"], "minutes": round((h["time"] - started_at) / 60, 2)}
-             for h in history]
-    reached = [h for h in curve if h["success"] >= args.target]
-    return {
-        "arm": arm, "seed": seed, "overrides": spec["arms"][arm], "run_dir": str(run_dir),
-        "baseline_success": curve[0]["success"], "final_success": curve[-1]["success"],
-        "success_per_step": curve, "first_at_target": reached[0] if reached else None,
+    score = spec.get("score", "success")
+    curve = [{"step": h["step"], "score": h[score], "success": h["success"], "solved": h["solved"],
+              "minutes": round((h["time"] - started_at) / 60, 2)} for h in history]
+    reached = [h for h in curve if h["score"] >= args.target]
+    record = {
+        "arm": arm, "seed": seed, "overrides": spec["arms"][arm], "run_dir": str(run_dir), "resumed": bool(resume),
+        "baseline": curve[0]["score"], "final": curve[-1]["score"],
+        "curve": curve, "first_at_target": reached[0] if reached else None,
         "train_reward_per_step": [r["reward"] for r in train_rewards(run_dir)],
         **episode_stats(run_dir), "seconds": round(time.monotonic() - t0, 1),
         "episodes": result.global_step * settings.rollout.groups_per_step * settings.rollout.group_size,
     }
+    (run_dir / "compare_run.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def mean_std(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+    """Mean and sample std; std None for one value (unknown, not 0)."""
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def summarize(spec: dict, runs: list[dict]) -> dict:
-    """Per arm: held-out success at each evaluated step and at the end (mean, std over seeds), the share of
-    truncated training episodes, and the seeds that reached the target and when; for every arm after the
-    first, the paired per-seed difference of final success against the first arm."""
+    """Per arm: the score at each evaluated step and at the end (mean, std over seeds), the share of truncated
+    training episodes, the seeds that reached the target and when; and per pair ``(a, b)`` of
+    ``spec["pairs"]`` (default: every arm against the first) the per-seed difference b - a of the final score
+    over the seeds both ran."""
     arms = list(spec["arms"])
     summary = {}
     for arm in arms:
         mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
-        steps = sorted({h["step"] for r in mine for h in r["success_per_step"]})
-        at = {step: [h["success"] for r in mine for h in r["success_per_step"] if h["step"] == step] for step in steps}
+        if not mine:
+            continue
+        steps = sorted({h["step"] for r in mine for h in r["curve"]})
+        at = {step: [h["score"] for r in mine for h in r["curve"] if h["step"] == step] for step in steps}
         reached = [r["first_at_target"] for r in mine if r["first_at_target"]]
+        final = mean_std([r["final"] for r in mine])
         summary[arm] = {
-            "success_per_step": [{"step": step, **mean_std(v)} for step, v in at.items()],
-            "final_success_mean": mean_std([r["final_success"] for r in mine])["mean"],
-            "final_success_std": mean_std([r["final_success"] for r in mine])["std"],
-            "final_success": [r["final_success"] for r in mine],
+            "per_step": [{"step": step, **mean_std(v)} for step, v in at.items()],
+            "final_mean": final["mean"], "final_std": final["std"], "final": [r["final"] for r in mine],
+            "seeds": [r["seed"] for r in mine],
             "train_truncation_rate_mean": statistics.fmean(r["train_truncation_rate"] for r in mine),
             "reached_target": f"{len(reached)}/{len(mine)}",
             "minutes_to_target": [h["minutes"] for h in reached],
             "seconds_per_run_mean": statistics.fmean(r["seconds"] for r in mine),
         }
-        if arm != arms[0]:
-            first = {r["seed"]: r["final_success"] for r in runs if r["arm"] == arms[0]}
-            diffs = [r["final_success"] - first[r["seed"]] for r in mine if r["seed"] in first]
-            summary[arm]["paired_diff_vs_first"] = {"per_seed": diffs, **mean_std(diffs)}
-    return summary
+    pairs = {}
+    for a, b in spec.get("pairs", [(arms[0], arm) for arm in arms[1:]]):
+        first = {r["seed"]: r["final"] for r in runs if r["arm"] == a}
+        diffs = [r["final"] - first[r["seed"]] for r in sorted(runs, key=lambda r: r["seed"])
+                 if r["arm"] == b and r["seed"] in first]
+        if diffs:
+            pairs[f"{b} - {a}"] = {"per_seed": diffs, "wins": sum(d > 0 for d in diffs), **mean_std(diffs)}
+    return {"arms": summary, "pairs": pairs}
+
+
+def _pm(mean: float, std: float | None) -> str:
+    return f"{mean:.3f} ± {'n/a' if std is None else f'{std:.3f}'}"
 
 
 def table_rows(name: str, summary: dict, episodes: int) -> list[str]:
+    """README rows: per arm the final score, each seed's, the score at each evaluation; then one row per pair."""
     rows = []
-    for arm, s in summary.items():
-        paired = s.get("paired_diff_vs_first")
-        diff = "" if paired is None else f"{paired['mean']:+.3f} ± {paired['std']:.3f}"
-        points = ", ".join(f"{p['step']}: {p['mean']:.2f}" for p in s["success_per_step"])
-        rows.append(f"| {name} | {arm} | {s['final_success_mean']:.3f} ± {s['final_success_std']:.3f} | "
-                    f"{', '.join(f'{v:.2f}' for v in s['final_success'])} | {diff} | {points} | "
+    for arm, s in summary["arms"].items():
+        points = ", ".join(f"{p['step']}: {p['mean']:.2f}" for p in s["per_step"])
+        rows.append(f"| {name} | {arm} | {_pm(s['final_mean'], s['final_std'])} | "
+                    f"{', '.join(f'{v:.2f}' for v in s['final'])} | {points} | "
                     f"{s['train_truncation_rate_mean']:.2f} | {episodes} |")
+    for pair, d in summary["pairs"].items():
+        rows.append(f"| {name} | {pair} (paired, per seed) | {_pm(d['mean'], d['std'])} | "
+                    f"{', '.join(f'{v:+.2f}' for v in d['per_seed'])} | {d['wins']} of {len(d['per_seed'])} seeds ahead | | |")
     return rows
+
+
+def write_record(args, argv, spec, config, warm, runs, started, complete: bool) -> dict:
+    summary = summarize(spec, runs)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "comparison": args.name, "question": spec["question"], "complete": complete,
+        "score": spec.get("score", "success"),
+        "command": shlex.join([Path(sys.executable).name, "benchmarks/compare.py", *argv]),
+        "config": config, "seeds": args.seeds, "settings_overrides": [*spec.get("common", []), *args.overrides],
+        "warm_start": warm, "episodes_per_run": runs[0]["episodes"], "target": args.target,
+        "wall_time_s": round(time.monotonic() - started, 1), "summary": summary, "runs": runs,
+    }
+    (out_dir / f"compare_{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    rows = table_rows(args.name, summary, record["episodes_per_run"])
+    (out_dir / f"compare_{args.name}.md").write_text("\n".join(rows) + "\n")
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=sorted(COMPARISONS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>)")
+    parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>); "
+                        "a second call with the same root reuses its finished runs and continues a stopped one")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--warm-start-steps", type=int, default=100)
     parser.add_argument("--rooms-warm-start-steps", type=int, default=40)
@@ -228,13 +286,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="episodes per held-out task (default: the comparison's, 4 for copy-the-key)")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="held-out evaluation every N steps and at the end (default: the comparison's, else 30)")
-    parser.add_argument("--target", type=float, default=0.5, help="report when each run first reached this success")
+    parser.add_argument("--target", type=float, default=0.5, help="report when each run first reached this score")
     own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
     args.overrides = overrides  # settings overrides for every arm, after --
     spec = COMPARISONS[args.name]
-    args.eval_samples = args.eval_samples or spec.get("eval_samples", 4)
-    args.eval_every = args.eval_every or spec.get("eval_every", 30)
+    args.eval_samples = spec.get("eval_samples", 4) if args.eval_samples is None else args.eval_samples
+    args.eval_every = spec.get("eval_every", 30) if args.eval_every is None else args.eval_every
+    for flag in ("eval_samples", "eval_every", "warm_start_steps", "rooms_warm_start_steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     config = spec.get("config", f"configs/compare_{args.name}.yaml")
     root = Path(args.root or f"runs/compare_{args.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     started = time.monotonic()
@@ -245,24 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         for arm in spec["arms"]:
             runs.append(run_arm(config, spec, arm, seed, root, warm, args))
-            print(f"[{args.name}] {arm} seed {seed}: {runs[-1]['baseline_success']:.3f} -> "
-                  f"{runs[-1]['final_success']:.3f}", flush=True)
-
-    summary = summarize(spec, runs)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "comparison": args.name, "question": spec["question"],
-        "command": shlex.join([Path(sys.executable).name, "benchmarks/compare.py", *argv]),
-        "config": config, "seeds": args.seeds, "settings_overrides": [*spec.get("common", []), *args.overrides],
-        "warm_start": warm, "episodes_per_run": runs[0]["episodes"], "baseline_success": runs[0]["baseline_success"],
-        "target": args.target, "wall_time_s": round(time.monotonic() - started, 1),
-        "summary": summary, "runs": runs,
-    }
-    (out_dir / f"compare_{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    rows = table_rows(args.name, summary, record["episodes_per_run"])
-    (out_dir / f"compare_{args.name}.md").write_text("\n".join(rows) + "\n")
-    print("\n".join(rows))
+            write_record(args, argv, spec, config, warm, runs, started, complete=False)  # a partial record
+            print(f"[{args.name}] {arm} seed {seed}: {runs[-1]['baseline']:.3f} -> {runs[-1]['final']:.3f}", flush=True)
+    record = write_record(args, argv, spec, config, warm, runs, started, complete=True)
+    print("\n".join(table_rows(args.name, record["summary"], record["episodes_per_run"])))
     return 0
 
 

@@ -13,7 +13,7 @@ import yaml
 from benchmarks.compare import COMPARISONS, summarize
 from benchmarks.rooms_worlds import random_walk_success
 from lightning_agentrl.algorithms.advantages import lcs_similarity
-from lightning_agentrl.envs.rooms import DIRECTIONS, RoomsEnv, load_rooms_tasks, parse_task, shortest_path
+from lightning_agentrl.envs.rooms import RoomsEnv, load_rooms_tasks, parse_task, shortest_path
 from lightning_agentrl.trajectory import TerminationReason
 from tests.fitting import REPO, learn_settings, scripted_fit
 
@@ -55,9 +55,14 @@ def test_the_similarity_threshold_merges_a_room_at_any_clock_and_never_two_rooms
     threshold = float(COMPARISONS["rooms_similarity"]["arms"]["gigpo similarity"][1].split("=")[1])
     task = load_rooms_tasks(WORLDS / "maze_noise.jsonl")[0]
     views = {}
-    for room, exits in task.rooms.items():
-        listed = ", ".join(d for d in DIRECTIONS if d in exits)
-        views[room] = [f"{room}. exits: {listed}. clock {k}" for k in range(11)]
+    for room in task.rooms:
+        env = RoomsEnv(task)
+        env.load_state_dict({"room": room, "visited": [room], "clock": 0})
+        views[room] = [env.state_text]
+        for clock in range(1, 11):  # the clock runs to max_turns (10 in the recipe)
+            env.load_state_dict({"room": room, "visited": [room], "clock": clock})
+            views[room].append(env.state_text)
+    assert views["attic"][10] == "attic. exits: east. clock 10"
     same = min(lcs_similarity(a, b) for v in views.values() for a in v for b in v)
     different = max(lcs_similarity(a, b) for r in views for s in views if r != s for a in views[r] for b in views[s])
     assert different < threshold < same

@@ -4,7 +4,7 @@ Every ``every_n_steps`` optimizer steps (and before the first step, the baseline
 last) the callback plays ``samples_per_task`` episodes of every held-out task through the rollout
 service (:meth:`RolloutService.play_episodes`): the run's own engine (torch, vLLM or a server
 fleet), agent loop, environment and sandbox service, beside the training episodes. It logs
-``eval/success`` (mean final reward), ``eval/pass_at_k`` (k = ``samples_per_task``: the share of
+``eval/success`` (mean final reward), ``eval/solved`` (share with the full reward), ``eval/pass_at_k`` (k = ``samples_per_task``: the share of
 tasks whose best sample succeeded) and the share of episodes that submitted, to the logger at the
 current step. Training rewards can rise by overfitting the training tasks; SPEC §7 asks for
 held-out success. Episodes broken by infrastructure (``sandbox_error``, ``engine_error``) count
@@ -32,8 +32,9 @@ from lightning_agentrl.trajectory import TerminationReason, Trajectory
 def score_episodes(trajectories: list[Trajectory]) -> dict:
     """Success and pass@k of held-out episodes, k being the samples per task.
 
-    ``success`` is the mean final reward; ``pass_at_k`` the mean over tasks of the best reward among
-    the task's samples (with 0/1 rewards and n = k samples, the unbiased pass@k estimator of Chen et
+    ``success`` is the mean final reward; ``solved`` the share of episodes with the full reward (>= 1: all
+    hidden tests passed, the goal reached; a partial reward such as a cheap exit's counts in ``success`` but
+    not here); ``pass_at_k`` the mean over tasks of the best reward among the task's samples (with 0/1 rewards and n = k samples, the unbiased pass@k estimator of Chen et
     al. 2021 is exactly this), so ``pass_at_k >= success``. Infrastructure failures are left out of
     both (a task with no other sample is left out of ``pass_at_k``).
 
@@ -42,8 +43,8 @@ def score_episodes(trajectories: list[Trajectory]) -> dict:
     >>> s = score_episodes([T(episode_id="a", task_id="x", group_id=0, reward=1.0, termination=done),
     ...                     T(episode_id="b", task_id="x", group_id=0, reward=0.0, termination=done),
     ...                     T(episode_id="c", task_id="y", group_id=1, reward=0.0, termination=done)])
-    >>> s["success"], s["pass_at_k"], s["episodes"]
-    (0.3333333333333333, 0.5, 3)
+    >>> s["success"], s["solved"], s["pass_at_k"], s["episodes"]
+    (0.3333333333333333, 0.3333333333333333, 0.5, 3)
     """
     scored = [t for t in trajectories if not (t.termination is not None and t.termination.infrastructure)]
     best: dict[str, float] = {}
@@ -51,6 +52,7 @@ def score_episodes(trajectories: list[Trajectory]) -> dict:
         best[t.task_id] = max(best.get(t.task_id, 0.0), t.reward)
     return {
         "success": sum(t.reward for t in scored) / max(len(scored), 1),
+        "solved": sum(t.reward >= 1.0 for t in scored) / max(len(scored), 1),
         "pass_at_k": sum(best.values()) / max(len(best), 1),
         "submitted_frac": sum(t.termination is TerminationReason.SUBMITTED for t in scored) / max(len(scored), 1),
         "episodes": len(trajectories),
@@ -125,7 +127,7 @@ class HeldOutEvaluation(L.Callback):
                  "time": time.time()}  # wall clock when the evaluation finished (success against time)
         self.history.append(entry)
         if trainer.logger is not None:
-            keys = ("success", "pass_at_k", "submitted_frac", "infra_errors")
+            keys = ("success", "solved", "pass_at_k", "submitted_frac", "infra_errors")
             trainer.logger.log_metrics({f"eval/{key}": float(entry[key]) for key in keys}, step=step)
         return entry
 

@@ -102,18 +102,23 @@ def load_rooms_tasks(path: str | Path, *, split: str | None = None) -> list[Room
 
 
 def shortest_path(task: RoomsTask) -> list[str] | None:
-    """A shortest list of directions from the start to the goal (not through exit rooms); None if none."""
-    paths = {task.start: []}
+    """A shortest list of directions from the start to the goal (not through exit rooms); None if none.
+    Breadth-first with one back-pointer per room (memory linear in the rooms)."""
+    came_from: dict[str, tuple[str, str] | None] = {task.start: None}
     queue = deque([task.start])
     while queue:
         room = queue.popleft()
         if room == task.goal:
-            return paths[room]
+            path = []
+            while came_from[room] is not None:
+                room, direction = came_from[room]
+                path.append(direction)
+            return path[::-1]
         if room in task.exit_rooms:
             continue
         for direction, following in task.rooms[room].items():
-            if following not in paths:
-                paths[following] = [*paths[room], direction]
+            if following not in came_from:
+                came_from[following] = (room, direction)
                 queue.append(following)
     return None
 
