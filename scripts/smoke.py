@@ -42,10 +42,13 @@ CONFIG = REPO / "configs" / "smoke.yaml"
 WARM_START_STEPS, WARM_START_BATCH, WARM_START_LR = 50, 8, 3e-3
 
 
-def groups_with_variance(run_dir: str | Path) -> tuple[int, int]:
-    """(groups with reward variance, groups) over every saved batch of the run."""
+def groups_with_variance(run_dir: str | Path, since: float = 0.0) -> tuple[int, int]:
+    """(groups with reward variance, groups) over the saved batches of the run written at or after ``since``
+    (a time stamp: a resumed run counts only the steps it trained)."""
     num_groups = num_varied = 0
     for path in sorted((Path(run_dir) / "trajectories").glob("step_*.jsonl")):
+        if path.stat().st_mtime < since:
+            continue
         groups: dict[int, list] = {}
         for trajectory in load_trajectories(path):
             groups.setdefault(trajectory.group_id, []).append(trajectory)
@@ -55,8 +58,13 @@ def groups_with_variance(run_dir: str | Path) -> tuple[int, int]:
 
 
 def check_copy_the_key(settings) -> None:
-    """The warm start's demonstrations read key.txt: refuse another suite with the setting named."""
-    tasks = load_tasks(settings.env.tasks, split="train")
+    """The warm start's demonstrations read key.txt: refuse another environment or suite with the setting named."""
+    if settings.env.kind != "coding":
+        raise SettingsError(f"env.kind: the smoke run's warm start is for the coding environment, not {settings.env.kind}")
+    try:
+        tasks = load_tasks(settings.env.tasks, split="train")
+    except (ValueError, FileNotFoundError) as err:
+        raise SettingsError(f"env.tasks: {err}") from None
     if not tasks or any(KEY_FILE not in task.files for task in tasks):
         raise SettingsError(f"env.tasks: the smoke run's warm start needs the copy-the-key suite (tasks/learn), "
                             f"whose tasks hold {KEY_FILE}; {settings.env.tasks} does not")
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS,
                         help=f"supervised steps of {WARM_START_BATCH} demonstrations (default {WARM_START_STEPS})")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     try:
         settings = load_settings(args.config, overrides)
         check_copy_the_key(settings)
@@ -108,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     status = cli(["fit", "--config", args.config, *overrides, f"--model.path={warm}"])
     if status != 0:
         return status
-    num_varied, num_groups = groups_with_variance(settings.run.dir)
+    num_varied, num_groups = groups_with_variance(settings.run.dir, since=started_at)
     print(f"smoke: {num_varied} of {num_groups} groups had reward variance "
           f"({time.monotonic() - started:.0f} s, warm start included)", file=sys.stderr)
     if num_varied == 0:
-        print("error: smoke: no group had reward variance: every advantage was 0 and no step trained anything",
-              file=sys.stderr)
+        what = "every advantage was 0" if num_groups else "no step was trained by this call (a finished run resumed?)"
+        print(f"error: smoke: no group had reward variance: {what}, so nothing was trained", file=sys.stderr)
         return 1
     return 0
 

@@ -34,6 +34,9 @@ def test_the_smoke_recipe_trains_on_groups_with_reward_variance(tmp_path, capfd)
     assert f"smoke: {num_varied} of {num_groups} groups had reward variance" in capfd.readouterr().err
     assert mlflow_metrics(run, "groups/num_zero_variance") == [num_groups - num_varied]
     assert mlflow_metrics(run, "policy/grad_norm")[0] > 0.0
+    # resuming the finished run trains nothing: the old batches do not count as this call's gradient
+    assert main([f"--run.dir={run}", CACHE, "--trainer.threads=1", "--trainer.max_steps=1", "--run.resume=last"]) == 1
+    assert "no step was trained by this call" in capfd.readouterr().err
 
 
 def test_a_smoke_run_without_reward_variance_exits_with_an_error(tmp_path, capfd):
@@ -46,7 +49,13 @@ def test_a_smoke_run_without_reward_variance_exits_with_an_error(tmp_path, capfd
     assert "error: smoke: no group had reward variance" in capfd.readouterr().err
 
 
-def test_the_smoke_run_refuses_a_suite_its_warm_start_cannot_demonstrate(tmp_path, capfd):
-    assert main([f"--run.dir={tmp_path / 'run'}", f"--env.tasks={REPO / 'tasks' / 'bugfix'}"]) == 2
-    assert "error: env.tasks: the smoke run's warm start needs the copy-the-key suite" in capfd.readouterr().err
+@pytest.mark.parametrize("settings, error", [
+    ([f"--env.tasks={REPO / 'tasks' / 'bugfix'}"], "error: env.tasks: the smoke run's warm start needs the copy-the-key suite"),
+    (["--env.kind=lightning_agentrl.envs.rooms:RoomsEnv", f"--env.tasks={REPO / 'tasks' / 'rooms' / 'maze.jsonl'}"],
+     "error: env.kind: the smoke run's warm start is for the coding environment"),
+    ([f"--env.tasks={REPO / 'tasks' / 'rooms' / 'maze.jsonl'}"], "error: env.tasks: "),
+])
+def test_the_smoke_run_refuses_a_suite_its_warm_start_cannot_demonstrate(tmp_path, capfd, settings, error):
+    assert main([f"--run.dir={tmp_path / 'run'}", *settings]) == 2
+    assert error in capfd.readouterr().err
     assert not (tmp_path / "run").exists()
