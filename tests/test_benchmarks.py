@@ -24,37 +24,47 @@ def test_compare_writes_both_arms_at_equal_budget(tmp_path):
     run_benchmark("benchmarks/compare.py", "mask", "--seeds", "0", "1", "--root", str(first), "--out-dir", str(tmp_path),
                   "--warm-start-steps", "2", "--eval-samples", "1", "--eval-every", "1", "--", *TINY)
     record = json.loads((tmp_path / "compare_mask.json").read_text())
+    assert record["complete"] and record["score"] == "success"
     assert [(r["arm"], r["seed"]) for r in record["runs"]] == [
         ("mask on", 0), ("mask off", 0), ("mask on", 1), ("mask off", 1)]
     assert {r["episodes"] for r in record["runs"]} == {2 * 1 * 2} == {record["episodes_per_run"]}
     for run in record["runs"]:
-        assert [h["step"] for h in run["success_per_step"]] == [0, 1, 2]
+        assert [h["step"] for h in run["curve"]] == [0, 1, 2]
+        assert all(h["score"] == h["success"] for h in run["curve"])
         assert len(run["train_reward_per_step"]) == 2
-    for arm, summary in record["summary"].items():
-        finals = [r["final_success"] for r in record["runs"] if r["arm"] == arm]
-        assert summary["final_success"] == finals
-        assert abs(summary["final_success_mean"] - sum(finals) / 2) < 1e-12
-        assert [p["step"] for p in summary["success_per_step"]] == [0, 1, 2]
+    for arm, summary in record["summary"]["arms"].items():
+        finals = [r["final"] for r in record["runs"] if r["arm"] == arm]
+        assert summary["final"] == finals
+        assert abs(summary["final_mean"] - sum(finals) / 2) < 1e-12
+        assert [p["step"] for p in summary["per_step"]] == [0, 1, 2]
     rows = (tmp_path / "compare_mask.md").read_text().splitlines()
-    assert [row.split("|")[2].strip() for row in rows] == ["mask on", "mask off"]
+    assert [row.split("|")[2].strip() for row in rows] == ["mask on", "mask off", "mask off - mask on (paired, per seed)"]
 
 
-def test_a_rooms_comparison_pairs_arms_by_seed_and_records_how_episodes_end(tmp_path):
-    run_benchmark("benchmarks/compare.py", "rooms_truncation", "--seeds", "0", "1", "--root", str(tmp_path / "runs"),
-                  "--out-dir", str(tmp_path), "--rooms-warm-start-steps", "2", "--eval-samples", "2",
-                  "--eval-every", "1", "--", *TINY[:3], "--engine.max_new_tokens=4")
+def test_a_rooms_comparison_pairs_arms_by_seed_and_resumes_from_its_finished_runs(tmp_path):
+    argv = ["benchmarks/compare.py", "rooms_truncation", "--seeds", "0", "1", "--root", str(tmp_path / "runs"),
+            "--out-dir", str(tmp_path), "--rooms-warm-start-steps", "2", "--eval-samples", "2", "--eval-every", "1",
+            "--", *TINY[:3], "--engine.max_new_tokens=4"]
+    run_benchmark(*argv)
     record = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
     assert record["warm_start"]["kind"] == "rooms" and record["config"] == "configs/credit_truncation.yaml"
+    assert record["score"] == "solved" and record["complete"]
     runs = {(r["arm"], r["seed"]): r for r in record["runs"]}
     assert set(runs) == {("reward 0", 0), ("compact filter", 0), ("reward 0", 1), ("compact filter", 1)}
     for run in runs.values():
-        assert [h["step"] for h in run["success_per_step"]] == [0, 1, 2]
-        assert sum(run["late_terminations"].values()) == 2 * 2  # 2 steps x 1 group x 2 episodes
-        assert sum(run["late_submit_turns"].values()) == run["late_terminations"].get("submitted", 0)
-    paired = record["summary"]["compact filter"]["paired_diff_vs_first"]["per_seed"]
-    assert paired == [runs[("compact filter", s)]["final_success"] - runs[("reward 0", s)]["final_success"] for s in (0, 1)]
+        assert [h["step"] for h in run["curve"]] == [0, 1, 2]
+        assert all(h["score"] == h["solved"] <= h["success"] for h in run["curve"])  # the porch pays 0.25
+        assert sum(run["late_endings"].values()) == 2 * 2  # 2 steps x 1 group x 2 episodes
+        assert {e: sum(t.values()) for e, t in run["late_turns"].items()} == run["late_endings"]
+    paired = record["summary"]["pairs"]["compact filter - reward 0"]["per_seed"]
+    assert paired == [runs[("compact filter", s)]["final"] - runs[("reward 0", s)]["final"] for s in (0, 1)]
     rows = (tmp_path / "compare_rooms_truncation.md").read_text().splitlines()
-    assert [row.split("|")[2].strip() for row in rows] == ["reward 0", "compact filter"]
+    assert [row.split("|")[2].strip() for row in rows][:2] == ["reward 0", "compact filter"]
+    # a second call with the same root reuses every finished run (no run folder is trained again)
+    stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/compare_run.json")}
+    run_benchmark(*argv)
+    assert len(stamps) == 4 and {p: p.stat().st_mtime for p in stamps} == stamps
+    assert json.loads((tmp_path / "compare_rooms_truncation.json").read_text())["runs"] == record["runs"]
 
 
 def test_learn_writes_the_record_and_the_figure(tmp_path):

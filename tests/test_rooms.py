@@ -126,14 +126,17 @@ def test_gigpo_similarity_merges_a_room_reached_at_different_turns_through_fit(t
     assert counts == {False: 10.0, True: 6.0}
 
 
-def test_summarize_pairs_each_arm_with_the_first_by_seed():
+def test_summarize_pairs_arms_by_seed_and_leaves_the_std_of_one_seed_unknown():
     def run(arm, seed, final):
-        return {"arm": arm, "seed": seed, "final_success": final, "train_truncation_rate": 0.0, "seconds": 1.0,
-                "first_at_target": None, "success_per_step": [{"step": 0, "success": 0.1}, {"step": 9, "success": final}]}
+        return {"arm": arm, "seed": seed, "final": final, "train_truncation_rate": 0.0, "seconds": 1.0,
+                "first_at_target": None, "curve": [{"step": 0, "score": 0.1}, {"step": 9, "score": final}]}
 
-    spec = {"arms": {"a": [], "b": []}}
-    summary = summarize(spec, [run("a", 0, 0.2), run("b", 0, 0.5), run("a", 1, 0.4), run("b", 1, 0.5)])
-    assert summary["b"]["paired_diff_vs_first"]["per_seed"] == pytest.approx([0.3, 0.1])
-    assert summary["b"]["paired_diff_vs_first"]["mean"] == pytest.approx(0.2)
-    assert summary["a"]["success_per_step"][1] == {"step": 9, "mean": pytest.approx(0.3), "std": pytest.approx(0.1414, abs=1e-4)}
-    assert "paired_diff_vs_first" not in summary["a"]
+    spec = {"arms": {"a": [], "b": [], "c": []}, "pairs": [("a", "b"), ("b", "c")]}
+    summary = summarize(spec, [run("a", 0, 0.2), run("b", 0, 0.5), run("a", 1, 0.4), run("b", 1, 0.5),
+                               run("c", 1, 0.3)])
+    assert summary["pairs"]["b - a"]["per_seed"] == pytest.approx([0.3, 0.1])
+    assert summary["pairs"]["b - a"]["mean"] == pytest.approx(0.2) and summary["pairs"]["b - a"]["wins"] == 2
+    assert summary["pairs"]["c - b"] == {"per_seed": [pytest.approx(-0.2)], "wins": 0, "mean": pytest.approx(-0.2),
+                                         "std": None}  # only seed 1 ran both
+    assert summary["arms"]["a"]["per_step"][1] == {"step": 9, "mean": pytest.approx(0.3), "std": pytest.approx(0.1414, abs=1e-4)}
+    assert summary["arms"]["c"]["final_std"] is None
