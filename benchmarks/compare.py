@@ -202,7 +202,8 @@ def mean_std(values: list[float]) -> dict:
 
 def summarize(spec: dict, runs: list[dict]) -> dict:
     """Per arm: the score at each evaluated step and at the end (mean, std over seeds), the share of truncated
-    training episodes, the seeds that reached the target and when; and per pair ``(a, b)`` of
+    training episodes, the seeds that reached the target and when, how the late training episodes ended (counts
+    over seeds) and their mean turn per ending; and per pair ``(a, b)`` of
     ``spec["pairs"]`` (default: every arm against the first) the per-seed difference b - a of the final score
     over the seeds both ran."""
     arms = list(spec["arms"])
@@ -223,6 +224,9 @@ def summarize(spec: dict, runs: list[dict]) -> dict:
             "reached_target": f"{len(reached)}/{len(mine)}",
             "minutes_to_target": [h["minutes"] for h in reached],
             "seconds_per_run_mean": statistics.fmean(r["seconds"] for r in mine),
+            "late_endings": _sum_counts(r["late_endings"] for r in mine),
+            "late_mean_turns": {e: sum(int(k) * v for k, v in t.items()) / sum(t.values())
+                                for e, t in _merge_turns(r["late_turns"] for r in mine).items()},
         }
     pairs = {}
     for a, b in spec.get("pairs", [(arms[0], arm) for arm in arms[1:]]):
@@ -232,6 +236,24 @@ def summarize(spec: dict, runs: list[dict]) -> dict:
         if diffs:
             pairs[f"{b} - {a}"] = {"per_seed": diffs, "wins": sum(d > 0 for d in diffs), **mean_std(diffs)}
     return {"arms": summary, "pairs": pairs}
+
+
+def _sum_counts(tables) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for table in tables:
+        for key, n in table.items():
+            out[key] = out.get(key, 0) + n
+    return dict(sorted(out.items()))
+
+
+def _merge_turns(tables) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for table in tables:
+        for ending, turns in table.items():
+            merged = out.setdefault(ending, {})
+            for turn, n in turns.items():
+                merged[str(turn)] = merged.get(str(turn), 0) + n
+    return out
 
 
 def _pm(mean: float, std: float | None) -> str:
