@@ -16,6 +16,7 @@ these two types. docs/environments.md walks through writing one.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -245,6 +246,28 @@ def history_summary(history: list[dict], *, max_observation_chars: int = 1000, f
     if history:
         lines.append("Latest tool output:\n" + clip(history[-1].get("observation", ""), max_observation_chars))
     return "\n".join(lines)
+
+
+def load_jsonl_tasks(path: str | Path, parse: Callable[[Any, str], Any], *, split: str | None, what: str) -> list:
+    """The tasks of a JSONL file, or of every ``*.jsonl`` in a folder, one a line, each made by
+    ``parse(data, "file:line")`` (which raises ``ValueError`` naming that place); those of ``split`` (None:
+    all), sorted by id. ``what`` names the tasks in the errors (``keydoor``)."""
+    root = Path(path)
+    files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
+    if not files or not files[0].is_file():
+        raise FileNotFoundError(f"no {what} tasks (a .jsonl file or a folder of them): {root}")
+    tasks = []
+    for file in files:
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{file}:{number}: not JSON: {err.msg}") from None
+                tasks.append(parse(data, f"{file}:{number}"))
+    if len({task.id for task in tasks}) != len(tasks):
+        raise ValueError(f"{root}: task ids repeat")
+    return sorted((t for t in tasks if split is None or t.split == split), key=lambda t: t.id)
 
 
 def clip(text: str, max_chars: int) -> str:

@@ -23,13 +23,12 @@ shortest solution (every shipped map has one).
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_agentrl.envs.base import Environment, StepResult
+from lightning_agentrl.envs.base import Environment, StepResult, load_jsonl_tasks
 from lightning_agentrl.envs.tools import ToolCallError, ToolSpec, parse_tool_call
 
 if TYPE_CHECKING:
@@ -85,23 +84,7 @@ def parse_task(data: dict, where: str) -> KeyDoorTask:
 
 def load_keydoor_tasks(path: str | Path, *, split: str | None = None) -> list[KeyDoorTask]:
     """The tasks in a JSONL file, or in every ``*.jsonl`` of a folder, sorted by id."""
-    root = Path(path)
-    files = sorted(root.glob("*.jsonl")) if root.is_dir() else [root]
-    if not files or not files[0].is_file():
-        raise FileNotFoundError(f"no keydoor tasks (a .jsonl file or a folder of them): {root}")
-    tasks = []
-    for file in files:
-        for number, line in enumerate(file.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{file}:{number}: not JSON: {err.msg}") from None
-                tasks.append(parse_task(data, f"{file}:{number}"))
-    ids = [task.id for task in tasks]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{root}: task ids repeat")
-    return sorted((t for t in tasks if split is None or t.split == split), key=lambda t: t.id)
+    return load_jsonl_tasks(path, parse_task, split=split, what="keydoor")
 
 
 class KeyDoorEnv(Environment):

@@ -25,13 +25,12 @@ Tasks are JSONL, one start a line, the world inline::
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_agentrl.envs.base import Environment, StepResult
+from lightning_agentrl.envs.base import Environment, StepResult, load_jsonl_tasks
 
 GOAL_REWARD = 1.0
 DIRECTIONS = ("north", "south", "east", "west")
@@ -84,21 +83,8 @@ def parse_task(data: dict, where: str) -> RoomsTask:
 
 
 def load_rooms_tasks(path: str | Path, *, split: str | None = None) -> list[RoomsTask]:
-    """The tasks in a JSONL file, sorted by id."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"no rooms tasks (a .jsonl file): {file}")
-    tasks = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{file}:{number}: not JSON: {err.msg}") from None
-            tasks.append(parse_task(data, f"{file}:{number}"))
-    if len({t.id for t in tasks}) != len(tasks):
-        raise ValueError(f"{file}: task ids repeat")
-    return sorted((t for t in tasks if split is None or t.split == split), key=lambda t: t.id)
+    """The tasks in a JSONL file, or in every ``*.jsonl`` of a folder, sorted by id."""
+    return load_jsonl_tasks(path, parse_task, split=split, what="rooms")
 
 
 def shortest_path(task: RoomsTask) -> list[str] | None:
