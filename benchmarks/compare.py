@@ -309,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=None,
                         help="held-out evaluation every N steps and at the end (default: the comparison's, else 30)")
     parser.add_argument("--target", type=float, default=0.5, help="report when each run first reached this score")
+    parser.add_argument("--no-run", action="store_true",
+                        help="run nothing: write the record from the runs already finished in --root (complete: false "
+                        "if any arm and seed is missing)")
     own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
     args.overrides = overrides  # settings overrides for every arm, after --
@@ -327,10 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for seed in args.seeds:
         for arm in spec["arms"]:
+            finished = root / f"{arm.replace(' ', '_')}-seed{seed}" / "compare_run.json"
+            if args.no_run:
+                runs += [json.loads(finished.read_text())] if finished.exists() else []
+                continue
             runs.append(run_arm(config, spec, arm, seed, root, warm, args))
             write_record(args, argv, spec, config, warm, runs, started, complete=False)  # a partial record
             print(f"[{args.name}] {arm} seed {seed}: {runs[-1]['baseline']:.3f} -> {runs[-1]['final']:.3f}", flush=True)
-    record = write_record(args, argv, spec, config, warm, runs, started, complete=True)
+    if not runs:
+        raise SystemExit(f"error: no finished run in {root}")
+    complete = len(runs) == len(args.seeds) * len(spec["arms"])
+    record = write_record(args, argv, spec, config, warm, runs, started, complete=complete)
     print("\n".join(table_rows(args.name, record["summary"], record["episodes_per_run"])))
     return 0
 

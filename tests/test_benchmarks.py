@@ -66,6 +66,12 @@ def test_a_rooms_comparison_pairs_arms_by_seed_and_resumes_from_its_finished_run
     run_benchmark(*argv)
     assert len(stamps) == 2 and {p: p.stat().st_mtime for p in stamps} == stamps
     assert json.loads((tmp_path / "compare_rooms_truncation.json").read_text())["runs"] == record["runs"]
+    # --no-run writes what is finished and says it is not complete (seed 2 never ran)
+    own = argv.index("--")
+    run_benchmark(*argv[:4], "2", *argv[4:own], "--no-run", *argv[own:])  # --seeds 1 2
+    partial = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
+    assert partial["runs"] == record["runs"] and partial["seeds"] == [1, 2] and not partial["complete"]
+    assert not list((tmp_path / "runs").glob("*seed2"))
 
 
 def test_learn_writes_the_record_and_the_figure(tmp_path):
