@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=sorted(COMPARISONS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", default=None,
+                        help="run only these arms (default all); two calls on one root may split the arms between them")
     parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>); "
                         "a second call with the same root reuses its finished runs and continues a stopped one")
     parser.add_argument("--out-dir", default="benchmarks/results")
@@ -328,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     base = load_settings(config, [f"--run.dir={root}", *spec.get("common", []), *args.overrides])
     warm = warm_start_for(spec, base, root, args)
     runs = []
+    arms = args.arms or list(spec["arms"])
+    if set(arms) - set(spec["arms"]):
+        parser.error(f"--arms: {args.name} has the arms {list(spec['arms'])}")
     for seed in args.seeds:
-        for arm in spec["arms"]:
+        for arm in arms:
             finished = root / f"{arm.replace(' ', '_')}-seed{seed}" / "compare_run.json"
             if args.no_run:
                 runs += [json.loads(finished.read_text())] if finished.exists() else []
@@ -339,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{args.name}] {arm} seed {seed}: {runs[-1]['baseline']:.3f} -> {runs[-1]['final']:.3f}", flush=True)
     if not runs:
         raise SystemExit(f"error: no finished run in {root}")
-    complete = len(runs) == len(args.seeds) * len(spec["arms"])
+    complete = len(runs) == len(args.seeds) * len(spec["arms"])  # every arm, not only --arms
     record = write_record(args, argv, spec, config, warm, runs, started, complete=complete)
     print("\n".join(table_rows(args.name, record["summary"], record["episodes_per_run"])))
     return 0
