@@ -200,9 +200,9 @@ def mean_std(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
-def summarize(spec: dict, runs: list[dict]) -> dict:
+def summarize(spec: dict, runs: list[dict], target: float = 0.5) -> dict:
     """Per arm: the score at each evaluated step and at the end (mean, std over seeds), the share of truncated
-    training episodes, the seeds that reached the target and when, how the late training episodes ended (counts
+    training episodes, the seeds whose score reached ``target`` and the minutes it took (from the run's start), how the late training episodes ended (counts
     over seeds) and their mean turn per ending; and per pair ``(a, b)`` of
     ``spec["pairs"]`` (default: every arm against the first) the per-seed difference b - a of the final score
     over the seeds both ran."""
@@ -214,7 +214,8 @@ def summarize(spec: dict, runs: list[dict]) -> dict:
             continue
         steps = sorted({h["step"] for r in mine for h in r["curve"]})
         at = {step: [h["score"] for r in mine for h in r["curve"] if h["step"] == step] for step in steps}
-        reached = [r["first_at_target"] for r in mine if r["first_at_target"]]
+        firsts = [next((h for h in r["curve"] if h["score"] >= target), None) for r in mine]
+        reached = [h for h in firsts if h is not None]
         final = mean_std([r["final"] for r in mine])
         summary[arm] = {
             "per_step": [{"step": step, **mean_std(v)} for step, v in at.items()],
@@ -275,7 +276,7 @@ def table_rows(name: str, summary: dict, episodes: int) -> list[str]:
 
 
 def write_record(args, argv, spec, config, warm, runs, started, complete: bool) -> dict:
-    summary = summarize(spec, runs)
+    summary = summarize(spec, runs, args.target)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {
