@@ -129,7 +129,7 @@ def test_gigpo_similarity_merges_a_room_reached_at_different_turns_through_fit(t
 def test_summarize_pairs_arms_by_seed_and_leaves_the_std_of_one_seed_unknown():
     def run(arm, seed, final):
         return {"arm": arm, "seed": seed, "final": final, "train_truncation_rate": 0.0, "seconds": 1.0,
-                "first_at_target": None, "curve": [{"step": 0, "score": 0.1}, {"step": 9, "score": final}],
+                "first_at_target": None, "curve": [{"step": 0, "score": 0.1, "minutes": 0.5}, {"step": 9, "score": final, "minutes": 9.0}],
                 "late_endings": {"submitted@1": 2}, "late_turns": {"submitted@1": {"3": 1, "5": 1}}}
 
     spec = {"arms": {"a": [], "b": [], "c": []}, "pairs": [("a", "b"), ("b", "c")]}
@@ -141,4 +141,6 @@ def test_summarize_pairs_arms_by_seed_and_leaves_the_std_of_one_seed_unknown():
                                          "std": None}  # only seed 1 ran both
     assert summary["arms"]["a"]["per_step"][1] == {"step": 9, "mean": pytest.approx(0.3), "std": pytest.approx(0.1414, abs=1e-4)}
     assert summary["arms"]["c"]["final_std"] is None
+    assert summary["arms"]["b"]["reached_target"] == "2/2" and summary["arms"]["b"]["minutes_to_target"] == [9.0, 9.0]
+    assert summary["arms"]["a"]["reached_target"] == "0/2"
     assert summary["arms"]["a"]["late_endings"] == {"submitted@1": 4} and summary["arms"]["a"]["late_mean_turns"] == {"submitted@1": 4.0}
