@@ -45,17 +45,24 @@ from lightning_agentrl.settings import load_settings  # noqa: E402
 COPY_KEY = "copy_key"  # warm start: benchmarks/warm_start.py:warm_start (read the key, write a random value)
 ROOMS = "rooms"  # warm start: benchmarks/warm_start.py:rooms_warm_start (random walks over the listed exits)
 
+# MLflow metrics each comparison's records carry per run (means over the run and over its last 10 steps):
+# the measurements that say why an arm won or did not (see run_diagnostics).
+GIGPO_METRICS = ["gigpo/mean_anchor_group_size", "gigpo/anchor_hit_rate", "gigpo/num_anchor_groups"]
+CRITIC_METRICS = ["value/explained_variance", "loss/value"]
+STALENESS_METRICS = ["staleness/mean_lag", "staleness/weight_mean", "policy/is_weight_mean", "policy/is_weight_max"]
+COMMON_METRICS = ["policy/entropy", "policy/approx_kl", "policy/grad_norm"]
+
 COMPARISONS: dict[str, dict] = {
     "gigpo": {
         "question": "GRPO vs GiGPO (anchor states repeat: every episode that read key.txt is in the same state)",
         "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo": ["--algorithm.advantage=gigpo"]},
-        "warm": COPY_KEY, "detour_prob": 0.0,
+        "diagnostics": GIGPO_METRICS, "warm": COPY_KEY, "detour_prob": 0.0,
     },
     "gigpo_detour": {
         "question": "GRPO vs GiGPO where one state is reached by different paths (the warm start runs ls "
         "between the read and the write in half of its demos, so anchor groups span episodes at different turns)",
         "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo": ["--algorithm.advantage=gigpo"]},
-        "warm": COPY_KEY, "detour_prob": 0.5,
+        "diagnostics": GIGPO_METRICS, "warm": COPY_KEY, "detour_prob": 0.5,
     },
     "mask": {
         "question": "loss mask on vs off (off: observations after the first action are trained on too)",
@@ -73,7 +80,7 @@ COMPARISONS: dict[str, dict] = {
         "question": "GRPO vs GiGPO (exact anchors) in a maze of rooms reached by different paths, with dead ends",
         "config": "configs/credit_gigpo.yaml",
         "arms": {"grpo": ["--algorithm.advantage=grpo"], "gigpo": ["--algorithm.advantage=gigpo"]},
-        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+        "diagnostics": GIGPO_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
     "rooms_similarity": {
         "question": "the same maze where every observation carries a clock (the turns spent): GiGPO with exact "
@@ -82,7 +89,7 @@ COMPARISONS: dict[str, dict] = {
         "common": ["--env.tasks=tasks/rooms/maze_noise.jsonl"],
         "arms": {"gigpo exact": ["--algorithm.advantage=gigpo"],
                  "gigpo similarity": ["--algorithm.advantage=gigpo", "--algorithm.gigpo_similarity=0.93"]},
-        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+        "diagnostics": GIGPO_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
     "rooms_truncation": {
         "question": "truncated episodes scored 0 vs compact filtering where the goal takes more turns than a cheap "
@@ -99,7 +106,7 @@ COMPARISONS: dict[str, dict] = {
                  "gae": ["--algorithm.advantage=gae", "--model.value_head=true"]},
         # the value head's loss shares the trunk and the gradient clip: the middle arm trains it without using it
         "pairs": [("grpo", "gae"), ("grpo + value head", "gae")],
-        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+        "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
     "rooms_staleness": {
         "question": "staleness weighting (exp, rate 0.5) vs none, with partial rollouts, at max_staleness 2 and 4",
@@ -107,7 +114,7 @@ COMPARISONS: dict[str, dict] = {
         "arms": {f"bound {k} {name}": [f"--rollout.max_staleness={k}", f"--algorithm.staleness_weighting={kind}"]
                  for k in (2, 4) for name, kind in (("none", "none"), ("weighted", "exp"))},
         "pairs": [("bound 2 none", "bound 2 weighted"), ("bound 4 none", "bound 4 weighted")],
-        "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+        "diagnostics": STALENESS_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
 }
 
@@ -136,6 +143,39 @@ def episode_stats(run_dir: Path, last_steps: int = 10) -> dict:
             "late_endings": {e: sum(turns.values()) for e, turns in sorted(endings.items())},
             "late_turns": {e: dict(sorted(turns.items())) for e, turns in sorted(endings.items())},
             "late_mean_reward": statistics.fmean(t.reward for t in late) if late else 0.0}
+
+
+def run_diagnostics(run_dir: Path, keys: list[str], last_steps: int = 10) -> dict[str, dict[str, float]]:
+    """Per MLflow metric of ``keys`` the run logged: ``{"mean": over its steps, "late": over its last
+    ``last_steps`` steps, "max": its largest step value}``, read from the run's own store
+    (``<run_dir>/mlflow.db``, run id in ``mlflow_run_id.txt``). A metric the run did not log (a value
+    head's in a run without one) is left out; a run folder without a store gives ``{}``."""
+    id_file, store = run_dir / "mlflow_run_id.txt", run_dir / "mlflow.db"
+    if not id_file.exists() or not store.exists():
+        return {}
+    from mlflow.tracking import MlflowClient
+
+    client, run_id = MlflowClient(tracking_uri=f"sqlite:///{store.resolve()}"), id_file.read_text().strip()
+    out = {}
+    for key in keys:
+        values = [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+        if values:
+            out[key] = {"mean": statistics.fmean(values), "late": statistics.fmean(values[-last_steps:]),
+                        "max": max(values)}
+    return out
+
+
+def finished_run(run_dir: Path, spec: dict) -> dict | None:
+    """The record a finished run left in its folder (``compare_run.json``), None if it has not finished;
+    one written before records carried diagnostics gets them now from the run's MLflow store."""
+    path = run_dir / "compare_run.json"
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if "diagnostics" not in record:
+        record["diagnostics"] = run_diagnostics(run_dir, [*spec.get("diagnostics", []), *COMMON_METRICS])
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def warm_start_for(spec: dict, base, root: Path, args) -> dict:
@@ -170,8 +210,8 @@ def run_arm(config: str, spec: dict, arm: str, seed: int, root: Path, warm: dict
     (``compare_run.json``) so that a later call with the same ``--root`` reuses a finished run. A run
     folder left without one (a run that stopped) is continued from its last checkpoint."""
     run_dir = root / f"{arm.replace(' ', '_')}-seed{seed}"
-    if (run_dir / "compare_run.json").exists():
-        return json.loads((run_dir / "compare_run.json").read_text())
+    if (record := finished_run(run_dir, spec)) is not None:
+        return record
     overrides = [*spec.get("common", []), *args.overrides, *spec["arms"][arm]]
     resume = ["--run.resume=last"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
     settings = load_settings(config, [f"--run.dir={run_dir}", f"--run.seed={seed}", *overrides,
@@ -189,6 +229,7 @@ def run_arm(config: str, spec: dict, arm: str, seed: int, root: Path, warm: dict
         "curve": curve, "first_at_target": reached[0] if reached else None,
         "train_reward_per_step": [r["reward"] for r in train_rewards(run_dir)],
         **episode_stats(run_dir), "seconds": round(time.monotonic() - t0, 1),
+        "diagnostics": run_diagnostics(run_dir, [*spec.get("diagnostics", []), *COMMON_METRICS]),
         "episodes": result.global_step * settings.rollout.groups_per_step * settings.rollout.group_size,
     }
     (run_dir / "compare_run.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -228,6 +269,7 @@ def summarize(spec: dict, runs: list[dict], target: float = 0.5) -> dict:
             "late_endings": _sum_counts(r["late_endings"] for r in mine),
             "late_mean_turns": {e: sum(int(k) * v for k, v in t.items()) / sum(t.values())
                                 for e, t in _merge_turns(r["late_turns"] for r in mine).items()},
+            "diagnostics": _mean_diagnostics([r.get("diagnostics", {}) for r in mine]),
         }
     pairs = {}
     for a, b in spec.get("pairs", [(arms[0], arm) for arm in arms[1:]]):
@@ -237,6 +279,17 @@ def summarize(spec: dict, runs: list[dict], target: float = 0.5) -> dict:
         if diffs:
             pairs[f"{b} - {a}"] = {"per_seed": diffs, "wins": sum(d > 0 for d in diffs), **mean_std(diffs)}
     return {"arms": summary, "pairs": pairs}
+
+
+def _mean_diagnostics(tables: list[dict]) -> dict[str, dict[str, float]]:
+    """Each metric's run means and late means averaged over the runs that logged it, with their count."""
+    out = {}
+    for key in sorted({k for table in tables for k in table}):
+        logged = [table[key] for table in tables if key in table]
+        out[key] = {"mean": statistics.fmean(d["mean"] for d in logged),
+                    "late": statistics.fmean(d["late"] for d in logged),
+                    "max": max(d["max"] for d in logged), "runs": len(logged)}
+    return out
 
 
 def _sum_counts(tables) -> dict[str, int]:
@@ -336,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--arms: {args.name} has the arms {list(spec['arms'])}")
     for seed in args.seeds:
         for arm in arms:
-            finished = root / f"{arm.replace(' ', '_')}-seed{seed}" / "compare_run.json"
             if args.no_run:
-                runs += [json.loads(finished.read_text())] if finished.exists() else []
+                finished = finished_run(root / f"{arm.replace(' ', '_')}-seed{seed}", spec)
+                runs += [finished] if finished is not None else []
                 continue
             runs.append(run_arm(config, spec, arm, seed, root, warm, args))
             write_record(args, argv, spec, config, warm, runs, started, complete=False)  # a partial record

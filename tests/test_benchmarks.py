@@ -39,6 +39,20 @@ def test_compare_writes_both_arms_at_equal_budget(tmp_path):
         assert [p["step"] for p in summary["per_step"]] == [0, 1, 2]
     rows = (tmp_path / "compare_mask.md").read_text().splitlines()
     assert [row.split("|")[2].strip() for row in rows] == ["mask on", "mask off", "mask off - mask on (paired, per seed)"]
+    # each run carries its MLflow diagnostics: the values its own store holds, and the arm's mean of them
+    from mlflow.tracking import MlflowClient
+
+    for run in record["runs"]:
+        run_dir = Path(run["run_dir"])
+        client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
+        entropy = [m.value for m in client.get_metric_history((run_dir / "mlflow_run_id.txt").read_text().strip(),
+                                                                "policy/entropy")]
+        assert len(entropy) == 2 and run["diagnostics"]["policy/entropy"]["mean"] == sum(entropy) / 2
+        assert run["diagnostics"]["policy/entropy"]["max"] == max(entropy)
+    for arm, summary in record["summary"]["arms"].items():
+        means = [r["diagnostics"]["policy/entropy"]["mean"] for r in record["runs"] if r["arm"] == arm]
+        assert abs(summary["diagnostics"]["policy/entropy"]["mean"] - sum(means) / 2) < 1e-12
+        assert summary["diagnostics"]["policy/entropy"]["runs"] == 2
 
 
 def test_a_rooms_comparison_pairs_arms_by_seed_and_resumes_from_its_finished_runs(tmp_path):
@@ -72,6 +86,13 @@ def test_a_rooms_comparison_pairs_arms_by_seed_and_resumes_from_its_finished_run
     partial = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
     assert partial["runs"] == record["runs"] and partial["seeds"] == [1, 2] and not partial["complete"]
     assert not list((tmp_path / "runs").glob("*seed2"))
+    # a run recorded before records carried diagnostics gets them from its MLflow store
+    old = tmp_path / "runs" / "reward_0-seed1" / "compare_run.json"
+    kept = json.loads(old.read_text())
+    assert set(kept["diagnostics"]) >= {"policy/entropy", "policy/grad_norm"}
+    old.write_text(json.dumps({k: v for k, v in kept.items() if k != "diagnostics"}))
+    run_benchmark(*argv[:own], "--no-run", *argv[own:])
+    assert json.loads(old.read_text()) == kept
 
 
 def test_learn_writes_the_record_and_the_figure(tmp_path):
