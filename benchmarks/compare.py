@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shlex
 import statistics
 import sys
@@ -147,34 +149,58 @@ def episode_stats(run_dir: Path, last_steps: int = 10) -> dict:
 
 def run_diagnostics(run_dir: Path, keys: list[str], last_steps: int = 10) -> dict[str, dict[str, float]]:
     """Per MLflow metric of ``keys`` the run logged: ``{"mean": over its steps, "late": over its last
-    ``last_steps`` steps, "max": its largest step value}``, read from the run's own store
-    (``<run_dir>/mlflow.db``, run id in ``mlflow_run_id.txt``). A metric the run did not log (a value
-    head's in a run without one) is left out; a run folder without a store gives ``{}``."""
+    ``last_steps`` steps, "max": its largest step value, "nan_steps": steps whose value was NaN}``, read
+    from the run's own store (``<run_dir>/mlflow.db``, run id in ``mlflow_run_id.txt``). One value per
+    step (the latest logged: a resumed run logs its replayed steps again); NaN steps (an explained
+    variance of returns without variance) are left out of the statistics and counted. A metric the run
+    did not log (a value head's in a run without one) is left out; a run folder without a store gives
+    ``{}``; a store whose run is not this folder's is an error."""
     id_file, store = run_dir / "mlflow_run_id.txt", run_dir / "mlflow.db"
     if not id_file.exists() or not store.exists():
         return {}
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     client, run_id = MlflowClient(tracking_uri=f"sqlite:///{store.resolve()}"), id_file.read_text().strip()
+    try:
+        name = client.get_run(run_id).info.run_name
+    except MlflowException as exc:
+        raise SystemExit(f"error: {store} has no run {run_id!r} (from {id_file}): {exc}") from None
+    if name != run_dir.name:
+        raise SystemExit(f"error: {store} holds the run {name!r}, not this folder's ({run_dir.name!r})")
     out = {}
     for key in keys:
-        values = [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
-        if values:
-            out[key] = {"mean": statistics.fmean(values), "late": statistics.fmean(values[-last_steps:]),
-                        "max": max(values)}
+        per_step = {m.step: m.value for m in sorted(client.get_metric_history(run_id, key),
+                                                    key=lambda m: (m.step, m.timestamp))}
+        if not per_step:
+            continue
+        last = max(per_step)
+        values = [v for v in per_step.values() if not math.isnan(v)]
+        late = [v for step, v in per_step.items() if step > last - last_steps and not math.isnan(v)]
+        out[key] = {"mean": statistics.fmean(values) if values else None,
+                    "late": statistics.fmean(late) if late else None,
+                    "max": max(values) if values else None,
+                    "nan_steps": len(per_step) - len(values)}
     return out
+
+
+def write_json(path: Path, record: dict) -> None:
+    """``record`` as JSON, replacing ``path`` in one step (a write cut short leaves the old file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def finished_run(run_dir: Path, spec: dict) -> dict | None:
     """The record a finished run left in its folder (``compare_run.json``), None if it has not finished;
-    one written before records carried diagnostics gets them now from the run's MLflow store."""
+    one written before records carried diagnostics gets them from the run's MLflow store, in memory
+    (the run folder is only read)."""
     path = run_dir / "compare_run.json"
     if not path.exists():
         return None
     record = json.loads(path.read_text())
     if "diagnostics" not in record:
         record["diagnostics"] = run_diagnostics(run_dir, [*spec.get("diagnostics", []), *COMMON_METRICS])
-        path.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
@@ -232,7 +258,7 @@ def run_arm(config: str, spec: dict, arm: str, seed: int, root: Path, warm: dict
         "diagnostics": run_diagnostics(run_dir, [*spec.get("diagnostics", []), *COMMON_METRICS]),
         "episodes": result.global_step * settings.rollout.groups_per_step * settings.rollout.group_size,
     }
-    (run_dir / "compare_run.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_json(run_dir / "compare_run.json", record)
     return record
 
 
@@ -282,13 +308,16 @@ def summarize(spec: dict, runs: list[dict], target: float = 0.5) -> dict:
 
 
 def _mean_diagnostics(tables: list[dict]) -> dict[str, dict[str, float]]:
-    """Each metric's run means and late means averaged over the runs that logged it, with their count."""
+    """Each metric's run means and late means averaged over the runs that logged it (a number), with their
+    count."""
     out = {}
     for key in sorted({k for table in tables for k in table}):
-        logged = [table[key] for table in tables if key in table]
-        out[key] = {"mean": statistics.fmean(d["mean"] for d in logged),
-                    "late": statistics.fmean(d["late"] for d in logged),
-                    "max": max(d["max"] for d in logged), "runs": len(logged)}
+        logged = [table[key] for table in tables if key in table and table[key]["mean"] is not None]
+        if logged:  # a run whose steps were all NaN has no mean to add
+            lates = [d["late"] for d in logged if d["late"] is not None]
+            out[key] = {"mean": statistics.fmean(d["mean"] for d in logged),
+                        "late": statistics.fmean(lates) if lates else None,
+                        "max": max(d["max"] for d in logged), "runs": len(logged)}
     return out
 
 

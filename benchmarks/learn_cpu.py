@@ -84,6 +84,30 @@ def train_rewards(run_dir: Path) -> list[dict]:
     return rows
 
 
+def stage_timings(tracking_uri: str, run_id: str, eval_every: int) -> dict:
+    """Where a step's time went: the mean of each ``time/*`` metric (:mod:`~lightning_agentrl.callbacks.
+    stage_timings`) over the steps that neither ran an evaluation (a multiple of ``eval_every``, whose
+    ``time/step_s`` holds it) nor followed one (its rollouts were made during the evaluation), and
+    ``evaluation_s``: the mean ``time/step_s`` of the evaluating steps less that of the others."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    keys = [m for m in client.get_run(run_id).data.metrics if m.startswith("time/")]
+    plain: dict[str, float] = {}
+    evaluating: list[float] = []
+    for key in sorted(keys):
+        per_step = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        kept = [v for step, v in per_step.items() if step % eval_every not in (0, 1)]
+        if kept:
+            plain[key] = round(sum(kept) / len(kept), 3)
+        if key == "time/step_s":
+            evaluating = [v for step, v in per_step.items() if step % eval_every == 0 and step > 0]
+    out = {"steps_without_evaluation": plain}
+    if evaluating and "time/step_s" in plain:
+        out["evaluation_s"] = round(sum(evaluating) / len(evaluating) - plain["time/step_s"], 2)
+    return out
+
+
 def run_with_evaluation(settings: Settings, *, every: int, samples_per_task: int, seed: int):
     """``fit`` with held-out evaluation; returns (FitResult, evaluation history)."""
     from lightning_agentrl.train import fit
@@ -188,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         "target": args.target,
         "first_at_target": reached[0] if reached else None,
         "run_dir": str(run_dir),
+        "stage_timings": (stage_timings(result.tracking_uri, result.mlflow_run_id, args.eval_every)
+                          if result.mlflow_run_id is not None else None),
         "copy_probe": {"warm_start": copy_probe(warm["path"], settings.env.system_prompt),
                        "final": copy_probe(result.policy_dir, settings.env.system_prompt)},
     }

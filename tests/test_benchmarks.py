@@ -86,29 +86,77 @@ def test_a_rooms_comparison_pairs_arms_by_seed_and_resumes_from_its_finished_run
     partial = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
     assert partial["runs"] == record["runs"] and partial["seeds"] == [1, 2] and not partial["complete"]
     assert not list((tmp_path / "runs").glob("*seed2"))
-    # a run recorded before records carried diagnostics gets them from its MLflow store
+    # a run recorded before records carried diagnostics gets them from its MLflow store; --no-run only reads
     old = tmp_path / "runs" / "reward_0-seed1" / "compare_run.json"
     kept = json.loads(old.read_text())
     assert set(kept["diagnostics"]) >= {"policy/entropy", "policy/grad_norm"}
-    old.write_text(json.dumps({k: v for k, v in kept.items() if k != "diagnostics"}))
+    stripped = json.dumps({k: v for k, v in kept.items() if k != "diagnostics"})
+    old.write_text(stripped)
     run_benchmark(*argv[:own], "--no-run", *argv[own:])
-    assert json.loads(old.read_text()) == kept
+    assert old.read_text() == stripped
+    rewritten = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
+    assert [r["diagnostics"] for r in rewritten["runs"]] == [r["diagnostics"] for r in record["runs"]]
+    # a store that is another run's is refused, naming both
+    other = tmp_path / "runs" / "compact_filter-seed1"
+    (other / "mlflow_run_id.txt").write_text((old.parent / "mlflow_run_id.txt").read_text())
+    (other / "mlflow.db").write_bytes((old.parent / "mlflow.db").read_bytes())
+    (other / "compare_run.json").write_text(json.dumps({k: v for k, v in json.loads(
+        (other / "compare_run.json").read_text()).items() if k != "diagnostics"}))
+    done = subprocess.run([sys.executable, *argv[:own], "--no-run", *argv[own:]], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode != 0 and "holds the run 'reward_0-seed1', not this folder's ('compact_filter-seed1')" in (
+        done.stderr)
+
+
+def test_run_diagnostics_take_one_value_per_step_and_leave_nan_steps_out(tmp_path):
+    """A resumed run logs its replayed steps again (the latest counts); NaN steps are counted, not averaged."""
+    from mlflow.tracking import MlflowClient
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from compare import run_diagnostics
+
+    run_dir = tmp_path / "arm-seed0"
+    run_dir.mkdir()
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("e"), run_name=run_dir.name)
+    (run_dir / "mlflow_run_id.txt").write_text(run.info.run_id)
+    for step in range(12):
+        client.log_metric(run.info.run_id, "m", float(step), step=step, timestamp=1000 + step)
+    for step in (10, 11):  # replayed after a resume: these values replace the first ones
+        client.log_metric(run.info.run_id, "m", 100.0, step=step, timestamp=2000 + step)
+    client.log_metric(run.info.run_id, "m", float("nan"), step=12, timestamp=3000)
+    got = run_diagnostics(run_dir, ["m", "never logged"])
+    assert set(got) == {"m"} and got["m"]["nan_steps"] == 1 and got["m"]["max"] == 100.0
+    assert got["m"]["mean"] == (sum(range(10)) + 200.0) / 12
+    assert got["m"]["late"] == (sum(range(3, 10)) + 200.0) / 9  # steps 3..12, step 12 NaN
+    assert run_diagnostics(tmp_path, ["m"]) == {}  # no store: nothing to read
 
 
 def test_learn_writes_the_record_and_the_figure(tmp_path):
     out = tmp_path / "learn.json"
     run_benchmark("benchmarks/learn_cpu.py", "--run-dir", str(tmp_path / "run"), "--out", str(out),
-                  "--warm-start-steps", "2", "--eval-every", "1", "--eval-samples", "1", "--target", "0.0", "--", *TINY)
+                  "--warm-start-steps", "2", "--eval-every", "3", "--eval-samples", "1", "--target", "0.0", "--",
+                  *TINY[1:], "--trainer.max_steps=4")
     record = json.loads(out.read_text())
     history = record["success_per_step"]
-    assert [h["step"] for h in history] == [0, 1, 2]
+    assert [h["step"] for h in history] == [0, 3, 4]
+    # stage timings: step 2 alone neither evaluated (3) nor followed an evaluation (1 after the baseline, 4)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    run_id = (tmp_path / "run" / "mlflow_run_id.txt").read_text().strip()
+    step_s = {m.step: m.value for m in client.get_metric_history(run_id, "time/step_s")}
+    timings = record["stage_timings"]
+    assert timings["steps_without_evaluation"]["time/step_s"] == round(step_s[2], 3)
+    assert timings["evaluation_s"] == round(step_s[3] - round(step_s[2], 3), 2)
+    assert {"time/wait_rollouts_s", "time/scoring_s", "time/forward_backward_s"} <= set(timings["steps_without_evaluation"])
     assert record["baseline_success"] == history[0]["success"] and record["final_success"] == history[-1]["success"]
     assert all(h["episodes"] == 20 for h in history)  # 20 held-out tasks x 1 sample
     minutes = [h["minutes"] for h in history]
     assert minutes == sorted(minutes) and 0 < minutes[-1] <= record["wall_time_s"] / 60
     assert record["first_at_target"] == history[0]  # target 0: the baseline already reaches it
     assert record["seed"] == 0 and "benchmarks/learn_cpu.py" in record["command"]
-    assert len(record["train_reward_per_step"]) == 2
+    assert len(record["train_reward_per_step"]) == 4
     assert out.with_suffix(".png").stat().st_size > 0
 
 
