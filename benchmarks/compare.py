@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from learn_cpu import run_with_evaluation, train_rewards, warm_started_model  # noqa: E402
+from learn_cpu import metric_per_step, run_with_evaluation, train_rewards, warm_started_model  # noqa: E402
 
 from lightning_agentrl.settings import load_settings  # noqa: E402
 
@@ -170,8 +170,7 @@ def run_diagnostics(run_dir: Path, keys: list[str], last_steps: int = 10) -> dic
         raise SystemExit(f"error: {store} holds the run {name!r}, not this folder's ({run_dir.name!r})")
     out = {}
     for key in keys:
-        per_step = {m.step: m.value for m in sorted(client.get_metric_history(run_id, key),
-                                                    key=lambda m: (m.step, m.timestamp))}
+        per_step = metric_per_step(client, run_id, key)
         if not per_step:
             continue
         last = max(per_step)
@@ -182,6 +181,11 @@ def run_diagnostics(run_dir: Path, keys: list[str], last_steps: int = 10) -> dic
                     "max": max(values) if values else None,
                     "nan_steps": len(per_step) - len(values)}
     return out
+
+
+def diagnostic_keys(spec: dict) -> list[str]:
+    """The MLflow metrics a comparison's run records carry: its own, then the common ones."""
+    return [*spec.get("diagnostics", []), *COMMON_METRICS]
 
 
 def write_json(path: Path, record: dict) -> None:
@@ -200,7 +204,7 @@ def finished_run(run_dir: Path, spec: dict) -> dict | None:
         return None
     record = json.loads(path.read_text())
     if "diagnostics" not in record:
-        record["diagnostics"] = run_diagnostics(run_dir, [*spec.get("diagnostics", []), *COMMON_METRICS])
+        record["diagnostics"] = run_diagnostics(run_dir, diagnostic_keys(spec))
     return record
 
 
@@ -255,7 +259,7 @@ def run_arm(config: str, spec: dict, arm: str, seed: int, root: Path, warm: dict
         "curve": curve, "first_at_target": reached[0] if reached else None,
         "train_reward_per_step": [r["reward"] for r in train_rewards(run_dir)],
         **episode_stats(run_dir), "seconds": round(time.monotonic() - t0, 1),
-        "diagnostics": run_diagnostics(run_dir, [*spec.get("diagnostics", []), *COMMON_METRICS]),
+        "diagnostics": run_diagnostics(run_dir, diagnostic_keys(spec)),
         "episodes": result.global_step * settings.rollout.groups_per_step * settings.rollout.group_size,
     }
     write_json(run_dir / "compare_run.json", record)

@@ -84,6 +84,13 @@ def train_rewards(run_dir: Path) -> list[dict]:
     return rows
 
 
+def metric_per_step(client, run_id: str, key: str) -> dict[int, float]:
+    """A run's MLflow metric as ``{step: value}``, the latest value where a step was logged twice (a
+    resumed run logs its replayed steps again)."""
+    history = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+    return {m.step: m.value for m in history}
+
+
 def stage_timings(tracking_uri: str, run_id: str, eval_every: int) -> dict:
     """Where a step's time went: the mean of each ``time/*`` metric (:mod:`~lightning_agentrl.callbacks.
     stage_timings`) over the steps that neither ran an evaluation (a multiple of ``eval_every``, whose
@@ -96,7 +103,7 @@ def stage_timings(tracking_uri: str, run_id: str, eval_every: int) -> dict:
     plain: dict[str, float] = {}
     evaluating: list[float] = []
     for key in sorted(keys):
-        per_step = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        per_step = metric_per_step(client, run_id, key)
         kept = [v for step, v in per_step.items() if step % eval_every not in (0, 1)]
         if kept:
             plain[key] = round(sum(kept) / len(kept), 3)
