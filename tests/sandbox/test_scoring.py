@@ -147,8 +147,37 @@ print("same wire format")
 
 def test_the_judge_and_the_peer_read_each_others_standard_values():
     """score_runner and score_peer are separate single-file programs on either side of the trust
-    boundary (each runs as ``python -I -B -c SOURCE``, standard library only), so each writes its own
+    boundary (each runs as ``python -I -S -B -c SOURCE``, standard library only), so each writes its own
     copy of the wire format for standard values; this keeps the two copies from drifting apart."""
     done = subprocess.run([sys.executable, "-c", _WIRE_CHECK], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0 and "same wire format" in done.stdout, done.stderr[-2000:]
+
+
+_SITE_CHECK = """
+import runpy, sys
+runpy.run_path(sys.argv[1], run_name="source")["add_site_packages"]()
+print("\\n".join(sys.path))
+"""
+
+
+@pytest.mark.parametrize("source", ["score_runner.py", "score_peer.py"])
+def test_judge_and_peer_put_the_interpreters_site_packages_on_their_path_without_site(source):
+    """Both run as ``python -S`` (no .pth start-up) and add site-packages themselves: the same folders
+    ``site`` gives this interpreter (a virtual environment's, found from its pyvenv.cfg)."""
+    import site
+
+    path = Path(__file__).resolve().parents[2] / "sandbox_client" / source
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", _SITE_CHECK, str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    assert expected and set(expected) <= set(done.stdout.splitlines())
+
+
+def test_the_agents_code_and_the_hidden_tests_import_installed_packages(server):
+    """The peer (the agent's modules) and the judge (pytest, the hidden tests) find installed packages."""
+    uses_installed = "import packaging.version\n\n" + FIXED.replace("to_int(d)", "to_int(str(packaging.version.Version(d)))")
+    result, _, _ = _score(server, {"utils.py": uses_installed, "helpers.py": "def to_int(x):\n    return int(x)\n"},
+                          required_passed=1)
+    assert (result.reward, result.passed) == (1.0, True), result.output
