@@ -9,8 +9,9 @@
    message to note.txt), standing in for the copying a pretrained model can already do.
 2. GRPO with ``configs/learn_cpu.yaml`` through the real stack (sandbox service on loopback, torch
    engine, Lightning, MLflow), starting from the warm-started weights.
-3. Held-out evaluation (:class:`HeldOutEvaluation`) on the ``test`` split before RL (the baseline),
-   every few steps, and at the end.
+3. Held-out evaluation on the ``test`` split of the policy saved every few steps (the warm start's
+   is the baseline), after training: ``minutes`` is the training time at which each policy was saved
+   (the warm start included), and no evaluation runs inside it.
 
 Writes ``benchmarks/results/learn_cpu.json`` (command, seed, wall times, success per step, training
 reward per step, ``baseline_success``, ``final_success``) and ``learn_cpu.png`` (success vs step),
@@ -25,6 +26,9 @@ import shlex
 import sys
 import time
 from pathlib import Path
+
+import lightning as L
+from typing_extensions import override
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -91,28 +95,71 @@ def metric_per_step(client, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in history}
 
 
-def stage_timings(tracking_uri: str, run_id: str, eval_every: int) -> dict:
+def stage_timings(tracking_uri: str, run_id: str) -> dict:
     """Where a step's time went: the mean of each ``time/*`` metric (:mod:`~lightning_agentrl.callbacks.
-    stage_timings`) over the steps that neither ran an evaluation (a multiple of ``eval_every``, whose
-    ``time/step_s`` holds it) nor followed one (its rollouts were made during the evaluation), and
-    ``evaluation_s``: the mean ``time/step_s`` of the evaluating steps less that of the others."""
+    stage_timings`) over the steps after the first (whose rollouts wait for the engine's start)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
     keys = [m for m in client.get_run(run_id).data.metrics if m.startswith("time/")]
-    plain: dict[str, float] = {}
-    evaluating: list[float] = []
+    timings: dict[str, float] = {}
     for key in sorted(keys):
-        per_step = metric_per_step(client, run_id, key)
-        kept = [v for step, v in per_step.items() if step % eval_every not in (0, 1)]
+        kept = [v for step, v in metric_per_step(client, run_id, key).items() if step > 1]
         if kept:
-            plain[key] = round(sum(kept) / len(kept), 3)
-        if key == "time/step_s":
-            evaluating = [v for step, v in per_step.items() if step % eval_every == 0 and step > 0]
-    out = {"steps_without_evaluation": plain}
-    if evaluating and "time/step_s" in plain:
-        out["evaluation_s"] = round(sum(evaluating) / len(evaluating) - plain["time/step_s"], 2)
-    return out
+            timings[key] = round(sum(kept) / len(kept), 3)
+    return timings
+
+
+class PolicySnapshots(L.Callback):
+    """Saves the policy every ``every`` optimizer steps and after the last, each with its training time
+    in ``seconds``: ``offset_s`` (the warm start's) plus the time since ``started`` (``time.monotonic()``
+    before ``fit``). Held-out success is measured after the run (:func:`evaluate_snapshots`), so no
+    evaluation's time counts as training time."""
+
+    def __init__(self, directory: Path, every: int, tokenizer, *, started: float, offset_s: float) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.directory, self.every, self.tokenizer = Path(directory), every, tokenizer
+        self.started, self.offset_s = started, offset_s
+        self.saved: list[dict] = []  # {"step", "path", "seconds"}, in step order
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step % self.every == 0:
+            self._save(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.saved or self.saved[-1]["step"] != trainer.global_step:
+            self._save(trainer, pl_module)
+
+    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_agentrl.callbacks.export_policy import save_policy
+        from lightning_agentrl.strategies import gather_full_state_dict
+
+        path = self.directory / f"step_{trainer.global_step:06d}"
+        save_policy(pl_module.policy.config, gather_full_state_dict(pl_module.policy), path, self.tokenizer)
+        self.saved.append({"step": trainer.global_step, "path": str(path), "seconds": self.offset_s + time.monotonic() - self.started})
+
+
+def evaluate_snapshots(snapshots: list[dict], *, config: str, overrides: list[str], samples_per_task: int,
+                       seed: int) -> list[dict]:
+    """Held-out success of each saved policy (``python -m lightning_agentrl evaluate``), one entry per
+    snapshot: its step, :func:`~lightning_agentrl.callbacks.evaluation.score_episodes`'s scores and
+    ``minutes``, the training time (warm start included) at which the policy was saved."""
+    import tempfile
+
+    from lightning_agentrl.evaluate import evaluate_policy
+
+    history = []
+    for snapshot in snapshots:
+        with tempfile.TemporaryDirectory(prefix="learn-eval-") as folder:
+            scores = evaluate_policy(snapshot["path"], split="test", samples=samples_per_task, config=Path(config),
+                                     overrides=[*overrides, f"--run.seed={seed}"], out=folder)
+        keep = ("success", "solved", "pass_at_k", "submitted_frac", "episodes", "infra_errors")
+        history.append({"step": snapshot["step"], **{k: scores[k] for k in keep},
+                        "minutes": round(snapshot["seconds"] / 60, 2)})
+    return history
 
 
 def run_with_evaluation(settings: Settings, *, every: int, samples_per_task: int, seed: int):
@@ -124,6 +171,24 @@ def run_with_evaluation(settings: Settings, *, every: int, samples_per_task: int
     )
     result = fit(settings, callbacks=[evaluation])
     return result, evaluation.history
+
+
+def run_with_snapshots(settings: Settings, warm: dict, directory: Path, *, every: int, config: str,
+                       overrides: list[str], samples_per_task: int, seed: int):
+    """``fit`` saving the policy every ``every`` steps, then the held-out evaluation of each saved
+    policy (the warm start's as step 0, at the warm start's own seconds, also when it was reused);
+    returns (FitResult, evaluation history)."""
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.train import fit
+
+    tokenizer = AutoTokenizer.from_pretrained(warm["path"])
+    snapshots = PolicySnapshots(directory, every, tokenizer, started=time.monotonic(), offset_s=warm["seconds"])
+    result = fit(settings, callbacks=[snapshots])
+    warm_snapshot = {"step": 0, "path": warm["path"], "seconds": warm["seconds"]}
+    history = evaluate_snapshots([warm_snapshot, *snapshots.saved], config=config, overrides=overrides,
+                                 samples_per_task=samples_per_task, seed=seed)
+    return result, history
 
 
 def copy_probe(model_dir: str | Path, system_prompt: str | None) -> dict:
@@ -174,14 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="share of generic echo demonstrations in the warm start (see benchmarks/warm_start.py)")
     parser.add_argument("--value-in-loss", action=argparse.BooleanOptionalAction, default=True,
                         help="train the warm start on the (random) written value; --no-value-in-loss masks it out")
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=10,
+                        help="save the policy every N steps; each is evaluated on the held-out split after training")
     parser.add_argument("--eval-samples", type=int, default=4, help="episodes per held-out task per evaluation")
     parser.add_argument("--target", type=float, default=0.8, help="report the first evaluation at or above this")
     own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
     args.overrides = overrides  # settings overrides after --, e.g. --trainer.lr=2e-4
 
-    started, started_at = time.monotonic(), time.time()
+    started = time.monotonic()
     run_dir = Path(args.run_dir or f"runs/learn_cpu-{time.strftime('%Y%m%d-%H%M%S')}")
     base = load_settings(args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides])
     warm = warm_started_model(base, run_dir / "warm_start", steps=args.warm_start_steps, seed=args.seed,
@@ -190,12 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides, f"--model.path={warm['path']}"]
     )
     rl_started = time.monotonic()
-    result, history = run_with_evaluation(
-        settings, every=args.eval_every, samples_per_task=args.eval_samples, seed=args.seed
-    )
+    result, history = run_with_snapshots(settings, warm, run_dir / "snapshots", every=args.eval_every,
+                                         config=args.config, overrides=args.overrides,
+                                         samples_per_task=args.eval_samples, seed=args.seed)
+    rl_wall = time.monotonic() - rl_started
     wall = time.monotonic() - started
-    for entry in history:  # minutes since the benchmark started (warm start included)
-        entry["minutes"] = round((entry.pop("time") - started_at) / 60, 2)
     reached = [entry for entry in history if entry["success"] >= args.target]
     rewards = train_rewards(run_dir)
     chance = LearnSuiteSpec().chance
@@ -208,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings_overrides": args.overrides,
         "wall_time_s": round(wall, 1),
         "warm_start": warm,
-        "rl_wall_time_s": round(time.monotonic() - rl_started, 1),
+        "rl_wall_time_s": round(rl_wall, 1),  # training and the evaluations after it
         "steps": result.global_step,
         "chance": chance,
         "eval_episodes": history[-1]["episodes"] if history else 0,
@@ -219,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "target": args.target,
         "first_at_target": reached[0] if reached else None,
         "run_dir": str(run_dir),
-        "stage_timings": (stage_timings(result.tracking_uri, result.mlflow_run_id, args.eval_every)
+        "stage_timings": (stage_timings(result.tracking_uri, result.mlflow_run_id)
                           if result.mlflow_run_id is not None else None),
         "copy_probe": {"warm_start": copy_probe(warm["path"], settings.env.system_prompt),
                        "final": copy_probe(result.policy_dir, settings.env.system_prompt)},
@@ -239,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
           f"in {wall / 60:.1f} min; wrote {out} and {png}")
     if reached:
         print(f"first held-out success >= {args.target}: {reached[0]['success']:.3f} at step {reached[0]['step']}, "
-              f"{reached[0]['minutes']:.1f} min after the start")
+              f"{reached[0]['minutes']:.1f} min of training (warm start included)")
     return 0
 
 
