@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(record, indent=2) + "\n")
     png = out.with_suffix(".png")
     plot(history, rewards, chance, png,
-         f"copy-the-key, tiny model, GRPO on CPU ({record['wall_time_s'] / 60:.1f} min incl. warm start)")
+         f"copy-the-key, tiny model, GRPO on CPU ({history[-1]['minutes']:.1f} min of training, warm start incl.)")
     if result.mlflow_run_id is not None:
         from mlflow.tracking import MlflowClient
 
