@@ -53,6 +53,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/peer_trl.py
 	$(PY) benchmarks/logprob_memory_bench.py
 	$(PY) benchmarks/sandbox_bench.py
+	$(PY) benchmarks/scoring_bench.py
 	$(PY) benchmarks/engine_compare.py
 	$(PY) benchmarks/sampling_bench.py
 	$(PY) benchmarks/packed_attention_bench.py

@@ -329,3 +329,15 @@ def test_peer_project_side_overrides_reach_its_settings_and_the_summary():
     assert overrides[-1] == "--rollout.max_staleness=1"  # after the shared shape: it wins
     record = {**_peer_record([(0.1, 1.0), (0.1, 1.0)], threads=(2, 2)), "project_set": args.project_set}
     assert summary_line(record).endswith("project side with rollout.max_staleness=1")
+
+
+def test_scoring_benchmark_times_both_start_ups_of_a_solved_task(tmp_path):
+    out = tmp_path / "scoring.json"
+    run_benchmark("benchmarks/scoring_bench.py", "--rounds", "1", "--out", str(out))
+    record = json.loads(out.read_text())  # written only when every round scored the solved task 1
+    assert record["rounds"] == 1 and set(record["median_s"]) == {"without_site", "with_site"}
+    assert all(0 < v < 60 for v in record["median_s"].values())
+    assert record["saved_fraction"] == 1 - record["median_s"]["without_site"] / record["median_s"]["with_site"]
+    done = subprocess.run([sys.executable, "benchmarks/scoring_bench.py", "--rounds", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr

@@ -1,0 +1,98 @@
+"""The hidden check's cost: one ``score_submission`` of a solved copy-the-key task, end to end.
+
+    python benchmarks/scoring_bench.py [--rounds 30] [--out benchmarks/results/scoring.json]
+
+Each round scores the same submission twice, once as scoring runs (judge and peer start as
+``python -I -S``, :func:`~sandbox_client.score_runner.add_site_packages`) and once with the
+interpreter's ``site`` start-up (``python -I``: every installed package's ``.pth`` file runs), in
+alternating order, so both see the same load. A round is the fork of the agent's sandbox, the
+judge, the peer and their launcher under the service's isolation, and the delete; a round that
+does not score 1 stops the benchmark. Writes ``--out`` and prints one summary line; run it on an
+idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from lightning_agentrl.tasks import load_tasks  # noqa: E402
+from sandbox_client import SandboxClient, scoring  # noqa: E402
+from sandbox_server.launch import start_local_server  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "scoring.json"
+FLAVOURS = {
+    "without_site": (scoring.JUDGE_ARGV, scoring.PEER_ARGV),
+    "with_site": ([a for a in scoring.JUDGE_ARGV if a != "-S"], [a for a in scoring.PEER_ARGV if a != "-S"]),
+}
+
+
+async def _one(client: SandboxClient, task, sandbox_id: str, flavour: str) -> float:
+    scoring.JUDGE_ARGV, scoring.PEER_ARGV = FLAVOURS[flavour]
+    start = time.perf_counter()
+    result = await scoring.score_submission(
+        client, task_files=dict(task.files), hidden_files=dict(task.hidden_files), agent_sandbox_id=sandbox_id,
+        test_command=task.hidden_test_command, timeout_s=60, required_passed=task.hidden_test_count)
+    elapsed = time.perf_counter() - start
+    if result.reward != 1.0:
+        raise RuntimeError(f"{flavour}: the solved task scored {result.reward}: {result.output[-500:]}")
+    return elapsed
+
+
+async def measure(url: str, token: str, rounds: int) -> dict[str, list[float]]:
+    task = load_tasks(REPO / "tasks" / "learn", split="train")[0]
+    times: dict[str, list[float]] = {name: [] for name in FLAVOURS}
+    async with SandboxClient(url, token) as client:
+        sandbox_id = await client.create(dict(task.files))
+        await client.write_file(sandbox_id, "answer.txt", task.files["key.txt"])
+        for name in FLAVOURS:  # warm the page cache for both
+            await _one(client, task, sandbox_id, name)
+        for index in range(rounds):
+            order = list(FLAVOURS) if index % 2 == 0 else list(reversed(FLAVOURS))
+            for name in order:
+                times[name].append(await _one(client, task, sandbox_id, name))
+        await client.delete(sandbox_id)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    load_before = os.getloadavg()[0]  # not idle when this is near or above the core count
+    with start_local_server() as server:
+        backend = server.health()["isolation"]["backend"]
+        times = asyncio.run(measure(server.url, server.token, args.rounds))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    result = {
+        "command": " ".join(["python", "benchmarks/scoring_bench.py", *sys.argv[1:]]),
+        "task": "tasks/learn, first train task, solved",
+        "backend": backend,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "load_average_1m_before": load_before,
+        "median_s": medians,
+        "min_s": {name: min(values) for name, values in times.items()},
+        "saved_fraction": 1 - medians["without_site"] / medians["with_site"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"scoring ({backend}): median {medians['without_site'] * 1e3:.0f} ms as run (python -S) vs "
+          f"{medians['with_site'] * 1e3:.0f} ms with site's start-up ({result['saved_fraction']:.0%} less), "
+          f"{args.rounds} rounds, load {load_before:.1f} before")
+
+
+if __name__ == "__main__":
+    main()
