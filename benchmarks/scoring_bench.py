@@ -2,10 +2,10 @@
 
     python benchmarks/scoring_bench.py [--rounds 30] [--out benchmarks/results/scoring.json]
 
-Each round scores the same submission twice, once as scoring runs (judge and peer start as
-``python -I -S``, :func:`~sandbox_client.score_runner.add_site_packages`) and once with the
-interpreter's ``site`` start-up (``python -I``: every installed package's ``.pth`` file runs), in
-alternating order, so both see the same load. A round is the fork of the agent's sandbox, the
+Each round scores the same submission twice, once as scoring runs (the peer starts as
+``python -I -S``, :func:`~sandbox_client.score_peer.start_like_site`) and once with the peer's full
+``site`` start-up (``python -I``: every installed package's ``.pth`` file runs), in alternating
+order, so both see the same load. A round is the fork of the agent's sandbox, the
 judge, the peer and their launcher under the service's isolation, and the delete; a round that
 does not score 1 stops the benchmark. Writes ``--out`` and prints one summary line; run it on an
 idle machine.
@@ -32,7 +32,7 @@ from sandbox_server.launch import start_local_server  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results" / "scoring.json"
 FLAVOURS = {
     "without_site": (scoring.JUDGE_ARGV, scoring.PEER_ARGV),
-    "with_site": ([a for a in scoring.JUDGE_ARGV if a != "-S"], [a for a in scoring.PEER_ARGV if a != "-S"]),
+    "with_site": (scoring.JUDGE_ARGV, [a for a in scoring.PEER_ARGV if a != "-S"]),
 }
 
 
@@ -90,7 +90,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"scoring ({backend}): median {medians['without_site'] * 1e3:.0f} ms as run (python -S) vs "
-          f"{medians['with_site'] * 1e3:.0f} ms with site's start-up ({result['saved_fraction']:.0%} less), "
+          f"{medians['with_site'] * 1e3:.0f} ms with the peer's site start-up ({result['saved_fraction']:.0%} less), "
           f"{args.rounds} rounds, load {load_before:.1f} before")
 
 

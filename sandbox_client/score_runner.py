@@ -6,7 +6,7 @@ rewrite the report writer, read the test's expected values off the caller's fram
 object equal to everything. So the agent's code never runs here.
 
 The scorer starts two processes in the scoring sandbox with one exec (the server's
-``peer_command``): this judge (``python -I -S -B -c SOURCE``, :func:`add_site_packages`) as the sandbox's *judge uid*, and the
+``peer_command``): this judge (``python -I -B -c SOURCE``) as the sandbox's *judge uid*, and the
 peer (``score_peer``) as the sandbox's own uid, connected by three pipes. The judge:
 
 - reads its payload (nonce, hidden files, test command, deadline) from stdin and writes the hidden
@@ -533,32 +533,7 @@ class Judge:
         return text.decode("utf-8", errors="replace")
 
 
-def add_site_packages() -> None:
-    """Put the interpreter's site-packages on ``sys.path`` as ``site`` would, without its start-up.
-
-    This source runs as ``python -S``: ``site`` would also execute every installed package's ``.pth``
-    file (an editable install's import hook alone costs about 20 ms a process, twice per scoring).
-    A virtual environment is found as ``site`` finds it (``pyvenv.cfg`` beside or above the
-    executable); its ``include-system-site-packages`` adds the base interpreter's folders after it.
-    """
-    import site
-
-    prefixes = [sys.prefix]
-    for folder in (os.path.dirname(sys.executable), os.path.dirname(os.path.dirname(sys.executable))):
-        config = os.path.join(folder, "pyvenv.cfg")
-        if os.path.isfile(config):
-            with open(config, encoding="utf-8") as handle:
-                settings = dict(line.partition("=")[::2] for line in handle.read().splitlines())
-            system = {k.strip().lower(): v.strip().lower() for k, v in settings.items()}
-            prefixes = [folder, *([sys.prefix] if system.get("include-system-site-packages") == "true" else [])]
-            break
-    for path in site.getsitepackages(prefixes):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.append(path)
-
-
 def main() -> int:
-    add_site_packages()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, /proc/PID/mem or /proc/PID/fd for anyone else
     payload = json.loads(sys.stdin.buffer.readline())
