@@ -114,7 +114,9 @@ class PolicySnapshots(L.Callback):
     """Saves the policy every ``every`` optimizer steps and after the last, each with its training time
     in ``seconds``: ``offset_s`` (the warm start's) plus the time since ``started`` (``time.monotonic()``
     before ``fit``). Held-out success is measured after the run (:func:`evaluate_snapshots`), so no
-    evaluation's time counts as training time."""
+    evaluation's time counts as training time. A batch whose update was skipped (every episode
+    filtered) leaves ``global_step`` where it was and saves nothing. Not resumable: ``make learn``
+    times one uninterrupted run (``main`` refuses a run folder that already holds one)."""
 
     def __init__(self, directory: Path, every: int, tokenizer, *, started: float, offset_s: float) -> None:
         if every < 1:
@@ -130,23 +132,29 @@ class PolicySnapshots(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.saved or self.saved[-1]["step"] != trainer.global_step:
-            self._save(trainer, pl_module)
+        self._save(trainer, pl_module)
 
     def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning_agentrl.callbacks.export_policy import save_policy
         from lightning_agentrl.strategies import gather_full_state_dict
 
-        path = self.directory / f"step_{trainer.global_step:06d}"
-        save_policy(pl_module.policy.config, gather_full_state_dict(pl_module.policy), path, self.tokenizer)
-        self.saved.append({"step": trainer.global_step, "path": str(path), "seconds": self.offset_s + time.monotonic() - self.started})
+        step = trainer.global_step
+        if step == 0 or (self.saved and self.saved[-1]["step"] == step):  # step 0 is the warm start's
+            return
+        path = self.directory / f"step_{step:06d}"
+        weights = gather_full_state_dict(pl_module.policy)  # a collective under ZeRO-3: every rank
+        if trainer.is_global_zero:
+            save_policy(pl_module.policy.config, weights, path, self.tokenizer)
+        self.saved.append({"step": step, "path": str(path), "seconds": self.offset_s + time.monotonic() - self.started})
 
 
 def evaluate_snapshots(snapshots: list[dict], *, config: str, overrides: list[str], samples_per_task: int,
                        seed: int) -> list[dict]:
     """Held-out success of each saved policy (``python -m lightning_agentrl evaluate``), one entry per
     snapshot: its step, :func:`~lightning_agentrl.callbacks.evaluation.score_episodes`'s scores and
-    ``minutes``, the training time (warm start included) at which the policy was saved."""
+    ``minutes``, the training time (warm start included) at which the policy was saved. Every
+    snapshot is evaluated with the same ``run.seed`` (the same sampling streams for each episode),
+    so two steps differ by their weights only."""
     import tempfile
 
     from lightning_agentrl.evaluate import evaluate_policy
@@ -177,7 +185,7 @@ def run_with_snapshots(settings: Settings, warm: dict, directory: Path, *, every
                        overrides: list[str], samples_per_task: int, seed: int):
     """``fit`` saving the policy every ``every`` steps, then the held-out evaluation of each saved
     policy (the warm start's as step 0, at the warm start's own seconds, also when it was reused);
-    returns (FitResult, evaluation history)."""
+    returns (FitResult, evaluation history, training seconds: the warm start's plus fit's)."""
     from transformers import AutoTokenizer
 
     from lightning_agentrl.train import fit
@@ -185,10 +193,11 @@ def run_with_snapshots(settings: Settings, warm: dict, directory: Path, *, every
     tokenizer = AutoTokenizer.from_pretrained(warm["path"])
     snapshots = PolicySnapshots(directory, every, tokenizer, started=time.monotonic(), offset_s=warm["seconds"])
     result = fit(settings, callbacks=[snapshots])
+    training_s = warm["seconds"] + time.monotonic() - snapshots.started
     warm_snapshot = {"step": 0, "path": warm["path"], "seconds": warm["seconds"]}
     history = evaluate_snapshots([warm_snapshot, *snapshots.saved], config=config, overrides=overrides,
                                  samples_per_task=samples_per_task, seed=seed)
-    return result, history
+    return result, history, training_s
 
 
 def copy_probe(model_dir: str | Path, system_prompt: str | None) -> dict:
@@ -245,10 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.8, help="report the first evaluation at or above this")
     own, overrides = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
+    if args.eval_every < 1:
+        parser.error(f"--eval-every must be at least 1, got {args.eval_every}")
     args.overrides = overrides  # settings overrides after --, e.g. --trainer.lr=2e-4
 
     started = time.monotonic()
     run_dir = Path(args.run_dir or f"runs/learn_cpu-{time.strftime('%Y%m%d-%H%M%S')}")
+    held = [name for name in ("checkpoints", "snapshots", "settings.yaml") if (run_dir / name).exists()]
+    if held:
+        parser.error(f"{run_dir} already holds a run ({', '.join(held)}): make learn times one uninterrupted "
+                     "run from its start; give a new --run-dir (a finished warm_start/ in it is reused)")
     base = load_settings(args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides])
     warm = warm_started_model(base, run_dir / "warm_start", steps=args.warm_start_steps, seed=args.seed,
                               echo_prob=args.echo_prob, value_in_loss=args.value_in_loss)
@@ -256,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         args.config, [f"--run.dir={run_dir}", f"--run.seed={args.seed}", *args.overrides, f"--model.path={warm['path']}"]
     )
     rl_started = time.monotonic()
-    result, history = run_with_snapshots(settings, warm, run_dir / "snapshots", every=args.eval_every,
-                                         config=args.config, overrides=args.overrides,
-                                         samples_per_task=args.eval_samples, seed=args.seed)
+    result, history, training_s = run_with_snapshots(
+        settings, warm, run_dir / "snapshots", every=args.eval_every, config=args.config, overrides=args.overrides,
+        samples_per_task=args.eval_samples, seed=args.seed)
     rl_wall = time.monotonic() - rl_started
     wall = time.monotonic() - started
     reached = [entry for entry in history if entry["success"] >= args.target]
@@ -274,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_time_s": round(wall, 1),
         "warm_start": warm,
         "rl_wall_time_s": round(rl_wall, 1),  # training and the evaluations after it
+        "training_time_s": round(training_s, 1),  # the warm start's seconds and fit's; no evaluation
         "steps": result.global_step,
         "chance": chance,
         "eval_episodes": history[-1]["episodes"] if history else 0,
@@ -300,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         client.log_artifact(result.mlflow_run_id, str(png))
         client.log_artifact(result.mlflow_run_id, str(out))
         client.log_metric(result.mlflow_run_id, "learn/wall_time_s", wall)
+        for entry in history:  # as HeldOutEvaluation logs them during a run
+            for key in ("success", "solved", "pass_at_k", "submitted_frac", "infra_errors"):
+                client.log_metric(result.mlflow_run_id, f"eval/{key}", float(entry[key]), step=entry["step"])
     print(f"baseline {record['baseline_success']:.3f} -> final {record['final_success']:.3f} "
           f"in {wall / 60:.1f} min; wrote {out} and {png}")
     if reached:

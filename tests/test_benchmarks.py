@@ -151,8 +151,29 @@ def test_learn_writes_the_record_and_the_figure(tmp_path):
     later = [v for step, v in step_s.items() if step > 1]
     assert timings["time/step_s"] == round(sum(later) / len(later), 3)
     assert {"time/wait_rollouts_s", "time/scoring_s", "time/forward_backward_s"} <= set(timings)
-    # training minutes: the warm start's own time at step 0, then up to each save (no evaluation inside)
-    assert history[0]["minutes"] == round(record["warm_start"]["seconds"] / 60, 2)
+    # training minutes: the warm start's own time at step 0, then up to each save (no evaluation inside):
+    # at least the warm start and the steps before the save, at most the warm start and all of fit
+    warm_s, ordered = record["warm_start"]["seconds"], [step_s[step] for step in sorted(step_s)]
+    assert history[0]["minutes"] == round(warm_s / 60, 2)
+    assert warm_s + sum(ordered[:3]) - 0.6 <= history[1]["minutes"] * 60 <= history[2]["minutes"] * 60
+    assert warm_s + sum(ordered) - 0.6 <= history[2]["minutes"] * 60 <= record["training_time_s"] + 0.6
+    assert record["training_time_s"] <= warm_s + record["rl_wall_time_s"]
+    import torch
+    from safetensors.torch import load_file
+
+    last, final = load_file(str(tmp_path / "run" / "snapshots" / "step_000004" / "model.safetensors")), \
+        load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
+    assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in last)
+    eval_success = {m.step: m.value for m in client.get_metric_history(run_id, "eval/success")}
+    assert eval_success == {h["step"]: h["success"] for h in history}
+    # one uninterrupted run: a folder that holds one is refused before any work
+    again = subprocess.run([sys.executable, "benchmarks/learn_cpu.py", "--run-dir", str(tmp_path / "run"), "--out",
+                            str(tmp_path / "again.json"), "--", *TINY[1:]], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 2 and "already holds a run" in again.stderr and not (tmp_path / "again.json").exists()
+    bad = subprocess.run([sys.executable, "benchmarks/learn_cpu.py", "--eval-every", "0", "--run-dir",
+                          str(tmp_path / "fresh")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--eval-every must be at least 1" in bad.stderr and not (tmp_path / "fresh").exists()
     assert record["baseline_success"] == history[0]["success"] and record["final_success"] == history[-1]["success"]
     assert all(h["episodes"] == 20 for h in history)  # 20 held-out tasks x 1 sample
     minutes = [h["minutes"] for h in history]
@@ -341,3 +362,25 @@ def test_scoring_benchmark_times_both_start_ups_of_a_solved_task(tmp_path):
     done = subprocess.run([sys.executable, "benchmarks/scoring_bench.py", "--rounds", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
+
+
+def test_policy_snapshots_save_each_step_once_and_never_step_zero(tmp_path):
+    """A skipped update leaves global_step where it was: no second save of that step, and no save at
+    step 0 (the warm start is step 0); on_train_end adds the last step only when it is new."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.learn_cpu import PolicySnapshots
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    module = SimpleNamespace(policy=LlamaForCausalLM(config))
+    snapshots = PolicySnapshots(tmp_path, 2, None, started=0.0, offset_s=5.0)
+    for step in (0, 1, 2, 2, 3):  # a skipped first batch, then step 2 twice (a skipped update)
+        snapshots.on_train_batch_end(SimpleNamespace(global_step=step, is_global_zero=True), module, None, None, 0)
+    snapshots.on_train_end(SimpleNamespace(global_step=3, is_global_zero=True), module)
+    snapshots.on_train_end(SimpleNamespace(global_step=3, is_global_zero=True), module)
+    assert [s["step"] for s in snapshots.saved] == [2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
+    assert all(s["seconds"] > 5.0 for s in snapshots.saved)
