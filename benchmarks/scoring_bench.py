@@ -8,7 +8,7 @@ Each round scores the same submission twice, once as scoring runs (the peer star
 order, so both see the same load. A round is the fork of the agent's sandbox, the
 judge, the peer and their launcher under the service's isolation, and the delete; a round that
 does not score 1 stops the benchmark. Writes ``--out`` and prints one summary line; run it on an
-idle machine.
+idle machine (the CPU column counts every process on it).
 """
 
 from __future__ import annotations
@@ -36,21 +36,31 @@ FLAVOURS = {
 }
 
 
-async def _one(client: SandboxClient, task, sandbox_id: str, flavour: str) -> float:
+def _busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, every process: the scoring's
+    processes are not this one's children), from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
+async def _one(client: SandboxClient, task, sandbox_id: str, flavour: str) -> tuple[float, float]:
     scoring.JUDGE_ARGV, scoring.PEER_ARGV = FLAVOURS[flavour]
+    busy = _busy_s()
     start = time.perf_counter()
     result = await scoring.score_submission(
         client, task_files=dict(task.files), hidden_files=dict(task.hidden_files), agent_sandbox_id=sandbox_id,
         test_command=task.hidden_test_command, timeout_s=60, required_passed=task.hidden_test_count)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, _busy_s() - busy
     if result.reward != 1.0:
         raise RuntimeError(f"{flavour}: the solved task scored {result.reward}: {result.output[-500:]}")
-    return elapsed
+    return elapsed, cpu
 
 
-async def measure(url: str, token: str, rounds: int) -> dict[str, list[float]]:
+async def measure(url: str, token: str, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall seconds, machine CPU seconds) of each scoring, per flavour."""
     task = load_tasks(REPO / "tasks" / "learn", split="train")[0]
     times: dict[str, list[float]] = {name: [] for name in FLAVOURS}
+    cpu: dict[str, list[float]] = {name: [] for name in FLAVOURS}
     async with SandboxClient(url, token) as client:
         sandbox_id = await client.create(dict(task.files))
         await client.write_file(sandbox_id, "answer.txt", task.files["key.txt"])
@@ -59,9 +69,11 @@ async def measure(url: str, token: str, rounds: int) -> dict[str, list[float]]:
         for index in range(rounds):
             order = list(FLAVOURS) if index % 2 == 0 else list(reversed(FLAVOURS))
             for name in order:
-                times[name].append(await _one(client, task, sandbox_id, name))
+                elapsed, busy = await _one(client, task, sandbox_id, name)
+                times[name].append(elapsed)
+                cpu[name].append(busy)
         await client.delete(sandbox_id)
-    return times
+    return times, cpu
 
 
 def main() -> None:
@@ -74,8 +86,9 @@ def main() -> None:
     load_before = os.getloadavg()[0]  # not idle when this is near or above the core count
     with start_local_server() as server:
         backend = server.health()["isolation"]["backend"]
-        times = asyncio.run(measure(server.url, server.token, args.rounds))
+        times, cpu = asyncio.run(measure(server.url, server.token, args.rounds))
     medians = {name: statistics.median(values) for name, values in times.items()}
+    cpu_means = {name: statistics.fmean(values) for name, values in cpu.items()}
     result = {
         "command": " ".join(["python", "benchmarks/scoring_bench.py", *sys.argv[1:]]),
         "task": "tasks/learn, first train task, solved",
@@ -86,12 +99,17 @@ def main() -> None:
         "median_s": medians,
         "min_s": {name: min(values) for name, values in times.items()},
         "saved_fraction": 1 - medians["without_site"] / medians["with_site"],
+        # the machine's busy CPU seconds during each scoring, averaged (the judge and the peer start at
+        # once, so the wall time shows the slower of the two; 32 scorings at once share the cores)
+        "cpu_s_mean": cpu_means,
+        "cpu_saved_fraction": 1 - cpu_means["without_site"] / cpu_means["with_site"],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"scoring ({backend}): median {medians['without_site'] * 1e3:.0f} ms as run (python -S) vs "
-          f"{medians['with_site'] * 1e3:.0f} ms with the peer's site start-up ({result['saved_fraction']:.0%} less), "
-          f"{args.rounds} rounds, load {load_before:.1f} before")
+    print(f"scoring ({backend}): median {medians['without_site'] * 1e3:.0f} ms as run (peer python -S) vs "
+          f"{medians['with_site'] * 1e3:.0f} ms with the peer's site start-up ({result['saved_fraction']:.0%} less); "
+          f"CPU {cpu_means['without_site'] * 1e3:.0f} vs {cpu_means['with_site'] * 1e3:.0f} ms "
+          f"({result['cpu_saved_fraction']:.0%} less), {args.rounds} rounds, load {load_before:.1f} before")
 
 
 if __name__ == "__main__":

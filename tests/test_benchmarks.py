@@ -359,6 +359,8 @@ def test_scoring_benchmark_times_both_start_ups_of_a_solved_task(tmp_path):
     assert record["rounds"] == 1 and set(record["median_s"]) == {"without_site", "with_site"}
     assert all(0 < v < 60 for v in record["median_s"].values())
     assert record["saved_fraction"] == 1 - record["median_s"]["without_site"] / record["median_s"]["with_site"]
+    assert set(record["cpu_s_mean"]) == {"without_site", "with_site"}
+    assert all(v > 0 for v in record["cpu_s_mean"].values())  # a scoring starts processes: CPU is spent
     done = subprocess.run([sys.executable, "benchmarks/scoring_bench.py", "--rounds", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
