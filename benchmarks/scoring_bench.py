@@ -2,10 +2,11 @@
 
     python benchmarks/scoring_bench.py [--rounds 30] [--out benchmarks/results/scoring.json]
 
-Each round scores the same submission twice, once as scoring runs (the peer starts as
-``python -I -S``, :func:`~sandbox_client.score_peer.start_like_site`) and once with the peer's full
-``site`` start-up (``python -I``: every installed package's ``.pth`` file runs), in alternating
-order, so both see the same load. A round is the fork of the agent's sandbox, the
+Each round scores the same submission twice, in alternating order so both see the same load: once
+as scoring runs (judge and peer start as ``python -I``: ``site`` runs every installed package's
+``.pth`` file, an editable install's import hook too), and once with the peer started as
+``python -I -S`` (this task's peer imports nothing installed), which measures what skipping the
+peer's ``site`` start-up would save. A round is the fork of the agent's sandbox, the
 judge, the peer and their launcher under the service's isolation, and the delete; a round that
 does not score 1 stops the benchmark. Writes ``--out`` and prints one summary line; run it on an
 idle machine (the CPU column counts every process on it).
@@ -31,8 +32,8 @@ from sandbox_server.launch import start_local_server  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "scoring.json"
 FLAVOURS = {
-    "without_site": (scoring.JUDGE_ARGV, scoring.PEER_ARGV),
-    "with_site": (scoring.JUDGE_ARGV, [a for a in scoring.PEER_ARGV if a != "-S"]),
+    "with_site": (scoring.JUDGE_ARGV, scoring.PEER_ARGV),  # as scoring runs
+    "without_site": (scoring.JUDGE_ARGV, [*scoring.PEER_ARGV[:2], "-S", *scoring.PEER_ARGV[2:]]),
 }
 
 
@@ -106,9 +107,9 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"scoring ({backend}): median {medians['without_site'] * 1e3:.0f} ms as run (peer python -S) vs "
-          f"{medians['with_site'] * 1e3:.0f} ms with the peer's site start-up ({result['saved_fraction']:.0%} less); "
-          f"CPU {cpu_means['without_site'] * 1e3:.0f} vs {cpu_means['with_site'] * 1e3:.0f} ms "
+    print(f"scoring ({backend}): median {medians['with_site'] * 1e3:.0f} ms as run vs "
+          f"{medians['without_site'] * 1e3:.0f} ms with the peer as python -S ({result['saved_fraction']:.0%} less); "
+          f"CPU {cpu_means['with_site'] * 1e3:.0f} vs {cpu_means['without_site'] * 1e3:.0f} ms "
           f"({result['cpu_saved_fraction']:.0%} less), {args.rounds} rounds, load {load_before:.1f} before")
 
 

@@ -1,6 +1,6 @@
 """The agent's side of a scoring run: imports the agent's modules and answers calls as plain values.
 
-Standard library only; the scorer runs this source as ``python -I -S -B -c SOURCE`` in the scoring
+Standard library only; the scorer runs this source as ``python -I -B -c SOURCE`` in the scoring
 sandbox, as the sandbox's own uid (the server's ``peer_command``), with the workspace as working
 directory. The hidden tests run in a different process under a different uid (``score_runner``,
 the judge); the two speak one JSON message per line over this process's stdin/stdout.
@@ -282,63 +282,7 @@ def _serve_until_reply():
         _send(reply)
 
 
-def start_like_site() -> None:
-    """What ``site`` does when an interpreter starts, except running the ``import`` lines of ``.pth`` files.
-
-    This source runs as ``python -S``: those lines (an editable install's import hook, a setuptools
-    shim) cost about 20 ms a process, most of this process's start. So a package installed only
-    through such a hook (a new-style editable install) cannot be imported by the agent's code
-    during scoring; regular installs and ``.pth`` path lines can. The judge starts with ``site``:
-    what it imports is never decided here. As ``site.venv``: a ``pyvenv.cfg`` beside the
-    executable or one folder up makes that folder's parent the prefix, and its
-    ``include-system-site-packages`` (default true) adds the base interpreter's site-packages after.
-    """
-    import site
-
-    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
-    prefixes = [sys.prefix]
-    for config in (os.path.join(exe_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg")):
-        if os.path.isfile(config):
-            system_site = "true"
-            with open(config, encoding="utf-8") as handle:
-                for line in handle:
-                    key, equals, value = line.partition("=")
-                    if equals and key.strip().lower() == "include-system-site-packages":
-                        system_site = value.strip().lower()
-            base, sys.prefix = sys.prefix, os.path.dirname(exe_dir)
-            sys.exec_prefix = sys.prefix
-            prefixes = [sys.prefix, *([base] if system_site == "true" else [])]
-            break
-    for folder in site.getsitepackages(prefixes):
-        if os.path.isdir(folder) and folder not in sys.path:
-            sys.path.append(folder)
-            _add_pth_paths(folder)
-    site.setquit()  # exit() and quit(), which the agent's code may call
-    site.setcopyright()
-    site.sethelper()
-
-
-def _add_pth_paths(folder: str) -> None:
-    """The path lines of ``folder``'s ``.pth`` files, as ``site.addpackage`` adds them (its
-    ``import`` lines are not run, see :func:`start_like_site`)."""
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".pth") or name.startswith("."):
-            continue
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as handle:
-                lines = handle.read().splitlines()
-        except (OSError, UnicodeDecodeError):
-            continue
-        for line in lines:
-            if not line.strip() or line.startswith("#") or line.startswith(("import ", "import\t")):
-                continue
-            path = os.path.abspath(os.path.join(folder, line.rstrip()))
-            if path not in sys.path and os.path.exists(path):
-                sys.path.append(path)
-
-
 if __name__ == "__main__":
     os.dup2(2, 1)  # the agent's prints go to stderr, never into the channel
     sys.path.insert(0, os.getcwd())
-    start_like_site()
     _serve_until_reply()

@@ -45,8 +45,7 @@ _READ_CONCURRENCY = 16
 _RUNNER_SOURCE = (Path(__file__).resolve().parent / "score_runner.py").read_text(encoding="utf-8")
 _PEER_SOURCE = (Path(__file__).resolve().parent / "score_peer.py").read_text(encoding="utf-8")
 JUDGE_ARGV = ["python", "-I", "-B", "-c", _RUNNER_SOURCE]
-# -S: the peer does site's start-up itself, less the .pth files' import lines (score_peer.start_like_site)
-PEER_ARGV = ["python", "-I", "-S", "-B", "-c", _PEER_SOURCE]
+PEER_ARGV = ["python", "-I", "-B", "-c", _PEER_SOURCE]
 # The runner stops the tests this long before the exec timeout, so a slow run still reports.
 _RUNNER_MARGIN_S = 2.0
 
