@@ -110,6 +110,10 @@ def stage_timings(tracking_uri: str, run_id: str) -> dict:
     return timings
 
 
+# the scores of an evaluation that the record keeps and MLflow gets as eval/<key>, as HeldOutEvaluation logs them
+SCORE_KEYS = ("success", "solved", "pass_at_k", "submitted_frac", "infra_errors")
+
+
 class PolicySnapshots(L.Callback):
     """Saves the policy every ``every`` optimizer steps and after the last, each with its training time
     in ``seconds``: ``offset_s`` (the warm start's) plus the time since ``started`` (``time.monotonic()``
@@ -155,17 +159,13 @@ def evaluate_snapshots(snapshots: list[dict], *, config: str, overrides: list[st
     ``minutes``, the training time (warm start included) at which the policy was saved. Every
     snapshot is evaluated with the same ``run.seed`` (the same sampling streams for each episode),
     so two steps differ by their weights only."""
-    import tempfile
-
     from lightning_agentrl.evaluate import evaluate_policy
 
     history = []
     for snapshot in snapshots:
-        with tempfile.TemporaryDirectory(prefix="learn-eval-") as folder:
-            scores = evaluate_policy(snapshot["path"], split="test", samples=samples_per_task, config=Path(config),
-                                     overrides=[*overrides, f"--run.seed={seed}"], out=folder)
-        keep = ("success", "solved", "pass_at_k", "submitted_frac", "episodes", "infra_errors")
-        history.append({"step": snapshot["step"], **{k: scores[k] for k in keep},
+        scores = evaluate_policy(snapshot["path"], split="test", samples=samples_per_task, config=Path(config),
+                                 overrides=[*overrides, f"--run.seed={seed}"])
+        history.append({"step": snapshot["step"], "episodes": scores["episodes"], **{k: scores[k] for k in SCORE_KEYS},
                         "minutes": round(snapshot["seconds"] / 60, 2)})
     return history
 
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         client.log_artifact(result.mlflow_run_id, str(out))
         client.log_metric(result.mlflow_run_id, "learn/wall_time_s", wall)
         for entry in history:  # as HeldOutEvaluation logs them during a run
-            for key in ("success", "solved", "pass_at_k", "submitted_frac", "infra_errors"):
+            for key in SCORE_KEYS:
                 client.log_metric(result.mlflow_run_id, f"eval/{key}", float(entry[key]), step=entry["step"])
     print(f"baseline {record['baseline_success']:.3f} -> final {record['final_success']:.3f} "
           f"in {wall / 60:.1f} min; wrote {out} and {png}")

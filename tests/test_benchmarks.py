@@ -378,11 +378,15 @@ def test_policy_snapshots_save_each_step_once_and_never_step_zero(tmp_path):
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)
     module = SimpleNamespace(policy=LlamaForCausalLM(config))
-    snapshots = PolicySnapshots(tmp_path, 2, None, started=0.0, offset_s=5.0)
+    import time
+
+    started = time.monotonic()
+    snapshots = PolicySnapshots(tmp_path, 2, None, started=started, offset_s=5.0)
     for step in (0, 1, 2, 2, 3):  # a skipped first batch, then step 2 twice (a skipped update)
         snapshots.on_train_batch_end(SimpleNamespace(global_step=step, is_global_zero=True), module, None, None, 0)
     snapshots.on_train_end(SimpleNamespace(global_step=3, is_global_zero=True), module)
     snapshots.on_train_end(SimpleNamespace(global_step=3, is_global_zero=True), module)
     assert [s["step"] for s in snapshots.saved] == [2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
-    assert all(s["seconds"] > 5.0 for s in snapshots.saved)
+    elapsed = time.monotonic() - started  # offset, then the time since started, at each save
+    assert 5.0 < snapshots.saved[0]["seconds"] <= snapshots.saved[1]["seconds"] <= 5.0 + elapsed

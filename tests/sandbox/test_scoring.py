@@ -154,7 +154,6 @@ def test_the_judge_and_the_peer_read_each_others_standard_values():
     assert done.returncode == 0 and "same wire format" in done.stdout, done.stderr[-2000:]
 
 
-
 def test_the_agents_code_and_the_hidden_tests_import_installed_packages(server):
     """The peer (the agent's modules) and the judge (pytest, the hidden tests) find installed packages."""
     uses_installed = "import packaging.version\n\n" + FIXED.replace("to_int(d)", "to_int(str(packaging.version.Version(d)))")
