@@ -100,7 +100,7 @@ class ExecRequest(StrictRequest):
     peer_command: list[str] | None = Field(
         default=None, description="argv of a second process run as the sandbox's uid, while `command` runs as the "
         "sandbox's judge uid; the command's fds 3, 4 and 5 are pipes to the peer's stdin, from its stdout and "
-        "from its stderr (scoring: docs/sandbox.md)")
+        "from its stderr; the peer starts when the command first writes to fd 3 (scoring: docs/sandbox.md)")
     timeout_s: float = 30.0
     idempotency_key: str | None = Field(default=None, max_length=200)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,39 @@ def test_the_agents_code_and_the_hidden_tests_import_installed_packages(server):
     result, _, _ = _score(server, {"utils.py": uses_installed, "helpers.py": "def to_int(x):\n    return int(x)\n"},
                           required_passed=1)
     assert (result.reward, result.passed) == (1.0, True), result.output
+
+
+def _exec_pair(server, command: list[str], peer: list[str], timeout_s: float = 30):
+    """(exec result, seconds, workspace files after) of one exec with a peer, in a fresh sandbox."""
+    async def main():
+        async with SandboxClient(server.url, server.token) as client:
+            sid = await client.create({})
+            try:
+                started = time.monotonic()
+                result = await client.exec(sid, command, peer_command=peer, timeout_s=timeout_s)
+                return result, time.monotonic() - started, await client.list_files(sid)
+            finally:
+                await client.delete(sid)
+
+    return asyncio.run(main())
+
+
+def test_the_peer_starts_only_when_the_command_first_writes_to_it(server):
+    """A hidden check that never calls the agent's code (one reading answer.txt) costs no peer process;
+    one that does gets the peer, with its first request already waiting in the pipe."""
+    peer = ["/bin/sh", "-c", "touch peer-ran; read request; echo \"got $request\""]
+    silent, _, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 0.5; echo done"], peer)
+    assert (silent.exit_code, silent.stdout.strip()) == (0, "done")
+    assert "peer-ran" not in files  # started with the command, the peer would have touched it at once
+    asked, _, files = _exec_pair(server, ["/bin/sh", "-c", "echo hello >&3; cat <&4"], peer)
+    assert (asked.exit_code, asked.stdout.strip()) == (0, "got hello")
+    assert "peer-ran" in files
+
+
+def test_a_command_whose_child_keeps_the_peer_pipe_still_ends_when_it_exits(server):
+    """The launcher watches the command's exit, not only the pipe: a background child holding fd 3
+    open must not keep the exec waiting until its timeout."""
+    peer = ["/bin/sh", "-c", "touch peer-ran"]
+    result, seconds, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 20 & echo left"], peer, timeout_s=15)
+    assert (result.exit_code, result.timed_out, result.stdout.strip()) == (0, False, "left")
+    assert seconds < 10 and "peer-ran" not in files
