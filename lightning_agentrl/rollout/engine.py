@@ -15,6 +15,7 @@ trainer reaches them through the service, never directly.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -108,32 +109,80 @@ class _Request:
     future: object  # asyncio.Future[Generation]
 
 
+@dataclass
+class _Row:
+    """One request being decoded: what it sampled so far and when it stops."""
+
+    request: _Request
+    uniforms: torch.Tensor  # [max_new_tokens], its own draws (see _request_uniforms)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: FinishReason | None = None
+
+    def take(self, token: int, logprob: float) -> None:
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.request.sampling.stop_token_ids:
+            self.reason = "stop"
+        elif len(self.ids) >= self.request.sampling.max_new_tokens:
+            self.reason = "length"
+
+
+@dataclass
+class _Decoding:
+    """The rows of a decode in flight and their KV cache: ``attention[B, T]`` covers the cache's
+    ``T`` columns (rows left-padded to a common right edge), ``next_pos[B, 1]`` is each row's next
+    position and ``pending[B]`` its last sampled id, not yet in the cache."""
+
+    rows: list[_Row]
+    past: object
+    attention: torch.Tensor
+    next_pos: torch.Tensor
+    pending: torch.Tensor
+
+
 class TorchEngine:
     """In-process generation with transformers: concurrent requests are decoded as one batch.
 
-    Requests that arrive while a batch is decoding wait and form the next batch (continuous
-    batching at batch granularity). Each request draws its uniforms from its own ``torch.Generator``
-    seeded from ``SamplingParams.seed``, and all rows are sampled at once by inverse CDF
-    (:func:`inverse_cdf_sample`), so its ids do not depend on which requests share its batch. Each batch is left-padded and decoded with a KV cache in a worker thread, so the event loop keeps serving tool calls meanwhile. Weight updates wait for
-    the batch in flight: no generation mixes two policy versions.
+    Continuous batching at the step: a request that arrives while others decode is prefilled on
+    its own and joins the running batch at the next step (their KV caches are left-padded to one
+    width and concatenated), and a row leaves the batch, its caller answered, as soon as it stops.
+    Joining needs a plain KV cache (every layer a ``DynamicLayer``, as Llama, Qwen2 and GPT-2
+    have); with any other cache (sliding windows, recurrent state) requests that arrive during a
+    batch wait for it, and finished rows stay in it until the last one stops.
+    Each request draws its uniforms from its own ``torch.Generator`` seeded from
+    ``SamplingParams.seed``, and all rows are sampled at once by inverse CDF
+    (:func:`inverse_cdf_sample`), so its ids do not depend on which requests share its batch or
+    when they joined. Decoding runs in a worker thread, so the event loop keeps serving tool calls
+    meanwhile. A weight update closes the batch to new requests and waits for its rows: no
+    generation mixes two policy versions.
 
     The model is the engine's own copy; the trainer pushes new weights with :meth:`update_weights`.
+    ``num_batches`` counts prefills (a batch, or a group of requests that joined one), and
+    ``num_joins`` those that joined a batch in flight.
     """
 
     def __init__(
         self, model, *, pad_token_id: int, max_batch_size: int = 16, policy_version: int = 0
     ) -> None:
+        import threading
+
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
+        # a prefill needs the last position's logits only: [B, 1, V], not [B, T, V]
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.policy_version = policy_version
         self._queue: list[_Request] = []
+        self._queue_lock = threading.Lock()  # the event loop appends, the decode thread takes
+        self._updates_waiting = 0  # weight updates waiting for the batch: it takes no new request
         self._wakeup = None  # asyncio.Event, created on the loop that first uses the engine
         self._lock = None  # asyncio.Lock: a batch or a weight update, never both
         self._worker = None
         self.num_batches = 0
+        self.num_joins = 0
         self.num_requests = 0
 
     def _ensure_started(self) -> None:
@@ -153,83 +202,93 @@ class TorchEngine:
             raise ValueError("prompt_ids is empty")
         self._ensure_started()
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Request(list(prompt_ids), sampling, future))
+        with self._queue_lock:
+            self._queue.append(_Request(list(prompt_ids), sampling, future))
         self._wakeup.set()
         return await future
 
     async def _serve(self) -> None:
         import asyncio
 
+        loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             await asyncio.sleep(0)  # let requests issued in the same tick join the batch
             while self._queue:
-                batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
-                batch = [r for r in batch if not r.future.cancelled()]
-                if not batch:
-                    continue
                 async with self._lock:
-                    version = self.policy_version
-                    try:
-                        results = await asyncio.to_thread(self._decode, batch)
-                    except Exception as err:  # surface to every waiter, keep serving
-                        for r in batch:
-                            if not r.future.done():
-                                r.future.set_exception(err)
-                        continue
-                self.num_batches += 1
-                self.num_requests += len(batch)
-                for request, (ids, logprobs, reason) in zip(batch, results, strict=True):
-                    if not request.future.done():
-                        request.future.set_result(Generation(ids, logprobs, reason, version))
+                    await asyncio.to_thread(self._decode, loop, self.policy_version)
+
+    def _take(self, limit: int) -> list[_Request]:
+        with self._queue_lock:
+            taken, self._queue = self._queue[:limit], self._queue[limit:]
+        return [r for r in taken if not r.future.cancelled()]
 
     @torch.no_grad()
-    def _decode(self, batch: list[_Request]) -> list[tuple[list[int], list[float], FinishReason]]:
-        device = next(self.model.parameters()).device
-        num = len(batch)
-        input_ids, attention = _left_pad([r.prompt_ids for r in batch], self.pad_token_id, device)
-        temperature, filters = _row_filters([r.sampling for r in batch], device)
-        sampled = torch.tensor([not r.sampling.greedy for r in batch], device=device)
-        budget = [r.sampling.max_new_tokens for r in batch]
-        stops = [set(r.sampling.stop_token_ids) for r in batch]
-        uniforms = _request_uniforms([r.sampling for r in batch]).to(device)
+    def _decode(self, loop, version: int) -> None:
+        """Decode until no row is left, taking in requests as they come; answers each row's caller
+        (through ``loop``) when it stops. An error fails the rows in flight, not the engine."""
+        decoding: _Decoding | None = None
+        arrived: list[_Request] = []
+        try:
+            while True:
+                room = self.max_batch_size - (len(decoding.rows) if decoding else 0)
+                joinable = decoding is None or (_plain_cache(decoding.past) and not self._updates_waiting)
+                arrived = self._take(room) if room > 0 and joinable else []
+                if arrived:
+                    decoding = self._admit(decoding, arrived)
+                    arrived = []
+                decoding = self._settle(decoding, loop, version) if decoding is not None else None
+                if decoding is None:
+                    return
+                self._step(decoding)
+        except Exception as err:  # surface to every waiter in flight, keep serving
+            for request in arrived + [row.request for row in (decoding.rows if decoding else [])]:
+                loop.call_soon_threadsafe(_fail, request.future, err)
 
-        out_ids: list[list[int]] = [[] for _ in batch]
-        out_lp: list[list[float]] = [[] for _ in batch]
-        reasons: list[FinishReason | None] = [None] * num
-        step_pos = (attention.cumsum(-1) - 1).clamp(min=0)
-        step_ids, past = input_ids, None
-        for step in range(max(budget)):
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=attention,
-                position_ids=step_pos,
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = out.past_key_values
-            logits = out.logits[:, -1, :].float()
-            # the distribution sampled from, and the one whose log-probs are reported
-            logprobs = torch.log_softmax(sampling_logits(logits, temperature, **filters), dim=-1)
-            token = torch.where(sampled, inverse_cdf_sample(logprobs, uniforms[:, step]), logits.argmax(-1))
-            token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
-            for i, (tid, lp) in enumerate(zip(token.tolist(), token_lp.tolist(), strict=True)):
-                if reasons[i] is not None:
-                    continue
-                out_ids[i].append(tid)
-                out_lp[i].append(lp)
-                if tid in stops[i]:
-                    reasons[i] = "stop"
-                elif len(out_ids[i]) >= budget[i]:
-                    reasons[i] = "length"
-            if all(r is not None for r in reasons):
-                break
-            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
-            attention = torch.cat([attention, attention.new_ones((num, 1))], dim=1)
-        return [
-            (ids, lps, reason or "length") for ids, lps, reason in zip(out_ids, out_lp, reasons, strict=True)
-        ]
+    def _admit(self, decoding: _Decoding | None, requests: list[_Request]) -> _Decoding:
+        """Prefill ``requests`` and sample their first ids; they join ``decoding`` (or start one)."""
+        device = next(self.model.parameters()).device
+        input_ids, attention = _left_pad([r.prompt_ids for r in requests], self.pad_token_id, device)
+        rows = [_Row(r, _request_uniforms([r.sampling])[0]) for r in requests]
+        out = self.model(input_ids=input_ids, attention_mask=attention,
+                         position_ids=(attention.cumsum(-1) - 1).clamp(min=0), use_cache=True, **self._last_logits)
+        pending = _sample(rows, out.logits[:, -1, :], device)
+        joined = _Decoding(rows, out.past_key_values, attention, attention.sum(-1, keepdim=True), pending)
+        self.num_batches += 1
+        self.num_requests += len(requests)
+        if decoding is None:
+            return joined
+        self.num_joins += 1
+        return _concat(decoding, joined)
+
+    def _step(self, decoding: _Decoding) -> None:
+        """Feed every row's pending id, and sample its next."""
+        device = decoding.pending.device
+        attention = torch.cat([decoding.attention, decoding.attention.new_ones((len(decoding.rows), 1))], dim=1)
+        out = self.model(input_ids=decoding.pending[:, None], attention_mask=attention,
+                         position_ids=decoding.next_pos, past_key_values=decoding.past, use_cache=True)
+        decoding.past, decoding.attention, decoding.next_pos = out.past_key_values, attention, decoding.next_pos + 1
+        decoding.pending = _sample(decoding.rows, out.logits[:, -1, :], device)
+
+    def _settle(self, decoding: _Decoding, loop, version: int) -> _Decoding | None:
+        """Answer the rows that stopped and drop them (keep them where the cache cannot be cut);
+        None when no row is left."""
+        for row in decoding.rows:
+            if row.reason is not None and not row.request.future.done():
+                generation = Generation(list(row.ids), list(row.logprobs), row.reason, version)
+                loop.call_soon_threadsafe(_resolve, row.request.future, generation)
+        live = [i for i, row in enumerate(decoding.rows) if row.reason is None and not row.request.future.cancelled()]
+        if not live:
+            return None
+        if len(live) == len(decoding.rows) or not _plain_cache(decoding.past):
+            return decoding
+        keep = torch.tensor(live, device=decoding.pending.device)
+        attention = decoding.attention[keep]
+        first = int(attention.any(0).int().argmax())  # columns padding in every row go
+        layers = [(layer.keys[keep, :, first:], layer.values[keep, :, first:]) for layer in decoding.past.layers]
+        return _Decoding([decoding.rows[i] for i in live], _cache_of(layers), attention[:, first:],
+                         decoding.next_pos[keep], decoding.pending[keep])
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self._ensure_started()
@@ -245,11 +304,15 @@ class TorchEngine:
                 raise ValueError(
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                 )
-        async with self._lock:
-            with torch.no_grad():
-                for name, tensor in incoming:
-                    targets[name].copy_(tensor)
-            self.policy_version = version
+        self._updates_waiting += 1
+        try:
+            async with self._lock:
+                with torch.no_grad():
+                    for name, tensor in incoming:
+                        targets[name].copy_(tensor)
+                self.policy_version = version
+        finally:
+            self._updates_waiting -= 1
 
     async def close(self) -> None:
         if self._worker is not None:
@@ -303,3 +366,64 @@ def inverse_cdf_sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.
     cdf = logprobs.double().exp().cumsum(-1)
     threshold = uniforms.double()[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)
+
+
+def _sample(rows: list[_Row], logits: torch.Tensor, device) -> torch.Tensor:
+    """Sample one id per row from ``logits[B, V]`` under the log-prob rule, record it in the row;
+    the ids ``[B]``. A row that already stopped samples too (its id is dropped)."""
+    logits = logits.float()
+    params = [row.request.sampling for row in rows]
+    temperature, filters = _row_filters(params, device)
+    logprobs = torch.log_softmax(sampling_logits(logits, temperature, **filters), dim=-1)
+    sampled = torch.tensor([not p.greedy for p in params], device=device)
+    steps = [min(len(row.ids), len(row.uniforms) - 1) for row in rows]
+    uniforms = torch.stack([row.uniforms[step] for row, step in zip(rows, steps, strict=True)]).to(device)
+    token = torch.where(sampled, inverse_cdf_sample(logprobs, uniforms), logits.argmax(-1))
+    token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
+    for row, tid, lp in zip(rows, token.tolist(), token_lp.tolist(), strict=True):
+        if row.reason is None:
+            row.take(tid, lp)
+    return token
+
+
+def _plain_cache(past) -> bool:
+    """Whether every layer of ``past`` is a plain ``DynamicLayer`` (keys/values ``[B, H, T, D]``),
+    which rows can be cut from and joined to."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(past, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+
+def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def _concat(a: _Decoding, b: _Decoding) -> _Decoding:
+    """One decoding of ``a``'s rows then ``b``'s: caches and masks left-padded to one width."""
+    width = max(a.attention.shape[1], b.attention.shape[1])
+
+    def widen(x: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - x.shape[dim]
+        if missing == 0:
+            return x
+        shape = list(x.shape)
+        shape[dim] = missing
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    layers = [(torch.cat([widen(la.keys, 2), widen(lb.keys, 2)]), torch.cat([widen(la.values, 2), widen(lb.values, 2)]))
+              for la, lb in zip(a.past.layers, b.past.layers, strict=True)]
+    return _Decoding(a.rows + b.rows, _cache_of(layers), torch.cat([widen(a.attention, 1), widen(b.attention, 1)]),
+                     torch.cat([a.next_pos, b.next_pos]), torch.cat([a.pending, b.pending]))
+
+
+def _resolve(future, generation: Generation) -> None:
+    if not future.done():
+        future.set_result(generation)
+
+
+def _fail(future, err: Exception) -> None:
+    if not future.done():
+        future.set_exception(err)

@@ -102,3 +102,66 @@ def test_tied_embeddings_sync_under_both_names(tiny_model_path):
     assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
     assert torch.equal(engine.model.lm_head.weight, weights["lm_head.weight"])
     assert generation.token_ids == hf_greedy(trained, prompt, 16) and generation.policy_version == 1
+
+
+def _model_logprobs(model, prompt, ids) -> torch.Tensor:
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
+    return logprobs[len(prompt) - 1 : -1].gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+def test_requests_join_a_batch_in_flight_and_leave_it_when_they_stop(tiny_model_path, hf):
+    """A long request decodes; a longer prompt and a shorter one arrive mid-way, join at the next
+    step and are answered while it goes on. Every row's ids are those it gets alone, and its
+    log-probs those of the model: joining and dropping rows keeps each row's cache intact."""
+    long_prompt, wide, narrow = PROMPTS[0], [1, 90, *range(200, 230)], [1, 91]
+    requests = [(long_prompt, SamplingParams(max_new_tokens=96, seed=1)),
+                (wide, SamplingParams(max_new_tokens=6, seed=2)), (narrow, SamplingParams(max_new_tokens=9, seed=3))]
+
+    async def run():
+        engine = engine_for(tiny_model_path)
+        alone = [await engine.generate(p, s) for p, s in requests]
+        first = asyncio.ensure_future(engine.generate(*requests[0]))
+        await _until(lambda: engine.num_batches == 4)  # the long one is decoding
+        joined = await asyncio.gather(engine.generate(*requests[1]), engine.generate(*requests[2]))
+        still_running = not first.done()
+        together = [await first, *joined]
+        await engine.close()
+        return engine, alone, together, still_running
+
+    engine, alone, together, still_running = asyncio.run(run())
+    assert engine.num_joins == 1 and still_running  # they joined and left before it stopped
+    for (prompt, _), a, t in zip(requests, alone, together, strict=True):
+        assert t.token_ids == a.token_ids
+        expected = _model_logprobs(hf, prompt, t.token_ids)
+        assert float((expected - torch.tensor(t.logprobs)).abs().max()) < 1e-4
+
+
+def test_a_weight_update_closes_the_batch_to_new_requests(tiny_model_path):
+    """No generation mixes two policy versions: a request that arrives after an update was asked
+    for waits for it instead of joining the batch in flight."""
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+    async def run():
+        engine = engine_for(tiny_model_path)
+        first = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=96, seed=1)))
+        await _until(lambda: engine.num_batches == 1)
+        update = asyncio.ensure_future(engine.update_weights(perturbed.state_dict().items(), version=1))
+        await asyncio.sleep(0)
+        late = await engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4, seed=2))
+        results = await first, late
+        await update
+        await engine.close()
+        return engine, results
+
+    engine, (first, late) = asyncio.run(run())
+    assert (first.policy_version, late.policy_version, engine.num_joins) == (0, 1, 0)
+    assert len(first.token_ids) == 96
