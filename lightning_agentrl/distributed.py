@@ -114,11 +114,11 @@ def _check_local_judge(url: str, token: str, policy: str | None) -> None:
     (it does only when this process runs as root); ``policy`` None: no check."""
     if policy is None:
         return
-    import httpx
+    import httpx2
 
     from lightning_agentrl.preflight import check_judge_isolation
 
-    health = httpx.get(f"{url}/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
+    health = httpx2.get(f"{url}/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
     check_judge_isolation(health, policy, where="the reference sandbox server started on this node")
 
 

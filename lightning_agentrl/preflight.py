@@ -189,7 +189,7 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 
 def _check_on_hub(repo_id: str) -> None:
-    import httpx
+    import httpx2
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise PreflightError(f"model.path: {repo_id} is not a local folder nor in the hub cache, and HF_HUB_OFFLINE is set")
@@ -198,8 +198,8 @@ def _check_on_hub(repo_id: str) -> None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     url = f"{endpoint}/{repo_id}/resolve/main/config.json"
     try:
-        response = httpx.head(url, headers=headers, timeout=TIMEOUT_S, follow_redirects=True)
-    except httpx.HTTPError as err:
+        response = httpx2.head(url, headers=headers, timeout=TIMEOUT_S, follow_redirects=True)
+    except httpx2.HTTPError as err:
         raise PreflightError(
             f"model.path: {repo_id} is not a local folder nor in the hub cache, and the hub ({endpoint}) "
             f"is unreachable: {type(err).__name__}: {err}"
@@ -286,7 +286,7 @@ def check_tracking(tracking: TrackingSettings, timeout_s: float = TIMEOUT_S) -> 
     ``MLFLOW_TRACKING_USERNAME`` and ``MLFLOW_TRACKING_PASSWORD``)."""
     if not tracking.enabled or tracking.uri is None:
         return
-    import httpx
+    import httpx2
 
     uri = tracking.uri
     scheme = urlparse(uri).scheme
@@ -300,15 +300,15 @@ def check_tracking(tracking: TrackingSettings, timeout_s: float = TIMEOUT_S) -> 
     call = "GET /api/2.0/mlflow/experiments/search"
     insecure = os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true")
     try:
-        response = httpx.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
+        response = httpx2.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search", params={"max_results": 1},
                              headers=_mlflow_auth(), timeout=timeout_s, verify=not insecure)
-    except httpx.TimeoutException as err:
+    except httpx2.TimeoutException as err:
         raise PreflightError(
             f"tracking.uri: the MLflow server at {uri} does not answer {call} within {timeout_s:g} s "
             f"({type(err).__name__}); is it overloaded or hung? Unset tracking.uri to record the run in "
             f"<run.dir>/mlflow.db"
         ) from None
-    except httpx.HTTPError as err:
+    except httpx2.HTTPError as err:
         raise PreflightError(
             f"tracking.uri: the MLflow server at {uri} is unreachable ({type(err).__name__}: {err}); start it, "
             f"or unset tracking.uri to record the run in <run.dir>/mlflow.db"
@@ -349,17 +349,17 @@ def check_health(setting: str, urls: Sequence[str], *, path: str = "/health", ti
     """Every server of ``urls`` answers ``GET <url><path>`` with a 2xx within ``timeout_s`` (all at once, so a
     fleet costs one deadline); else one :class:`PreflightError` naming ``setting`` and every server that
     did not, e.g. ``engine.server_urls: 2 of 8 servers do not answer GET /health within 5 s: ...``."""
-    import httpx
+    import httpx2
 
-    async def probe(client: httpx.AsyncClient, url: str) -> str | None:
+    async def probe(client: httpx2.AsyncClient, url: str) -> str | None:
         try:
             response = await client.get(f"{url.rstrip('/')}{path}")
-        except httpx.HTTPError as err:
+        except httpx2.HTTPError as err:
             return f"{url} ({type(err).__name__}{f': {err}' if str(err) else ''})"
         return None if response.is_success else f"{url} (HTTP {response.status_code})"
 
     async def probe_all() -> list[str]:
-        async with httpx.AsyncClient(timeout=timeout_s, headers=dict(headers or {})) as client:
+        async with httpx2.AsyncClient(timeout=timeout_s, headers=dict(headers or {})) as client:
             return [p for p in await asyncio.gather(*(probe(client, url) for url in urls)) if p is not None]
 
     if not urls:
@@ -373,7 +373,7 @@ def check_health(setting: str, urls: Sequence[str], *, path: str = "/health", ti
 def check_inference_servers(urls: list[str], *, min_model_len: int, timeout_s: float = TIMEOUT_S) -> None:
     """Every ``engine.urls`` server answers ``/health``, has vLLM's development endpoints on (the weight
     sync needs them) and serves prompts as long as ``env.max_context_tokens`` + 1."""
-    import httpx
+    import httpx2
 
     if not urls:
         return
@@ -381,10 +381,10 @@ def check_inference_servers(urls: list[str], *, min_model_len: int, timeout_s: f
     for url in urls:
         base = url.rstrip("/")
         try:
-            health = httpx.get(f"{base}/health", timeout=timeout_s)
-            weight_info = httpx.get(f"{base}/weight_info", timeout=timeout_s)
-            models = httpx.get(f"{base}/v1/models", timeout=timeout_s).json()["data"]
-        except (httpx.HTTPError, ValueError, KeyError) as err:
+            health = httpx2.get(f"{base}/health", timeout=timeout_s)
+            weight_info = httpx2.get(f"{base}/weight_info", timeout=timeout_s)
+            models = httpx2.get(f"{base}/v1/models", timeout=timeout_s).json()["data"]
+        except (httpx2.HTTPError, ValueError, KeyError) as err:
             raise PreflightError(f"engine.urls: the vLLM server at {url} does not answer within {timeout_s:g} s "
                                  f"({type(err).__name__}: {err})") from None
         if health.status_code != 200:

@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any
 
-import httpx
+import httpx2
 
 from sandbox_client.errors import (
     CommandTimeout,
@@ -44,7 +44,7 @@ class SandboxClient:
 
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 30.0, max_retries: int = 4,
                  call_timeout_s: float | None = None, backoff_s: float = 0.25, max_backoff_s: float = 8.0,
-                 max_connections: int = 64, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 max_connections: int = 64, transport: httpx2.AsyncBaseTransport | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if call_timeout_s is not None and call_timeout_s < timeout_s:
@@ -63,11 +63,11 @@ class SandboxClient:
         self.call_timeout_s = call_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self._http = httpx.AsyncClient(
+        self._http = httpx2.AsyncClient(
             base_url=self.base_url,
             headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            timeout=httpx2.Timeout(timeout_s),
+            limits=httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             transport=transport,
         )
 
@@ -88,7 +88,7 @@ class SandboxClient:
         return min(self.max_backoff_s, self.backoff_s * (2**attempt)) * random.uniform(0.5, 1.5)
 
     async def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-                       extra_s: float = 0.0) -> tuple[httpx.Response, int]:
+                       extra_s: float = 0.0) -> tuple[httpx2.Response, int]:
         """Send with retries; returns the final response (2xx or a non-retryable 4xx) and the attempt index.
         ``extra_s`` (a command's own timeout) extends both deadlines."""
         deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s + extra_s
@@ -98,14 +98,14 @@ class SandboxClient:
                 attempt_s = min(attempt_s, deadline - time.monotonic())
             try:
                 request = self._http.build_request(method, path, json=json, params=params,
-                                                   timeout=httpx.Timeout(max(attempt_s, 1e-3)))
+                                                   timeout=httpx2.Timeout(max(attempt_s, 1e-3)))
             except UnicodeEncodeError as exc:  # a lone surrogate: no server could store it as UTF-8
                 raise SandboxRequestError(f"{method} {path}: text is not valid Unicode ({exc.reason} at "
                                           f"position {exc.start})", code="invalid_encoding") from None
             last = attempt == self.max_retries
             try:
                 response = await self._http.send(request)
-            except httpx.TransportError as exc:  # connect/read errors, resets, timeouts
+            except httpx2.TransportError as exc:  # connect/read errors, resets, timeouts
                 if last or _expired(deadline):
                     within = "" if deadline is None else f" within call_timeout_s={self.call_timeout_s + extra_s:g} s"
                     raise SandboxInfraError(
@@ -122,7 +122,7 @@ class SandboxClient:
             return response, attempt
         raise AssertionError("unreachable")
 
-    async def _call(self, method: str, path: str, *, ok: int = 200, **kwargs: Any) -> httpx.Response:
+    async def _call(self, method: str, path: str, *, ok: int = 200, **kwargs: Any) -> httpx2.Response:
         response, _ = await self._request(method, path, **kwargs)
         if response.status_code != ok:
             raise _classify(response, method, path)
@@ -228,14 +228,14 @@ async def _sleep(seconds: float, deadline: float | None) -> None:
     await asyncio.sleep(seconds)
 
 
-def _retry_after(response: httpx.Response) -> float:
+def _retry_after(response: httpx2.Response) -> float:
     try:
         return min(_MAX_RETRY_AFTER_S, max(0.0, float(response.headers.get("retry-after", "1"))))
     except ValueError:
         return 1.0
 
 
-def _classify(response: httpx.Response, method: str, path: str, attempts: int = 1) -> SandboxError:
+def _classify(response: httpx2.Response, method: str, path: str, attempts: int = 1) -> SandboxError:
     status = response.status_code
     try:
         error = response.json().get("error", {})

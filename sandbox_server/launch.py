@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 from pydantic import ValidationError
 
 from sandbox_server.__main__ import ENV_PREFIX, TOKEN_ENV
@@ -88,9 +88,9 @@ class LocalSandboxServer:
                 err = self._read_log()
                 raise RuntimeError(f"sandbox server exited with code {self.process.returncode}: {err[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/v1/health", headers=headers, timeout=1.0).status_code == 200:
+                if httpx2.get(f"{self.url}/v1/health", headers=headers, timeout=1.0).status_code == 200:
                     return
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"sandbox server at {self.url} not healthy after {timeout_s} s")
@@ -105,7 +105,7 @@ class LocalSandboxServer:
         return self._log.read().decode(errors="replace")
 
     def health(self) -> dict:
-        response = httpx.get(f"{self.url}/v1/health", headers={"Authorization": f"Bearer {self.token}"})
+        response = httpx2.get(f"{self.url}/v1/health", headers={"Authorization": f"Bearer {self.token}"})
         response.raise_for_status()
         return response.json()
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from lightning_agentrl.rollout.engine import VLLM_LOGPROBS_MODE
 
@@ -120,9 +120,9 @@ class LocalVLLMServers:
                     raise RuntimeError(f"vLLM server {server.url} exited with code {server.process.returncode} "
                                        f"before it answered /health (log {server.log_path}):\n{tail}")
                 try:
-                    if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                    if httpx2.get(f"{server.url}/health", timeout=2.0).status_code == 200:
                         waiting.remove(server)
-                except httpx.HTTPError:
+                except httpx2.HTTPError:
                     pass
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(f"vLLM servers {[s.url for s in waiting]} did not answer /health within "

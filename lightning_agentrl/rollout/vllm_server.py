@@ -107,7 +107,7 @@ class VLLMServerEngine:
         config = json.loads((Path(self.model_path) / "config.json").read_text())
         self._tied_embeddings = bool(config.get("tie_word_embeddings", False))
         self._vocab_size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-        self._client = None  # httpx.AsyncClient, made in the loop that uses the engine
+        self._client = None  # httpx2.AsyncClient, made in the loop that uses the engine
         self._admission_open: asyncio.Event | None = None
         self._drained: asyncio.Event | None = None
         self._update_lock: asyncio.Lock | None = None
@@ -120,10 +120,10 @@ class VLLMServerEngine:
 
     def _ensure_started(self) -> None:
         if self._client is None:
-            import httpx
+            import httpx2
 
-            timeout = httpx.Timeout(None, connect=self.connect_timeout_s)
-            self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+            timeout = httpx2.Timeout(None, connect=self.connect_timeout_s)
+            self._client = httpx2.AsyncClient(timeout=timeout, limits=httpx2.Limits(max_connections=None))
             self._admission_open = asyncio.Event()
             self._admission_open.set()
             self._drained = asyncio.Event()
@@ -187,14 +187,14 @@ class VLLMServerEngine:
         return "; ".join(f"{server.url}: {server.error}" for server in self.servers)
 
     async def _complete(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
-        import httpx
+        import httpx2
 
         server = self.servers[index]
         if not server.alive:
             raise ServerDeadError(f"inference server {server.url} is dead ({server.error})")
         try:
             response = await self._client.post(f"{server.url}/v1/completions", json=body)
-        except httpx.TransportError as err:  # refused, reset, dropped mid-response
+        except httpx2.TransportError as err:  # refused, reset, dropped mid-response
             raise self._mark_dead(index, f"{type(err).__name__}: {err}") from err
         if response.status_code >= 500:
             if not await self._healthy(index):
@@ -278,7 +278,7 @@ class VLLMServerEngine:
                 shutil.rmtree(old, ignore_errors=True)
 
     async def _reload(self, index: int, folder: Path, version: int) -> None:
-        import httpx
+        import httpx2
 
         url = self.servers[index].url
         calls = [
@@ -292,7 +292,7 @@ class VLLMServerEngine:
                 if response.status_code == 404:
                     raise RuntimeError(f"{url}{path} is missing: start the server with VLLM_SERVER_DEV_MODE=1")
                 response.raise_for_status()
-        except (httpx.HTTPError, RuntimeError) as err:  # a timeout is an httpx.HTTPError too
+        except (httpx2.HTTPError, RuntimeError) as err:  # a timeout is an httpx2.HTTPError too
             self._mark_dead(index, f"weight reload to version {version} failed: {type(err).__name__}: {err}")
 
     def stats(self) -> dict[str, Any]:

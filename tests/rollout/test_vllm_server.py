@@ -12,7 +12,7 @@ import json
 import os
 import signal
 
-import httpx
+import httpx2
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
@@ -70,7 +70,7 @@ def test_given_urls_pin_each_episode_to_one_server_and_receive_the_policy_versio
         settings = two_task_settings(tmp_path, tiny_model_path, *SERVER_OVERRIDES, f"--engine.urls={json.dumps(urls)}")
         result, engine, capture = recorded_fit(settings)
         # the weight sync after step 0 reached both servers, stamped with its version
-        assert [httpx.get(f"{url}/weight_info").json()["weight_version"] for url in urls] == ["1", "1"]
+        assert [httpx2.get(f"{url}/weight_info").json()["weight_version"] for url in urls] == ["1", "1"]
     assert result.global_step == 2
     assert (result.run_dir / "engine_weights" / "v000001" / "model.safetensors").exists()
     assert not (result.run_dir / "vllm_servers").exists()  # given URLs: the run started none

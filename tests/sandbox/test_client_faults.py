@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
+import httpx2
 import pytest
 
 from sandbox_client import (
@@ -22,15 +22,15 @@ EXEC_OK = {"exit_code": 0, "stdout": "ok\n", "stderr": "", "timed_out": False, "
            "duration_s": 0.01}
 
 
-def _error(status: int, code: str, headers: dict | None = None) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"code": code, "message": code}}, headers=headers)
+def _error(status: int, code: str, headers: dict | None = None) -> httpx2.Response:
+    return httpx2.Response(status, json={"error": {"code": code, "message": code}}, headers=headers)
 
 
 def _client(responses, seen: list, **options) -> SandboxClient:
     """Answer each request with the next item of ``responses`` (a Response, or an exception to raise)."""
     queue = list(responses)
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         seen.append(request)
         item = queue.pop(0)
         if isinstance(item, Exception):
@@ -38,7 +38,7 @@ def _client(responses, seen: list, **options) -> SandboxClient:
         return item
 
     options = {"max_retries": 3, "backoff_s": 0.001, **options}
-    return SandboxClient("http://sandbox.test", "tok", transport=httpx.MockTransport(handler), **options)
+    return SandboxClient("http://sandbox.test", "tok", transport=httpx2.MockTransport(handler), **options)
 
 
 def run(coro):
@@ -46,11 +46,11 @@ def run(coro):
 
 
 def test_exec_retries_5xx_and_resets_with_the_same_idempotency_key():
-    seen: list[httpx.Request] = []
+    seen: list[httpx2.Request] = []
 
     async def main():
-        async with _client([_error(503, "busy"), httpx.ReadError("connection reset"), _error(502, "bad gateway"),
-                            httpx.Response(200, json=EXEC_OK)], seen) as client:
+        async with _client([_error(503, "busy"), httpx2.ReadError("connection reset"), _error(502, "bad gateway"),
+                            httpx2.Response(200, json=EXEC_OK)], seen) as client:
             return await client.exec("a" * 32, "true")
 
     assert run(main()).stdout == "ok\n"
@@ -59,7 +59,7 @@ def test_exec_retries_5xx_and_resets_with_the_same_idempotency_key():
 
 
 def test_429_honours_retry_after(monkeypatch):
-    seen: list[httpx.Request] = []
+    seen: list[httpx2.Request] = []
     sleeps: list[float] = []
     real_sleep = asyncio.sleep
 
@@ -70,7 +70,7 @@ def test_429_honours_retry_after(monkeypatch):
     monkeypatch.setattr("sandbox_client.client.asyncio.sleep", record)
 
     async def main():
-        async with _client([_error(429, "capacity", {"Retry-After": "7"}), httpx.Response(201, json={"id": "x" * 32})],
+        async with _client([_error(429, "capacity", {"Retry-After": "7"}), httpx2.Response(201, json={"id": "x" * 32})],
                            seen) as client:
             return await client.create({"a.py": "x"})
 
@@ -79,7 +79,7 @@ def test_429_honours_retry_after(monkeypatch):
 
 
 def test_persistent_faults_become_infra_errors_after_bounded_retries():
-    seen: list[httpx.Request] = []
+    seen: list[httpx2.Request] = []
 
     async def main(responses, **options):
         async with _client(responses, seen, **options) as client:
@@ -88,7 +88,7 @@ def test_persistent_faults_become_infra_errors_after_bounded_retries():
     with pytest.raises(SandboxInfraError, match="after 3 attempts"):
         run(main([_error(500, "internal")] * 3, max_retries=2))
     with pytest.raises(SandboxInfraError, match="unreachable"):
-        run(main([httpx.ConnectError("refused")] * 3, max_retries=2))
+        run(main([httpx2.ConnectError("refused")] * 3, max_retries=2))
     with pytest.raises(SandboxCapacityError):
         run(main([_error(429, "capacity", {"Retry-After": "0"})] * 2, max_retries=1))
     assert len(seen) == 8
@@ -103,7 +103,7 @@ def test_persistent_faults_become_infra_errors_after_bounded_retries():
     (_error(422, "idempotency_key_reused"), SandboxInfraError),
 ])
 def test_client_errors_are_classified_without_retry(response, error):
-    seen: list[httpx.Request] = []
+    seen: list[httpx2.Request] = []
 
     async def main():
         async with _client([response], seen) as client:
@@ -116,11 +116,11 @@ def test_client_errors_are_classified_without_retry(response, error):
 
 
 def test_timed_out_exec_raises_command_timeout_with_partial_result():
-    seen: list[httpx.Request] = []
+    seen: list[httpx2.Request] = []
     partial = {**EXEC_OK, "exit_code": -9, "stdout": "partial", "timed_out": True}
 
     async def main():
-        async with _client([httpx.Response(200, json=partial)], seen) as client:
+        async with _client([httpx2.Response(200, json=partial)], seen) as client:
             await client.exec("a" * 32, "sleep 99", timeout_s=1)
 
     with pytest.raises(CommandTimeout) as caught:
@@ -129,20 +129,20 @@ def test_timed_out_exec_raises_command_timeout_with_partial_result():
 
 
 def test_nonzero_exit_is_a_result_not_an_error():
-    seen: list[httpx.Request] = []
+    seen: list[httpx2.Request] = []
 
     async def main():
-        async with _client([httpx.Response(200, json={**EXEC_OK, "exit_code": 2})], seen) as client:
+        async with _client([httpx2.Response(200, json={**EXEC_OK, "exit_code": 2})], seen) as client:
             return await client.exec("a" * 32, "false")
 
     assert run(main()).exit_code == 2
 
 
 def test_delete_whose_first_answer_was_lost_succeeds():
-    seen: list[httpx.Request] = []
+    seen: list[httpx2.Request] = []
 
     async def main():
-        async with _client([httpx.ReadError("reset after delete"), _error(404, "sandbox_not_found")], seen) as client:
+        async with _client([httpx2.ReadError("reset after delete"), _error(404, "sandbox_not_found")], seen) as client:
             await client.delete("a" * 32)
 
     run(main())
@@ -162,7 +162,7 @@ def test_an_answer_that_is_not_the_protocols_is_an_infrastructure_error(body):
     circuit breaker), never a raw decode error that stops the run."""
 
     async def main():
-        async with _client([httpx.Response(201, content=body)] * 2 + [httpx.Response(200, content=body)], []) as c:
+        async with _client([httpx2.Response(201, content=body)] * 2 + [httpx2.Response(200, content=body)], []) as c:
             with pytest.raises(SandboxInfraError, match="not the protocol's"):
                 await c.create({"a.py": ""})
             with pytest.raises(SandboxInfraError, match="not the protocol's"):

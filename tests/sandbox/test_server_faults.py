@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 from sandbox_client import SandboxCapacityError, SandboxClient, SandboxInfraError
@@ -122,9 +122,9 @@ def test_full_server_answers_429_and_leaked_sandboxes_are_reaped(tmp_path):
     with start_local_server(max_sandboxes=2, default_ttl_s=1.0, reap_interval_s=0.2, capacity_retry_after_s=1,
                             root_dir=str(tmp_path / "boxes")) as server:
         headers = {"Authorization": f"Bearer {server.token}"}
-        first = httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).json()["id"]
-        httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).raise_for_status()
-        full = httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers)
+        first = httpx2.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).json()["id"]
+        httpx2.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).raise_for_status()
+        full = httpx2.post(f"{server.url}/v1/sandboxes", json={}, headers=headers)
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "capacity"
 
@@ -140,7 +140,7 @@ def test_full_server_answers_429_and_leaked_sandboxes_are_reaped(tmp_path):
             time.sleep(0.2)
         assert server.health()["sandboxes"]["active"] == 0
         assert not (tmp_path / "boxes" / first).exists()
-        metrics = httpx.get(f"{server.url}/v1/metrics", headers=headers).text
+        metrics = httpx2.get(f"{server.url}/v1/metrics", headers=headers).text
         assert 'sandbox_deleted_total{reason="reaped"} 2.0' in metrics
         assert "sandbox_create_rejected_total 2.0" in metrics  # the raw request and the client
 
@@ -150,9 +150,9 @@ def test_launcher_keeps_the_token_out_of_argv_and_logs_and_cleans_up(tmp_path):
     with start_local_server(root_dir=str(tmp_path / "boxes"), log_file=log_file) as server:
         cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes()
         assert server.token.encode() not in cmdline and len(server.token) >= 32
-        assert httpx.get(f"{server.url}/v1/health").status_code == 401
+        assert httpx2.get(f"{server.url}/v1/health").status_code == 401
         headers = {"Authorization": f"Bearer {server.token}"}
-        httpx.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).raise_for_status()
+        httpx2.post(f"{server.url}/v1/sandboxes", json={}, headers=headers).raise_for_status()
         assert len(_sandbox_dirs(tmp_path / "boxes")) == 1
     assert server.process.poll() is not None
     assert _sandbox_dirs(tmp_path / "boxes") == []  # graceful stop removed the workspaces

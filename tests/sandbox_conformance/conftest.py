@@ -63,9 +63,9 @@ def run(endpoint):
 
 @pytest.fixture(scope="session")
 def health(endpoint) -> dict:
-    import httpx
+    import httpx2
 
     url, token = endpoint
-    response = httpx.get(f"{url}/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    response = httpx2.get(f"{url}/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=30)
     response.raise_for_status()
     return response.json()

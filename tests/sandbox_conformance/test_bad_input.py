@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-import httpx
+import httpx2
 import pytest
 
 from sandbox_client import CommandTimeout, SandboxRequestError
@@ -207,6 +207,6 @@ def test_network_egress_is_blocked_by_default(run, health, endpoint):
 def test_malformed_requests_get_a_structured_error(endpoint):
     url, token = endpoint
     headers = {"Authorization": f"Bearer {token}"}
-    response = httpx.post(f"{url}/v1/sandboxes", headers=headers, content=b"{not json", timeout=30)
+    response = httpx2.post(f"{url}/v1/sandboxes", headers=headers, content=b"{not json", timeout=30)
     assert response.status_code in (400, 422)
     assert set(response.json()["error"]) >= {"code", "message"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-import httpx
+import httpx2
 import pytest
 
 from sandbox_client import SandboxRequestError
@@ -35,15 +35,15 @@ print(sorted(missing))
 
 
 def _raw(endpoint, method: str, path: str, body: dict | None = None, headers: dict | None = None,
-         **kwargs) -> httpx.Response:
+         **kwargs) -> httpx2.Response:
     """A request sent as the JSON the body encodes to with ASCII escapes (so a lone surrogate travels)."""
     url, token = endpoint
     content = None if body is None else json.dumps(body).encode()
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json", **(headers or {})}
-    return httpx.request(method, f"{url}{path}", content=content, timeout=30, headers=headers, **kwargs)
+    return httpx2.request(method, f"{url}{path}", content=content, timeout=30, headers=headers, **kwargs)
 
 
-def _assert_error(response: httpx.Response, status: int, code: str) -> None:
+def _assert_error(response: httpx2.Response, status: int, code: str) -> None:
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code, response.text
 
@@ -216,7 +216,7 @@ def test_an_oversized_chunked_body_gets_413(endpoint, health):
         for _ in range(limit // len(piece) + 2):
             yield piece
 
-    response = httpx.post(f"{url}/v1/sandboxes", content=chunks(), timeout=60,
+    response = httpx2.post(f"{url}/v1/sandboxes", content=chunks(), timeout=60,
                           headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
     _assert_error(response, 413, "payload_too_large")
 
@@ -411,9 +411,9 @@ def test_unknown_routes_and_methods_get_the_typed_error_shape(endpoint, sandbox)
 
 
 # ---- requests that are not what they seem ---------------------------------------------------------
-def _raw_bytes(endpoint, path: str, content: bytes) -> httpx.Response:
+def _raw_bytes(endpoint, path: str, content: bytes) -> httpx2.Response:
     url, token = endpoint
-    return httpx.post(f"{url}{path}", content=content, timeout=30,
+    return httpx2.post(f"{url}{path}", content=content, timeout=30,
                       headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-import httpx
+import httpx2
 import pytest
 
 from sandbox_client import CommandTimeout, SandboxNotFound
@@ -28,7 +28,7 @@ def test_health_reports_protocol_isolation_and_limits(health):
 def test_every_endpoint_requires_the_bearer_token(endpoint, method, path):
     url, token = endpoint
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
-        response = httpx.request(method, url + path, headers=headers, json={}, timeout=30)
+        response = httpx2.request(method, url + path, headers=headers, json={}, timeout=30)
         assert response.status_code == 401, (headers, response.text)
         assert token not in response.text
 
@@ -36,9 +36,9 @@ def test_every_endpoint_requires_the_bearer_token(endpoint, method, path):
 def test_openapi_and_metrics_are_published(endpoint):
     url, token = endpoint
     headers = {"Authorization": f"Bearer {token}"}
-    schema = httpx.get(f"{url}/v1/openapi.json", headers=headers, timeout=30).json()
+    schema = httpx2.get(f"{url}/v1/openapi.json", headers=headers, timeout=30).json()
     assert "/v1/sandboxes/{sandbox_id}/exec" in schema["paths"]
-    metrics = httpx.get(f"{url}/v1/metrics", headers=headers, timeout=30)
+    metrics = httpx2.get(f"{url}/v1/metrics", headers=headers, timeout=30)
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert "# TYPE" in metrics.text
 
@@ -133,7 +133,7 @@ def test_timeout_kills_the_whole_process_tree_and_daemons(run):
 def test_exec_idempotency_key_runs_a_command_once(endpoint):
     url, token = endpoint
     headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+    with httpx2.Client(base_url=url, headers=headers, timeout=30) as http:
         sid = http.post("/v1/sandboxes", json={"files": {}}).json()["id"]
         try:
             key = uuid.uuid4().hex
