@@ -171,7 +171,8 @@ async def score_submission(client: SandboxClient, *, task_files: dict[str, str],
         nonce = secrets.token_hex(16)
         runner_timeout = max(timeout_s - _RUNNER_MARGIN_S, timeout_s / 2)
         try:
-            result = await client.exec(scoring_id, JUDGE_ARGV, peer_command=PEER_ARGV,
+            # the judge writes before it reads: the peer can wait for its first request
+            result = await client.exec(scoring_id, JUDGE_ARGV, peer_command=PEER_ARGV, lazy_peer=True,
                                        stdin=command.payload(hidden_files, nonce, runner_timeout), timeout_s=timeout_s)
         except CommandTimeout as exc:
             output = _output(exc.result.stdout, exc.result.stderr)

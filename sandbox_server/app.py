@@ -100,7 +100,11 @@ class ExecRequest(StrictRequest):
     peer_command: list[str] | None = Field(
         default=None, description="argv of a second process run as the sandbox's uid, while `command` runs as the "
         "sandbox's judge uid; the command's fds 3, 4 and 5 are pipes to the peer's stdin, from its stdout and "
-        "from its stderr; the peer starts when the command first writes to fd 3 (scoring: docs/sandbox.md)")
+        "from its stderr (scoring: docs/sandbox.md)")
+    lazy_peer: bool = Field(
+        default=False, description="start the peer only when the command first writes to its fd 3, so a command "
+        "that never asks costs no second process; a command that reads fd 4 or 5 before writing fd 3 then waits "
+        "until its timeout")
     timeout_s: float = 30.0
     idempotency_key: str | None = Field(default=None, max_length=200)
 
@@ -407,6 +411,7 @@ class SandboxManager:
         try:
             result = await self.isolation.run(box.workspace, box.home, command.argv, stdin=command.stdin,
                                               env=command.env, slot=box.slot, cgroup=box.id, peer=command.peer,
+                                              lazy_peer=command.lazy_peer,
                                               timeout_s=command.timeout_s, network=box.network)
         finally:
             box.tasks.discard(task)
@@ -674,6 +679,7 @@ class _Command:
     peer: list[str] | None
     stdin: bytes | None
     timeout_s: float
+    lazy_peer: bool = False
 
 
 def _prepare_exec(body: ExecRequest, max_timeout_s: float) -> _Command:
@@ -686,7 +692,7 @@ def _prepare_exec(body: ExecRequest, max_timeout_s: float) -> _Command:
     if not 0 < body.timeout_s <= max_timeout_s:
         raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {max_timeout_s}], got {body.timeout_s}")
     stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
-    return _Command(argv, env, peer, stdin, body.timeout_s)
+    return _Command(argv, env, peer, stdin, body.timeout_s, body.lazy_peer)
 
 
 def _snapshot(body: CreateRequest) -> dict[str, bytes]:

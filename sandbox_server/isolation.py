@@ -436,18 +436,20 @@ class Isolation:
         assert self.uid is not None
         return self.uid + self.options.max_sandboxes + slot
 
-    def pair_argv(self, argv: list[str], peer: list[str], env: dict[str, str], slot: int) -> list[str]:
-        """The launcher (``pair_launch``) that starts ``argv`` as the judge uid and ``peer`` as the sandbox's."""
+    def pair_argv(self, argv: list[str], peer: list[str], env: dict[str, str], slot: int,
+                  lazy_peer: bool = False) -> list[str]:
+        """The launcher (``pair_launch``) that starts ``argv`` as the judge uid and ``peer`` as the sandbox's
+        (with ``lazy_peer``, at ``argv``'s first write to it)."""
         spec = {"command": argv, "peer": peer, "env": env, "judge_uid": self.judge_uid(slot),
-                "peer_uid": self.command_uid(slot) if self.per_sandbox_uids else None}
+                "peer_uid": self.command_uid(slot) if self.per_sandbox_uids else None, "lazy_peer": lazy_peer}
         return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, json.dumps(spec)]
 
     def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool,
-               uid: int | None, peer: list[str] | None = None, slot: int = 0) -> Launch:
+               uid: int | None, peer: list[str] | None = None, slot: int = 0, lazy_peer: bool = False) -> Launch:
         """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file.
         With ``peer``, the pair launcher runs as the server's uid (root) and switches each process's uid."""
         if peer is not None:
-            argv = self.pair_argv(argv, peer, env, slot)
+            argv = self.pair_argv(argv, peer, env, slot, lazy_peer)
             if self.per_sandbox_uids:
                 uid = None
         if self.backend == "bwrap":
@@ -472,13 +474,13 @@ class Isolation:
     # ---- running -------------------------------------------------------------------------------
     async def run(self, workspace: Path, home: Path, argv: list[str], *, stdin: bytes | None,
                   env: dict[str, str], timeout_s: float, network: bool, slot: int = 0,
-                  cgroup: str | None = None, peer: list[str] | None = None) -> RunResult:
+                  cgroup: str | None = None, peer: list[str] | None = None, lazy_peer: bool = False) -> RunResult:
         marker = uuid.uuid4().hex
         full_env = {**self.base_env(workspace, home), **env}
         if self.backend == "process":
             full_env[_MARKER_VAR] = marker
         command_uid = self.command_uid(slot)
-        launch = self.launch(workspace, argv, full_env, network, command_uid, peer, slot)
+        launch = self.launch(workspace, argv, full_env, network, command_uid, peer, slot, lazy_peer)
         uid = command_uid if self.backend == "process" else None  # bwrap drops the uid itself
         if peer is not None and self.per_sandbox_uids:
             uid = None  # the pair launcher switches uids

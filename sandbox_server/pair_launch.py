@@ -2,7 +2,8 @@
 
 Standard library only: the server runs this source as ``python -I -S -c SOURCE SPEC_JSON`` inside the
 sandbox's namespaces (bubblewrap) or as a plain child (process backend), with the server's uid
-(root when uids can be switched). SPEC_JSON: ``{"command", "peer", "env", "judge_uid", "peer_uid"}``.
+(root when uids can be switched). SPEC_JSON: ``{"command", "peer", "env", "judge_uid", "peer_uid",
+"lazy_peer"}``.
 
 - the peer gets the pipes as stdin (requests), stdout (replies) and stderr, and nothing else; it
   runs as ``peer_uid`` (the sandbox's uid);
@@ -10,9 +11,10 @@ sandbox's namespaces (bubblewrap) or as a plain child (process backend), with th
   stdin), 4 (from its stdout) and 5 (from its stderr); it runs as ``judge_uid``, a uid no other
   process of the sandbox has, so the peer cannot signal, trace or read it, nor read its files;
 - both lose every capability (a uid switch away from 0 clears them) and get ``no_new_privs``;
-- the peer starts when the command first writes to it (a command that never asks for the peer, such
-  as a hidden check that reads a file, costs one process less); where the kernel has no pidfd
-  (Linux < 5.3) it starts with the command;
+- with ``lazy_peer`` the peer starts when the command first writes to it (a command that never asks
+  for the peer, such as a hidden check that reads a file, costs one process less; one that reads
+  fd 4 or 5 first waits until its timeout); where the kernel has no pidfd (Linux < 5.3) it starts
+  with the command, as it always does without ``lazy_peer``;
 - this launcher waits for the command, then kills the peer and exits with the command's status.
 With a uid of None (a server that is not root) that process keeps the launcher's uid.
 """
@@ -92,6 +94,9 @@ def main():
     to_peer_r, to_peer_w = os.pipe()
     from_peer_r, from_peer_w = os.pipe()
     err_r, err_w = os.pipe()
+    peer_fds = {0: to_peer_r, 1: from_peer_w, 2: err_w}
+    lazy = spec.get("lazy_peer", False)
+    peer = None if lazy else _start(spec["peer"], env, spec["peer_uid"], peer_fds, libc)
     command = _start(spec["command"], env, spec["judge_uid"],
                      {0: 0, 1: 1, 2: 2, 3: to_peer_w, 4: from_peer_r, 5: err_r}, libc)
     for fd in (to_peer_w, from_peer_r, err_r):
@@ -99,9 +104,8 @@ def main():
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    peer = None
-    if _first_request(to_peer_r, command):
-        peer = _start(spec["peer"], env, spec["peer_uid"], {0: to_peer_r, 1: from_peer_w, 2: err_w}, libc)
+    if lazy and _first_request(to_peer_r, command):
+        peer = _start(spec["peer"], env, spec["peer_uid"], peer_fds, libc)
     for fd in (to_peer_r, from_peer_w, err_w):
         os.close(fd)
     _, status = os.waitpid(command, 0)

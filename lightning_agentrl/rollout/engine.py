@@ -229,22 +229,33 @@ class TorchEngine:
         """Decode until no row is left, taking in requests as they come; answers each row's caller
         (through ``loop``) when it stops. An error fails the rows in flight, not the engine."""
         decoding: _Decoding | None = None
-        arrived: list[_Request] = []
         try:
             while True:
                 room = self.max_batch_size - (len(decoding.rows) if decoding else 0)
                 joinable = decoding is None or (_plain_cache(decoding.past) and not self._updates_waiting)
                 arrived = self._take(room) if room > 0 and joinable else []
                 if arrived:
-                    decoding = self._admit(decoding, arrived)
-                    arrived = []
+                    decoding = self._admit_or_fail(decoding, arrived, loop)
                 decoding = self._settle(decoding, loop, version) if decoding is not None else None
                 if decoding is None:
                     return
                 self._step(decoding)
-        except Exception as err:  # surface to every waiter in flight, keep serving
-            for request in arrived + [row.request for row in (decoding.rows if decoding else [])]:
-                loop.call_soon_threadsafe(_fail, request.future, err)
+        except Exception as err:  # a failed step fails every row in flight; the engine keeps serving
+            for row in decoding.rows if decoding else []:
+                loop.call_soon_threadsafe(_fail, row.request.future, err)
+
+    def _admit_or_fail(self, decoding: _Decoding | None, requests: list[_Request], loop) -> _Decoding | None:
+        """:meth:`_admit` the requests; where their prefill fails, admit them one by one, so a bad
+        prompt fails its own request only, not the others nor the batch they join."""
+        try:
+            return self._admit(decoding, requests)
+        except Exception as err:
+            if len(requests) == 1:
+                loop.call_soon_threadsafe(_fail, requests[0].future, err)
+                return decoding
+        for request in requests:
+            decoding = self._admit_or_fail(decoding, [request], loop)
+        return decoding
 
     def _admit(self, decoding: _Decoding | None, requests: list[_Request]) -> _Decoding:
         """Prefill ``requests`` and sample their first ids; they join ``decoding`` (or start one)."""

@@ -165,3 +165,29 @@ def test_a_weight_update_closes_the_batch_to_new_requests(tiny_model_path):
     engine, (first, late) = asyncio.run(run())
     assert (first.policy_version, late.policy_version, engine.num_joins) == (0, 1, 0)
     assert len(first.token_ids) == 96
+
+
+def test_a_bad_prompt_fails_its_own_request_not_the_batch_it_joins(tiny_model_path):
+    """An id outside the vocabulary fails its prefill: that request gets the error; the row it
+    joined and the requests that arrived with it are answered as if it had never come."""
+    bad = [1, 10**6]
+    running, fellow = (PROMPTS[0], SamplingParams(max_new_tokens=64, seed=1)), (PROMPTS[3], SamplingParams(max_new_tokens=5, seed=4))
+
+    async def run():
+        engine = engine_for(tiny_model_path)
+        alone = [await engine.generate(*running), await engine.generate(*fellow)]
+        first = asyncio.ensure_future(engine.generate(*running))
+        await _until(lambda: engine.num_batches == 3)
+        joined = await asyncio.gather(engine.generate(bad, SamplingParams(max_new_tokens=4)), engine.generate(*fellow),
+                                      return_exceptions=True)
+        at_start = await asyncio.gather(engine.generate(bad, SamplingParams(max_new_tokens=4)),
+                                        engine.generate(*fellow), return_exceptions=True)
+        result = await first
+        await engine.close()
+        return alone, result, joined, at_start
+
+    alone, result, joined, at_start = asyncio.run(run())
+    assert result.token_ids == alone[0].token_ids
+    for error, generation in (joined, at_start):
+        assert isinstance(error, IndexError)
+        assert generation.token_ids == alone[1].token_ids

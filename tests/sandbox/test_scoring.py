@@ -163,14 +163,14 @@ def test_the_agents_code_and_the_hidden_tests_import_installed_packages(server):
     assert (result.reward, result.passed) == (1.0, True), result.output
 
 
-def _exec_pair(server, command: list[str], peer: list[str], timeout_s: float = 30):
+def _exec_pair(server, command: list[str], peer: list[str], timeout_s: float = 30, lazy_peer: bool = True):
     """(exec result, seconds, workspace files after) of one exec with a peer, in a fresh sandbox."""
     async def main():
         async with SandboxClient(server.url, server.token) as client:
             sid = await client.create({})
             try:
                 started = time.monotonic()
-                result = await client.exec(sid, command, peer_command=peer, timeout_s=timeout_s)
+                result = await client.exec(sid, command, peer_command=peer, timeout_s=timeout_s, lazy_peer=lazy_peer)
                 return result, time.monotonic() - started, await client.list_files(sid)
             finally:
                 await client.delete(sid)
@@ -178,9 +178,10 @@ def _exec_pair(server, command: list[str], peer: list[str], timeout_s: float = 3
     return asyncio.run(main())
 
 
-def test_the_peer_starts_only_when_the_command_first_writes_to_it(server):
-    """A hidden check that never calls the agent's code (one reading answer.txt) costs no peer process;
-    one that does gets the peer, with its first request already waiting in the pipe."""
+def test_a_lazy_peer_starts_only_when_the_command_first_writes_to_it(server):
+    """With ``lazy_peer`` (scoring's setting) a hidden check that never calls the agent's code (one
+    reading answer.txt) costs no peer process; one that does gets the peer, with its first request
+    already waiting in the pipe."""
     peer = ["/bin/sh", "-c", "touch peer-ran; read request; echo \"got $request\""]
     silent, _, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 0.5; echo done"], peer)
     assert (silent.exit_code, silent.stdout.strip()) == (0, "done")
@@ -197,3 +198,44 @@ def test_a_command_whose_child_keeps_the_peer_pipe_still_ends_when_it_exits(serv
     result, seconds, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 20 & echo left"], peer, timeout_s=15)
     assert (result.exit_code, result.timed_out, result.stdout.strip()) == (0, False, "left")
     assert seconds < 10 and "peer-ran" not in files
+
+
+def test_without_lazy_peer_the_peer_starts_with_the_command(server):
+    """The default: a peer that speaks first, or that nobody writes to, runs at once; a command
+    that reads before it writes gets its answer, not a wait until the timeout."""
+    peer = ["/bin/sh", "-c", "touch peer-ran; echo banner"]
+    result, seconds, files = _exec_pair(server, ["/bin/sh", "-c", "head -n1 <&4"], peer, timeout_s=15, lazy_peer=False)
+    assert (result.exit_code, result.stdout.strip()) == (0, "banner") and seconds < 10
+    silent, _, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 0.5"], peer, lazy_peer=False)
+    assert silent.exit_code == 0 and "peer-ran" in files
+
+
+def test_scoring_asks_for_a_lazy_peer_and_a_script_check_scores_without_one(server):
+    """The judge writes before it reads, so scoring asks for the lazy peer (seen on the wire); a
+    hidden script that reads a file, which never asks the peer, still scores 1."""
+    import json
+
+    import httpx2
+
+    class Recording(httpx2.AsyncHTTPTransport):
+        execs: list[dict] = []
+
+        async def handle_async_request(self, request):
+            if request.url.path.endswith("/exec"):
+                self.execs.append(json.loads(request.content))
+            return await super().handle_async_request(request)
+
+    hidden = {"hidden_check/check.py": "import sys\nsys.exit(0 if open('answer.txt').read().strip() == '7' else 1)\n"}
+
+    async def main():
+        async with SandboxClient(server.url, server.token, transport=Recording()) as client:
+            agent = await client.create({"answer.txt": "7\n"})
+            try:
+                return await score_submission(client, task_files={}, hidden_files=hidden, agent_sandbox_id=agent,
+                                              test_command="python hidden_check/check.py", timeout_s=30)
+            finally:
+                await client.delete(agent)
+
+    result = asyncio.run(main())
+    assert (result.reward, result.passed) == (1.0, True), result.output
+    assert [body.get("lazy_peer") for body in Recording.execs] == [True]
