@@ -54,6 +54,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/logprob_memory_bench.py
 	$(PY) benchmarks/sandbox_bench.py
 	$(PY) benchmarks/scoring_bench.py
+	$(PY) benchmarks/http_client_bench.py
 	$(PY) benchmarks/engine_compare.py
 	$(PY) benchmarks/sampling_bench.py
 	$(PY) benchmarks/packed_attention_bench.py

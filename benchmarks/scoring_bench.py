@@ -3,13 +3,13 @@
     python benchmarks/scoring_bench.py [--rounds 30] [--out benchmarks/results/scoring.json]
 
 Each round scores the same submission twice, in alternating order so both see the same load: once
-as scoring runs (judge and peer start as ``python -I``: ``site`` runs every installed package's
-``.pth`` file, an editable install's import hook too), and once with the peer started as
-``python -I -S`` (this task's peer imports nothing installed), which measures what skipping the
-peer's ``site`` start-up would save. A round is the fork of the agent's sandbox, the
-judge, the peer and their launcher under the service's isolation, and the delete; a round that
-does not score 1 stops the benchmark. Writes ``--out`` and prints one summary line; run it on an
-idle machine (the CPU column counts every process on it).
+as scoring runs (``lazy_peer``: the peer starts at the judge's first request, and this task's
+hidden script, which only reads ``answer.txt``, never makes one), and once with the peer started
+with the judge (``lazy_peer`` off, as scoring ran before), which measures what the lazy peer saves.
+A round is the fork of the agent's sandbox, the judge (and the peer) and their launcher under the
+service's isolation, and the delete; a round that does not score 1 stops the benchmark. Writes
+``--out`` and prints one summary line; run it on an idle machine (the CPU column counts every
+process on it).
 """
 
 from __future__ import annotations
@@ -31,10 +31,14 @@ from sandbox_client import SandboxClient, scoring  # noqa: E402
 from sandbox_server.launch import start_local_server  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "scoring.json"
-FLAVOURS = {
-    "with_site": (scoring.JUDGE_ARGV, scoring.PEER_ARGV),  # as scoring runs
-    "without_site": (scoring.JUDGE_ARGV, [*scoring.PEER_ARGV[:2], "-S", *scoring.PEER_ARGV[2:]]),
-}
+FLAVOURS = ("lazy_peer", "eager_peer")
+
+
+class _EagerPeerClient(SandboxClient):
+    """Scoring as it ran before the lazy peer: every exec starts its peer with the command."""
+
+    async def exec(self, *args, **kwargs):
+        return await super().exec(*args, **{**kwargs, "lazy_peer": False})
 
 
 def _busy_s() -> float:
@@ -45,7 +49,6 @@ def _busy_s() -> float:
 
 
 async def _one(client: SandboxClient, task, sandbox_id: str, flavour: str) -> tuple[float, float]:
-    scoring.JUDGE_ARGV, scoring.PEER_ARGV = FLAVOURS[flavour]
     busy = _busy_s()
     start = time.perf_counter()
     result = await scoring.score_submission(
@@ -62,18 +65,19 @@ async def measure(url: str, token: str, rounds: int) -> tuple[dict[str, list[flo
     task = load_tasks(REPO / "tasks" / "learn", split="train")[0]
     times: dict[str, list[float]] = {name: [] for name in FLAVOURS}
     cpu: dict[str, list[float]] = {name: [] for name in FLAVOURS}
-    async with SandboxClient(url, token) as client:
-        sandbox_id = await client.create(dict(task.files))
-        await client.write_file(sandbox_id, "answer.txt", task.files["key.txt"])
+    async with SandboxClient(url, token) as lazy, _EagerPeerClient(url, token) as eager:
+        clients = {"lazy_peer": lazy, "eager_peer": eager}
+        sandbox_id = await lazy.create(dict(task.files))
+        await lazy.write_file(sandbox_id, "answer.txt", task.files["key.txt"])
         for name in FLAVOURS:  # warm the page cache for both
-            await _one(client, task, sandbox_id, name)
+            await _one(clients[name], task, sandbox_id, name)
         for index in range(rounds):
             order = list(FLAVOURS) if index % 2 == 0 else list(reversed(FLAVOURS))
             for name in order:
-                elapsed, busy = await _one(client, task, sandbox_id, name)
+                elapsed, busy = await _one(clients[name], task, sandbox_id, name)
                 times[name].append(elapsed)
                 cpu[name].append(busy)
-        await client.delete(sandbox_id)
+        await lazy.delete(sandbox_id)
     return times, cpu
 
 
@@ -99,19 +103,18 @@ def main() -> None:
         "load_average_1m_before": load_before,
         "median_s": medians,
         "min_s": {name: min(values) for name, values in times.items()},
-        "saved_fraction": 1 - medians["without_site"] / medians["with_site"],
+        "saved_fraction": 1 - medians["lazy_peer"] / medians["eager_peer"],
         # the machine's busy CPU seconds during each scoring, averaged (the judge and the peer start at
         # once, so the wall time shows the slower of the two; 32 scorings at once share the cores)
         "cpu_s_mean": cpu_means,
-        "cpu_saved_fraction": 1 - cpu_means["without_site"] / cpu_means["with_site"],
+        "cpu_saved_fraction": 1 - cpu_means["lazy_peer"] / cpu_means["eager_peer"],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"scoring ({backend}): median {medians['with_site'] * 1e3:.0f} ms as run vs "
-          f"{medians['without_site'] * 1e3:.0f} ms with the peer as python -S ({result['saved_fraction']:.0%} less); "
-          f"CPU {cpu_means['with_site'] * 1e3:.0f} vs {cpu_means['without_site'] * 1e3:.0f} ms "
+    print(f"scoring ({backend}): median {medians['lazy_peer'] * 1e3:.0f} ms with the lazy peer vs "
+          f"{medians['eager_peer'] * 1e3:.0f} ms with the peer started with the judge ({result['saved_fraction']:.0%} "
+          f"less); CPU {cpu_means['lazy_peer'] * 1e3:.0f} vs {cpu_means['eager_peer'] * 1e3:.0f} ms "
           f"({result['cpu_saved_fraction']:.0%} less), {args.rounds} rounds, load {load_before:.1f} before")
-
 
 if __name__ == "__main__":
     main()

@@ -352,18 +352,30 @@ def test_peer_project_side_overrides_reach_its_settings_and_the_summary():
     assert summary_line(record).endswith("project side with rollout.max_staleness=1")
 
 
-def test_scoring_benchmark_times_both_start_ups_of_a_solved_task(tmp_path):
+def test_scoring_benchmark_times_the_lazy_and_the_eager_peer_on_a_solved_task(tmp_path):
     out = tmp_path / "scoring.json"
     run_benchmark("benchmarks/scoring_bench.py", "--rounds", "1", "--out", str(out))
     record = json.loads(out.read_text())  # written only when every round scored the solved task 1
-    assert record["rounds"] == 1 and set(record["median_s"]) == {"without_site", "with_site"}
+    assert record["rounds"] == 1 and set(record["median_s"]) == {"lazy_peer", "eager_peer"}
     assert all(0 < v < 60 for v in record["median_s"].values())
-    assert record["saved_fraction"] == 1 - record["median_s"]["without_site"] / record["median_s"]["with_site"]
-    assert set(record["cpu_s_mean"]) == {"without_site", "with_site"}
+    assert record["saved_fraction"] == 1 - record["median_s"]["lazy_peer"] / record["median_s"]["eager_peer"]
+    assert set(record["cpu_s_mean"]) == {"lazy_peer", "eager_peer"}
     assert all(v > 0 for v in record["cpu_s_mean"].values())  # a scoring starts processes: CPU is spent
     done = subprocess.run([sys.executable, "benchmarks/scoring_bench.py", "--rounds", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
+
+
+def test_http_client_benchmark_measures_each_client_on_the_same_requests(tmp_path):
+    out = tmp_path / "http.json"
+    run_benchmark("benchmarks/http_client_bench.py", "--in-flight", "4", "--rounds", "2", "--out", str(out))
+    record = json.loads(out.read_text())
+    cpu = record["client_cpu_ms_per_request"]
+    assert {"sandbox_client", "httpx2"} <= set(cpu) and all(0 < v < 1000 for v in cpu.values())
+    assert (record["in_flight"], record["rounds"], record["connections"]) == (4, 2, 64)
+    done = subprocess.run([sys.executable, "benchmarks/http_client_bench.py", "--in-flight", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "must be at least 1" in done.stderr
 
 
 def test_policy_snapshots_save_each_step_once_and_never_step_zero(tmp_path):
