@@ -689,6 +689,8 @@ def _prepare_exec(body: ExecRequest, max_timeout_s: float) -> _Command:
     peer = _argv(body.peer_command) if body.peer_command is not None else None
     if peer is not None:
         _check_exec_size(peer, {})
+    elif body.lazy_peer:
+        raise ApiError(400, "invalid_request", "lazy_peer needs a peer_command")
     if not 0 < body.timeout_s <= max_timeout_s:
         raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {max_timeout_s}], got {body.timeout_s}")
     stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None

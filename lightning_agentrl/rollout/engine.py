@@ -170,6 +170,7 @@ class TorchEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
+        self._vocab_size = model.get_input_embeddings().num_embeddings
         # a prefill needs the last position's logits only: [B, 1, V], not [B, T, V]
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         self.pad_token_id = pad_token_id
@@ -200,6 +201,9 @@ class TorchEngine:
 
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
+        outside = [i for i in prompt_ids if not 0 <= i < self._vocab_size]
+        if outside:  # caught here, not in a batch's prefill (on CUDA a device-side assert ends the process)
+            raise ValueError(f"prompt_ids has ids outside the model's vocabulary of {self._vocab_size}: {outside[:5]}")
         self._ensure_started()
         future = asyncio.get_running_loop().create_future()
         with self._queue_lock:

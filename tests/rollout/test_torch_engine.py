@@ -167,14 +167,27 @@ def test_a_weight_update_closes_the_batch_to_new_requests(tiny_model_path):
     assert len(first.token_ids) == 96
 
 
+def test_an_id_outside_the_vocabulary_is_refused_before_any_batch(tiny_model_path):
+    async def run():
+        engine = engine_for(tiny_model_path)
+        with pytest.raises(ValueError, match="outside the model's vocabulary of 2048: \\[2048, -1\\]"):
+            await engine.generate([1, 2048, 5, -1], SamplingParams(max_new_tokens=4))
+        await engine.close()
+        return engine
+
+    assert asyncio.run(run()).num_requests == 0
+
+
 def test_a_bad_prompt_fails_its_own_request_not_the_batch_it_joins(tiny_model_path):
-    """An id outside the vocabulary fails its prefill: that request gets the error; the row it
-    joined and the requests that arrived with it are answered as if it had never come."""
+    """A prompt whose prefill fails (here an id past the embedding table, let through the engine's
+    own check): that request gets the error; the row it joined and the requests that arrived with
+    it are answered as if it had never come."""
     bad = [1, 10**6]
     running, fellow = (PROMPTS[0], SamplingParams(max_new_tokens=64, seed=1)), (PROMPTS[3], SamplingParams(max_new_tokens=5, seed=4))
 
     async def run():
         engine = engine_for(tiny_model_path)
+        engine._vocab_size = 10**9  # let the bad id through to the prefill
         alone = [await engine.generate(*running), await engine.generate(*fellow)]
         first = asyncio.ensure_future(engine.generate(*running))
         await _until(lambda: engine.num_batches == 3)

@@ -239,3 +239,21 @@ def test_scoring_asks_for_a_lazy_peer_and_a_script_check_scores_without_one(serv
     result = asyncio.run(main())
     assert (result.reward, result.passed) == (1.0, True), result.output
     assert [body.get("lazy_peer") for body in Recording.execs] == [True]
+
+
+def test_lazy_peer_without_a_peer_command_is_refused(server):
+    import httpx2
+
+    async def main():
+        async with SandboxClient(server.url, server.token) as client:
+            sid = await client.create({})
+            try:
+                return httpx2.post(f"{server.url}/v1/sandboxes/{sid}/exec", timeout=30,
+                                   headers={"Authorization": f"Bearer {server.token}"},
+                                   json={"command": ["true"], "lazy_peer": True})
+            finally:
+                await client.delete(sid)
+
+    response = asyncio.run(main())
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request", response.text
+    assert "lazy_peer needs a peer_command" in response.json()["error"]["message"]
