@@ -139,6 +139,32 @@ class _Decoding:
     attention: torch.Tensor
     next_pos: torch.Tensor
     pending: torch.Tensor
+    sampler: _Sampler
+
+
+class _Sampler:
+    """The per-row sampling settings of a fixed set of rows, as tensors built once (not every step)."""
+
+    def __init__(self, rows: list[_Row], device) -> None:
+        params = [row.request.sampling for row in rows]
+        self.temperature, self.filters = _row_filters(params, device)
+        self.sampled = torch.tensor([not p.greedy for p in params], device=device)
+        self.uniforms = torch.nn.utils.rnn.pad_sequence([row.uniforms for row in rows], batch_first=True).to(device)
+        self.last = torch.tensor([len(row.uniforms) - 1 for row in rows], device=device)
+
+    def sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """Sample one id per row from ``logits[B, V]`` under the log-prob rule and record it in the
+        row; the ids ``[B]``. A row that already stopped samples too (its id is dropped)."""
+        logits = logits.float()
+        logprobs = torch.log_softmax(sampling_logits(logits, self.temperature, **self.filters), dim=-1)
+        steps = torch.tensor([len(row.ids) for row in rows], device=logits.device).minimum(self.last)
+        uniforms = self.uniforms.gather(1, steps[:, None]).squeeze(1)
+        token = torch.where(self.sampled, inverse_cdf_sample(logprobs, uniforms), logits.argmax(-1))
+        token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
+        for row, tid, lp in zip(rows, token.tolist(), token_lp.tolist(), strict=True):
+            if row.reason is None:
+                row.take(tid, lp)
+        return token
 
 
 class TorchEngine:
@@ -268,8 +294,9 @@ class TorchEngine:
         rows = [_Row(r, _request_uniforms([r.sampling])[0]) for r in requests]
         out = self.model(input_ids=input_ids, attention_mask=attention,
                          position_ids=(attention.cumsum(-1) - 1).clamp(min=0), use_cache=True, **self._last_logits)
-        pending = _sample(rows, out.logits[:, -1, :], device)
-        joined = _Decoding(rows, out.past_key_values, attention, attention.sum(-1, keepdim=True), pending)
+        sampler = _Sampler(rows, device)
+        pending = sampler.sample(rows, out.logits[:, -1, :])
+        joined = _Decoding(rows, out.past_key_values, attention, attention.sum(-1, keepdim=True), pending, sampler)
         self.num_batches += 1
         self.num_requests += len(requests)
         if decoding is None:
@@ -279,12 +306,11 @@ class TorchEngine:
 
     def _step(self, decoding: _Decoding) -> None:
         """Feed every row's pending id, and sample its next."""
-        device = decoding.pending.device
         attention = torch.cat([decoding.attention, decoding.attention.new_ones((len(decoding.rows), 1))], dim=1)
         out = self.model(input_ids=decoding.pending[:, None], attention_mask=attention,
                          position_ids=decoding.next_pos, past_key_values=decoding.past, use_cache=True)
         decoding.past, decoding.attention, decoding.next_pos = out.past_key_values, attention, decoding.next_pos + 1
-        decoding.pending = _sample(decoding.rows, out.logits[:, -1, :], device)
+        decoding.pending = decoding.sampler.sample(decoding.rows, out.logits[:, -1, :])
 
     def _settle(self, decoding: _Decoding, loop, version: int) -> _Decoding | None:
         """Answer the rows that stopped and drop them (keep them where the cache cannot be cut);
@@ -302,8 +328,9 @@ class TorchEngine:
         attention = decoding.attention[keep]
         first = int(attention.any(0).int().argmax())  # columns padding in every row go
         layers = [(layer.keys[keep, :, first:], layer.values[keep, :, first:]) for layer in decoding.past.layers]
-        return _Decoding([decoding.rows[i] for i in live], _cache_of(layers), attention[:, first:],
-                         decoding.next_pos[keep], decoding.pending[keep])
+        rows = [decoding.rows[i] for i in live]
+        return _Decoding(rows, _cache_of(layers), attention[:, first:], decoding.next_pos[keep],
+                         decoding.pending[keep], _Sampler(rows, keep.device))
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self._ensure_started()
@@ -383,24 +410,6 @@ def inverse_cdf_sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.
     return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)
 
 
-def _sample(rows: list[_Row], logits: torch.Tensor, device) -> torch.Tensor:
-    """Sample one id per row from ``logits[B, V]`` under the log-prob rule, record it in the row;
-    the ids ``[B]``. A row that already stopped samples too (its id is dropped)."""
-    logits = logits.float()
-    params = [row.request.sampling for row in rows]
-    temperature, filters = _row_filters(params, device)
-    logprobs = torch.log_softmax(sampling_logits(logits, temperature, **filters), dim=-1)
-    sampled = torch.tensor([not p.greedy for p in params], device=device)
-    steps = [min(len(row.ids), len(row.uniforms) - 1) for row in rows]
-    uniforms = torch.stack([row.uniforms[step] for row, step in zip(rows, steps, strict=True)]).to(device)
-    token = torch.where(sampled, inverse_cdf_sample(logprobs, uniforms), logits.argmax(-1))
-    token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
-    for row, tid, lp in zip(rows, token.tolist(), token_lp.tolist(), strict=True):
-        if row.reason is None:
-            row.take(tid, lp)
-    return token
-
-
 def _plain_cache(past) -> bool:
     """Whether every layer of ``past`` is a plain ``DynamicLayer`` (keys/values ``[B, H, T, D]``),
     which rows can be cut from and joined to."""
@@ -430,8 +439,10 @@ def _concat(a: _Decoding, b: _Decoding) -> _Decoding:
 
     layers = [(torch.cat([widen(la.keys, 2), widen(lb.keys, 2)]), torch.cat([widen(la.values, 2), widen(lb.values, 2)]))
               for la, lb in zip(a.past.layers, b.past.layers, strict=True)]
-    return _Decoding(a.rows + b.rows, _cache_of(layers), torch.cat([widen(a.attention, 1), widen(b.attention, 1)]),
-                     torch.cat([a.next_pos, b.next_pos]), torch.cat([a.pending, b.pending]))
+    rows = a.rows + b.rows
+    return _Decoding(rows, _cache_of(layers), torch.cat([widen(a.attention, 1), widen(b.attention, 1)]),
+                     torch.cat([a.next_pos, b.next_pos]), torch.cat([a.pending, b.pending]),
+                     _Sampler(rows, a.pending.device))
 
 
 def _resolve(future, generation: Generation) -> None:
