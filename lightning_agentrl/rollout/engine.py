@@ -357,9 +357,13 @@ class TorchEngine:
             self._updates_waiting -= 1
 
     async def close(self) -> None:
+        """Stop serving. Rows being decoded are still answered; requests still queued get an error
+        instead of waiting forever."""
         if self._worker is not None:
             self._worker.cancel()
             self._worker = None
+        for request in self._take(len(self._queue)):
+            _fail(request.future, RuntimeError("the engine was closed before this request was decoded"))
 
 
 def _left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -204,3 +204,18 @@ def test_a_bad_prompt_fails_its_own_request_not_the_batch_it_joins(tiny_model_pa
     for error, generation in (joined, at_start):
         assert isinstance(error, IndexError)
         assert generation.token_ids == alone[1].token_ids
+
+
+def test_close_answers_the_rows_in_flight_and_fails_the_queued_requests(tiny_model_path):
+    async def run():
+        engine = TorchEngine(AutoModelForCausalLM.from_pretrained(tiny_model_path), pad_token_id=3, max_batch_size=1)
+        running = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=64, seed=1)))
+        await _until(lambda: engine.num_batches == 1)
+        queued = asyncio.ensure_future(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=4, seed=2)))
+        await asyncio.sleep(0)
+        await engine.close()
+        return await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), timeout=30)
+
+    running, queued = asyncio.run(run())
+    assert len(running.token_ids) == 64
+    assert isinstance(queued, RuntimeError) and "closed" in str(queued)
