@@ -33,8 +33,11 @@ $(STAMP): pyproject.toml constraints.txt
 smoke: install
 	$(PY) scripts/smoke.py --run.dir=runs/smoke-$(RUN_ID)
 
+# Tests run on TEST_WORKERS pytest-xdist workers (most fit-level tests use one core each); the tests of a
+# module with module-scoped fixtures stay on one worker (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadgroup
 
 lint: install
 	$(VENV)/bin/ruff check .
