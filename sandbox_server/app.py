@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sandbox_client.models import ExecResult
 from sandbox_server import PROTOCOL_VERSION
 from sandbox_server.isolation import Isolation, refused_env_name
-from sandbox_server.limits import Cgroups, claim_root, default_root, mount_tmpfs, unmount
+from sandbox_server.limits import Cgroups, claim_root, claim_uids, default_root, mount_tmpfs, unmount
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
     WorkspaceError,
@@ -273,7 +273,7 @@ class SandboxManager:
 
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
-        self.root, self._root_lock, self.isolation, self.cgroups, self.disk_quota = _prepare_host(options)
+        self.root, self._locks, self.isolation, self.cgroups, self.disk_quota = _prepare_host(options)
         self.sandboxes: dict[str, Sandbox] = {}
         self._free_slots = list(range(options.max_sandboxes - 1, -1, -1))  # pop() hands out slot 0 first
         self.idempotency = IdempotencyCache(options.idempotency_ttl_s)
@@ -349,12 +349,13 @@ class SandboxManager:
                     await self._destroy(box, "reaped")
 
     async def close(self) -> None:
-        """Remove every sandbox, then release the root for the next server."""
+        """Remove every sandbox, then release the root and the uids for the next server."""
         try:
             for box in list(self.sandboxes.values()):
                 await self._destroy(box, "shutdown")
         finally:
-            os.close(self._root_lock)
+            for lock in self._locks:
+                os.close(lock)
 
     # ---- operations
     async def create(self, body: CreateRequest, header_key: str | None) -> SandboxInfo:
@@ -466,30 +467,43 @@ _HEALTH_LIMITS = ("output_limit_bytes", "max_request_bytes", "max_file_bytes", "
                   "memory_bytes", "total_memory_bytes", "max_sandboxes", "disk_bytes", "tmp_bytes")
 
 
-def _prepare_host(options: ServerOptions) -> tuple[Path, int, Isolation, Cgroups | None, bool]:
-    """Claim the sandboxes' root and probe what the host allows: cgroups, tmpfs quotas, the backend.
+def _prepare_host(options: ServerOptions) -> tuple[Path, list[int], Isolation, Cgroups | None, bool]:
+    """Claim the sandboxes' root and uids, and probe what the host allows: cgroups, tmpfs quotas, the
+    backend. Returns the locks' fds among the rest (closed when the server stops).
 
     A stable root, locked while this server lives and emptied at start: a killed server's leftovers
-    are removed by the next one instead of piling up."""
+    are removed by the next one instead of piling up. A root server's sandbox and judge uids
+    (``2 x max_sandboxes`` from ``sandbox_uid``) are locked too: another server on this host takes
+    the next free range instead of sharing them."""
     root, root_lock = claim_root(Path(options.root_dir) if options.root_dir else default_root(),
                                  stable_default=not options.root_dir)
-    root.chmod(0o711)  # the sandbox uids may traverse, not list
-    probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
-    probe_dir.chmod(0o755)
-    cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes,
-                                          options.total_memory_bytes)
-    disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
+    locks = [root_lock]
     try:
-        isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)
+        if os.geteuid() == 0 and options.sandbox_uid >= 0:
+            first, uid_locks = claim_uids(options.sandbox_uid, 2 * options.max_sandboxes)
+            locks += uid_locks
+            if first != options.sandbox_uid:
+                log.warning("uids %d.. are held by another sandbox server on this host: using %d..",
+                            options.sandbox_uid, first)
+                options = options.model_copy(update={"sandbox_uid": first})
+        root.chmod(0o711)  # the sandbox uids may traverse, not list
+        probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
+        probe_dir.chmod(0o755)
+        cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes,
+                                              options.total_memory_bytes)
+        disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
+        try:
+            isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)
+        finally:
+            remove_tree(probe_dir)
     except BaseException:
-        os.close(root_lock)
+        for lock in locks:
+            os.close(lock)
         raise
-    finally:
-        remove_tree(probe_dir)
     log.info("isolation backend: %s (uid %s)", isolation.backend, isolation.report.uid)
     for note in isolation.report.notes:
         log.warning(note)
-    return root, root_lock, isolation, cgroups, disk_quota
+    return root, locks, isolation, cgroups, disk_quota
 
 
 # ---- HTTP: the application, its error handlers and thin routes --------------------------------

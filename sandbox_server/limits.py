@@ -190,6 +190,43 @@ def mounts_under(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
+# ---- the sandbox uids -----------------------------------------------------------------------------
+UID_LOCK_DIR = Path("/run/lock/lightning-agentrl-uids") if Path("/run/lock").is_dir() else Path(
+    "/tmp/lightning-agentrl-uids")
+_UID_CHUNK = 64  # uids per lock file
+
+
+def claim_uids(first: int, count: int, lock_dir: Path = UID_LOCK_DIR) -> tuple[int, list[int]]:
+    """Claim ``count`` consecutive uids starting at ``first`` or, when another live server on this host
+    holds some of them, at the next free range above: two servers never share a uid. A shared uid
+    would share RLIMIT_NPROC (one server's fork bomb stops the other's sandboxes), and with different
+    ``max_sandboxes`` one server's sandbox uid would be the other's judge uid. Each 64-uid chunk is a
+    lock file, flocked for the server's life (released even on SIGKILL). Returns the first uid and
+    the locks' fds (close them to release)."""
+    lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    info = lock_dir.lstat()
+    if not lock_dir.is_dir() or lock_dir.is_symlink() or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"{lock_dir} must be a folder owned by uid {os.geteuid()} that no one else can write")
+    span = -(-count // _UID_CHUNK) * _UID_CHUNK
+    for attempt in range(1000):
+        base = first + attempt * span
+        locks: list[int] = []
+        for chunk in range(base // _UID_CHUNK, (base + count - 1) // _UID_CHUNK + 1):
+            lock = os.open(lock_dir / f"{chunk * _UID_CHUNK}.lock",
+                           os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock)
+                break
+            locks.append(lock)
+        else:
+            return base, locks
+        for lock in locks:
+            os.close(lock)
+    raise RuntimeError(f"no {count} free uids from {first} up: 1000 ranges are held by other sandbox servers")
+
+
 # ---- the workspace root ---------------------------------------------------------------------------
 def default_root() -> Path:
     """A stable root per server uid; ``-N`` suffixes when other live servers hold the first ones."""

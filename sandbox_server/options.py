@@ -41,8 +41,11 @@ class ServerOptions(BaseModel):
 
     sandbox_uid: int = Field(100000, ge=-1)
     """When the server runs as root, sandbox slot i runs its commands as uid ``sandbox_uid + i``
-    (one uid per live sandbox: per-uid limits and file permissions then separate sandboxes);
-    -1 keeps the server's uid (refused as root without ``allow_root_commands``)."""
+    (one uid per live sandbox: per-uid limits and file permissions then separate sandboxes) and its
+    judge as uid ``sandbox_uid + max_sandboxes + i``; -1 keeps the server's uid (refused as root
+    without ``allow_root_commands``). The ``2 x max_sandboxes`` uids are locked while the server
+    lives: a second server on the host whose range would overlap takes the next free range (logged;
+    the ranges are on /v1/health)."""
 
     allow_root_commands: bool = False
     """Let commands run as root when no unprivileged uid works (no bwrap and the interpreter is

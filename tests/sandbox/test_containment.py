@@ -13,7 +13,7 @@ import pytest
 from sandbox_client import SandboxClient, SandboxRequestError
 from sandbox_server.isolation import HOST_ENV
 from sandbox_server.launch import start_local_server
-from sandbox_server.limits import mounts_under
+from sandbox_server.limits import claim_uids, mounts_under
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs a server running as root")
 
@@ -110,6 +110,56 @@ def test_a_killed_servers_leftovers_are_removed_by_the_next_start(tmp_path):
     with start_local_server(root_dir=str(root)):
         assert [p.name for p in root.iterdir()] == [".lock"]
         assert mounts_under(root) == []
+
+
+def _uid_range(server) -> tuple[int, int]:
+    """The first and last uid of the server's sandboxes and judges, from /v1/health."""
+    enforced = server.health()["isolation"]["enforced"]
+    if not enforced["uid_per_sandbox"] or not enforced["judge_uid_per_sandbox"]:
+        pytest.skip("server reports no per-sandbox uid")
+    first = int(enforced["uid_per_sandbox"].split()[1].split("..")[0])
+    last = int(enforced["judge_uid_per_sandbox"].split()[1].split("..")[1])
+    return first, last
+
+
+def test_claimed_uid_ranges_never_overlap_and_are_free_again_once_released(tmp_path):
+    locks_dir = tmp_path / "uids"
+    first, first_locks = claim_uids(1000, 16, locks_dir)
+    second, second_locks = claim_uids(1000, 200, locks_dir)  # 1000..1199 overlaps 1000..1015
+    assert first == 1000 and second >= 1016
+    third, third_locks = claim_uids(second, 8, locks_dir)  # inside the second's range
+    assert third >= second + 200
+    for lock in first_locks:
+        os.close(lock)
+    again, again_locks = claim_uids(1000, 16, locks_dir)
+    assert again == 1000
+    for lock in [*second_locks, *third_locks, *again_locks]:
+        os.close(lock)
+    locks_dir.chmod(0o777)  # anyone could plant or hold the lock files
+    with pytest.raises(RuntimeError, match="no one else can write"):
+        claim_uids(1000, 16, locks_dir)
+
+
+@ROOT_ONLY
+def test_two_live_servers_on_one_host_never_share_a_uid():
+    """A second server whose uids would overlap the first's (its sandbox uids would be the first's judge
+    uids, and a fork bomb in one would exhaust the other's per-uid process limit) takes the next free
+    range; a third, after the first stopped, may reuse the first's."""
+    with start_local_server(max_sandboxes=8, sandbox_uid=300000) as first:
+        first_range = _uid_range(first)
+        assert first_range == (300000, 300015)
+        with start_local_server(max_sandboxes=16, sandbox_uid=300000) as second:
+            second_range = _uid_range(second)
+            assert second_range[0] > first_range[1]  # disjoint, above
+
+            async def uid() -> int:
+                async with SandboxClient(second.url, second.token) as client:
+                    sid = await client.create({})
+                    return int((await client.exec(sid, "id -u")).stdout)
+
+            assert asyncio.run(uid()) == second_range[0]  # its first sandbox runs at its own range
+    with start_local_server(max_sandboxes=8, sandbox_uid=300000) as third:
+        assert _uid_range(third) == first_range
 
 
 def test_a_root_held_by_a_live_server_is_not_taken_or_cleaned(tmp_path):
