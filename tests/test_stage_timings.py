@@ -40,7 +40,7 @@ def test_every_step_logs_its_stage_timings_and_they_fit_in_the_step(tmp_path):
         assert sorted(values) == [1, 2, 3] and all(v > 0 for v in values.values()), (key, values)
     assert history("time/weight_sync_s")[1] > 0 and history("time/weight_sync_s")[3] == 0  # no sync after the last
     checkpoint_s = history("time/checkpoint_s")
-    assert checkpoint_s[2] > 0 and checkpoint_s[2] > 10 * max(checkpoint_s[1], checkpoint_s[3])
+    assert checkpoint_s[2] > 0 and checkpoint_s[2] > 3 * max(checkpoint_s[1], checkpoint_s[3])  # only step 2 saves
     for step, wall in step_s.items():
         stages = sum(history(key)[step] for key in TRAINER_STAGES)
         assert stages <= wall * (1 + 1e-6), (step, stages, wall)

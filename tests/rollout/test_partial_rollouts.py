@@ -58,7 +58,7 @@ def wait_until(predicate, timeout_s: float = 30.0) -> None:
 def test_a_parked_episode_resumes_with_newer_weights(sandbox_server, codec, task):
     async def slow_short_groups(session_id, index):  # group 0's resumed turn finishes before group 2
         if not session_id.startswith("g0-"):
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(3.0)  # a margin for a busy machine (the other groups' sandbox calls)
 
     engine = ScriptedEngine(codec, SCRIPT, before_request=slow_short_groups)
     with make_service(sandbox_server, codec, task, engine, partial_rollout_s=0.0, max_staleness=1) as service:
@@ -79,7 +79,7 @@ def test_parked_episodes_go_on_when_a_finished_group_leaves_the_trainer_waiting(
     closed and every other episode is parked: they must go on with the current weights."""
     async def group_zero_last(session_id, index):
         if session_id.startswith("g0-"):
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(2.5)
 
     script = {"g0": [call("submit")], "*": [call("read_file", path="search.py"), call("submit")]}
     engine = ScriptedEngine(codec, script, before_request=group_zero_last)
