@@ -480,8 +480,8 @@ def _prepare_host(options: ServerOptions) -> tuple[Path, list[int], Isolation, C
     locks = [root_lock]
     try:
         if os.geteuid() == 0 and options.sandbox_uid >= 0:
-            first, uid_locks = claim_uids(options.sandbox_uid, 2 * options.max_sandboxes)
-            locks += uid_locks
+            first, uid_lock = claim_uids(options.sandbox_uid, 2 * options.max_sandboxes)
+            locks.append(uid_lock)
             if first != options.sandbox_uid:
                 log.warning("uids %d.. are held by another sandbox server on this host: using %d..",
                             options.sandbox_uid, first)

@@ -19,9 +19,11 @@ import logging
 import os
 import re
 import signal
+import struct
 import time
 from pathlib import Path
 
+from sandbox_server.options import UID_MAX
 from sandbox_server.workspace import remove_tree
 
 log = logging.getLogger("sandbox_server")
@@ -191,40 +193,42 @@ def mounts_under(root: Path) -> list[Path]:
 
 
 # ---- the sandbox uids -----------------------------------------------------------------------------
-UID_LOCK_DIR = Path("/run/lock/lightning-agentrl-uids") if Path("/run/lock").is_dir() else Path(
-    "/tmp/lightning-agentrl-uids")
-_UID_CHUNK = 64  # uids per lock file
+# In a root-only folder (/run is root's 0755), so no other user can create, plant or hold it.
+UID_LOCK_FILE = (Path("/run") if Path("/run").is_dir() else Path("/var/lib")) / "lightning-agentrl-uids.lock"
 
 
-def claim_uids(first: int, count: int, lock_dir: Path = UID_LOCK_DIR) -> tuple[int, list[int]]:
+def claim_uids(first: int, count: int, lock_file: Path = UID_LOCK_FILE) -> tuple[int, int]:
     """Claim ``count`` consecutive uids starting at ``first`` or, when another live server on this host
     holds some of them, at the next free range above: two servers never share a uid. A shared uid
     would share RLIMIT_NPROC (one server's fork bomb stops the other's sandboxes), and with different
-    ``max_sandboxes`` one server's sandbox uid would be the other's judge uid. Each 64-uid chunk is a
-    lock file, flocked for the server's life (released even on SIGKILL). Returns the first uid and
-    the locks' fds (close them to release)."""
-    lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-    info = lock_dir.lstat()
-    if not lock_dir.is_dir() or lock_dir.is_symlink() or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        raise RuntimeError(f"{lock_dir} must be a folder owned by uid {os.geteuid()} that no one else can write")
-    span = -(-count // _UID_CHUNK) * _UID_CHUNK
-    for attempt in range(1000):
-        base = first + attempt * span
-        locks: list[int] = []
-        for chunk in range(base // _UID_CHUNK, (base + count - 1) // _UID_CHUNK + 1):
-            lock = os.open(lock_dir / f"{chunk * _UID_CHUNK}.lock",
-                           os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    ``max_sandboxes`` one server's sandbox uid would be the other's judge uid. The claim is an
+    open-file-description lock on bytes ``[first uid, first uid + count)`` of ``lock_file``, held for
+    the server's life and released even on SIGKILL. Servers in another mount namespace (another
+    container) see another file: give them distinct ``sandbox_uid`` ranges. Returns the first uid and
+    the lock's fd (close it to release)."""
+    folder = lock_file.parent
+    info = folder.lstat()
+    if folder.is_symlink() or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise RuntimeError(f"{folder} must be a folder owned by uid {os.geteuid()} that no one else can write")
+    try:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise RuntimeError(f"cannot open the uid lock {lock_file}: {err}") from err
+    try:
+        base = first
+        while base + count - 1 <= UID_MAX:
+            request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, base, count, 0)  # struct flock
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(lock)
-                break
-            locks.append(lock)
-        else:
-            return base, locks
-        for lock in locks:
-            os.close(lock)
-    raise RuntimeError(f"no {count} free uids from {first} up: 1000 ranges are held by other sandbox servers")
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
+                return base, fd
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EACCES):  # not "held by another"
+                    raise
+            base += count
+        raise RuntimeError(f"no {count} free uids between {first} and {UID_MAX}: other sandbox servers hold them")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # ---- the workspace root ---------------------------------------------------------------------------

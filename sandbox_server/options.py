@@ -20,6 +20,10 @@ from pydantic import (
     model_validator,
 )
 
+UID_MAX = 2**31 - 1
+"""The highest uid a sandbox or judge may get: setpriv and setresuid read 2**32 - 1 as "unchanged"
+(the command would stay root), and some tools take uids as signed 32-bit numbers."""
+
 
 class ServerOptions(BaseModel):
     """Limits and behaviour of the sandbox service. Every field is a ``--flag-name`` on the CLI."""
@@ -43,9 +47,9 @@ class ServerOptions(BaseModel):
     """When the server runs as root, sandbox slot i runs its commands as uid ``sandbox_uid + i``
     (one uid per live sandbox: per-uid limits and file permissions then separate sandboxes) and its
     judge as uid ``sandbox_uid + max_sandboxes + i``; -1 keeps the server's uid (refused as root
-    without ``allow_root_commands``). The ``2 x max_sandboxes`` uids are locked while the server
-    lives: a second server on the host whose range would overlap takes the next free range (logged;
-    the ranges are on /v1/health)."""
+    without ``allow_root_commands``). The ``2 x max_sandboxes`` uids (at most 2**31 - 1) are locked
+    while the server lives: a second server on the host (same mount namespace) whose range would
+    overlap takes the next free range (logged; the ranges are on /v1/health)."""
 
     allow_root_commands: bool = False
     """Let commands run as root when no unprivileged uid works (no bwrap and the interpreter is
@@ -115,6 +119,13 @@ class ServerOptions(BaseModel):
 
     capacity_retry_after_s: int = 2
     """Retry-After (seconds) sent with 429 when the server is full."""
+
+    @model_validator(mode="after")
+    def _uids_within_bounds(self) -> ServerOptions:
+        if self.sandbox_uid >= 0 and self.sandbox_uid + 2 * self.max_sandboxes - 1 > UID_MAX:
+            raise ValueError(f"sandbox_uid + 2 x max_sandboxes - 1 ({self.sandbox_uid + 2 * self.max_sandboxes - 1}) "
+                             f"exceeds the highest sandbox uid, {UID_MAX}")
+        return self
 
     @model_validator(mode="after")
     def _ttl_within_bounds(self) -> ServerOptions:

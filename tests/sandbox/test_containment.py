@@ -14,6 +14,7 @@ from sandbox_client import SandboxClient, SandboxRequestError
 from sandbox_server.isolation import HOST_ENV
 from sandbox_server.launch import start_local_server
 from sandbox_server.limits import claim_uids, mounts_under
+from sandbox_server.options import UID_MAX, ServerOptions
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs a server running as root")
 
@@ -123,21 +124,26 @@ def _uid_range(server) -> tuple[int, int]:
 
 
 def test_claimed_uid_ranges_never_overlap_and_are_free_again_once_released(tmp_path):
-    locks_dir = tmp_path / "uids"
-    first, first_locks = claim_uids(1000, 16, locks_dir)
-    second, second_locks = claim_uids(1000, 200, locks_dir)  # 1000..1199 overlaps 1000..1015
-    assert first == 1000 and second >= 1016
-    third, third_locks = claim_uids(second, 8, locks_dir)  # inside the second's range
-    assert third >= second + 200
-    for lock in first_locks:
-        os.close(lock)
-    again, again_locks = claim_uids(1000, 16, locks_dir)
+    lock = tmp_path / "uids.lock"
+    first, first_fd = claim_uids(1000, 16, lock)
+    second, second_fd = claim_uids(1000, 200, lock)  # 1000..1199 overlaps 1000..1015
+    assert first == 1000 and second == 1200
+    third, third_fd = claim_uids(1250, 8, lock)  # inside the second's 1200..1399
+    assert third == 1402  # 1250 + 8k: the first such range above 1399
+    os.close(first_fd)
+    again, again_fd = claim_uids(1000, 16, lock)
     assert again == 1000
-    for lock in [*second_locks, *third_locks, *again_locks]:
-        os.close(lock)
-    locks_dir.chmod(0o777)  # anyone could plant or hold the lock files
+    for fd in (second_fd, third_fd, again_fd):
+        os.close(fd)
+    held, held_fd = claim_uids(UID_MAX - 15, 16, lock)
+    with pytest.raises(RuntimeError, match="no 16 free uids"):  # never past 2**31 - 1 (2**32 - 1 is "no change")
+        claim_uids(UID_MAX - 15, 16, lock)
+    os.close(held_fd)
+    with pytest.raises(ValueError, match="exceeds the highest sandbox uid"):
+        ServerOptions(token="t", sandbox_uid=UID_MAX - 8, max_sandboxes=8)
+    tmp_path.chmod(0o777)  # anyone could plant or hold the lock file
     with pytest.raises(RuntimeError, match="no one else can write"):
-        claim_uids(1000, 16, locks_dir)
+        claim_uids(1000, 16, lock)
 
 
 @ROOT_ONLY
