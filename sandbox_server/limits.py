@@ -193,11 +193,26 @@ def mounts_under(root: Path) -> list[Path]:
 
 
 # ---- the sandbox uids -----------------------------------------------------------------------------
-# In a root-only folder (/run is root's 0755), so no other user can create, plant or hold it.
-UID_LOCK_FILE = (Path("/run") if Path("/run").is_dir() else Path("/var/lib")) / "lightning-agentrl-uids.lock"
+# In a folder only root can write (no other user can create, plant or hold it): the first of these.
+UID_LOCK_FOLDERS = (Path("/run"), Path("/var/lib"))
+UID_LOCK_NAME = "lightning-agentrl-uids.lock"
 
 
-def claim_uids(first: int, count: int, lock_file: Path = UID_LOCK_FILE) -> tuple[int, int]:
+def _writable_by_others(folder: Path) -> bool:
+    info = folder.lstat()
+    return folder.is_symlink() or info.st_uid != os.geteuid() or bool(info.st_mode & 0o022)
+
+
+def uid_lock_file() -> Path:
+    """The uid lock in the first of :data:`UID_LOCK_FOLDERS` that exists and only this uid can write."""
+    for folder in UID_LOCK_FOLDERS:
+        if folder.is_dir() and not _writable_by_others(folder):
+            return folder / UID_LOCK_NAME
+    raise RuntimeError(f"none of {', '.join(map(str, UID_LOCK_FOLDERS))} is a folder that only uid "
+                       f"{os.geteuid()} can write: nowhere to lock the sandbox uids")
+
+
+def claim_uids(first: int, count: int, lock_file: Path | None = None) -> tuple[int, int]:
     """Claim ``count`` consecutive uids starting at ``first`` or, when another live server on this host
     holds some of them, at the next free range above: two servers never share a uid. A shared uid
     would share RLIMIT_NPROC (one server's fork bomb stops the other's sandboxes), and with different
@@ -205,11 +220,10 @@ def claim_uids(first: int, count: int, lock_file: Path = UID_LOCK_FILE) -> tuple
     open-file-description lock on bytes ``[first uid, first uid + count)`` of ``lock_file``, held for
     the server's life and released even on SIGKILL. Servers in another mount namespace (another
     container) see another file: give them distinct ``sandbox_uid`` ranges. Returns the first uid and
-    the lock's fd (close it to release)."""
-    folder = lock_file.parent
-    info = folder.lstat()
-    if folder.is_symlink() or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        raise RuntimeError(f"{folder} must be a folder owned by uid {os.geteuid()} that no one else can write")
+    the lock's fd (close it to release). ``lock_file``: :func:`uid_lock_file` unless given."""
+    lock_file = lock_file or uid_lock_file()
+    if _writable_by_others(lock_file.parent):
+        raise RuntimeError(f"{lock_file.parent} must be a folder owned by uid {os.geteuid()} that no one else can write")
     try:
         fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as err:

@@ -146,6 +146,20 @@ def test_claimed_uid_ranges_never_overlap_and_are_free_again_once_released(tmp_p
         claim_uids(1000, 16, lock)
 
 
+def test_the_uid_lock_lives_in_the_first_folder_no_one_else_can_write(tmp_path, monkeypatch):
+    import sandbox_server.limits as limits
+
+    open_to_all, own = tmp_path / "open", tmp_path / "own"
+    open_to_all.mkdir(mode=0o777)
+    open_to_all.chmod(0o1777)  # like /tmp or /run/lock
+    own.mkdir(mode=0o755)
+    monkeypatch.setattr(limits, "UID_LOCK_FOLDERS", (tmp_path / "missing", open_to_all, own))
+    assert limits.uid_lock_file() == own / limits.UID_LOCK_NAME
+    monkeypatch.setattr(limits, "UID_LOCK_FOLDERS", (open_to_all,))
+    with pytest.raises(RuntimeError, match="nowhere to lock the sandbox uids"):
+        limits.uid_lock_file()
+
+
 @ROOT_ONLY
 def test_two_live_servers_on_one_host_never_share_a_uid():
     """A second server whose uids would overlap the first's (its sandbox uids would be the first's judge
