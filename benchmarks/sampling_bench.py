@@ -11,7 +11,13 @@ same filtered distribution (``sampling_logits`` at temperature 0.8, top-p 0.9 ov
   seeded ``torch.Generator``.
 
 Both are exact samplers of the same distribution (tests/rollout/test_sampling.py checks the engine's
-frequencies); this measures only their cost. Writes benchmarks/results/sampling.json and prints one
+frequencies); this measures only their cost. It also times the top-p filter itself
+(``sampling_logits``, run at every decode step and on every trained token): the full sort of the
+vocabulary against the head shortcut (the rule decided from the 512 most likely ids when the
+nucleus lies inside them, as after any warm start; tests/algorithms/test_logprobs.py checks they
+keep the same ids), on peaked logits (Zipf, as a language model's: the head decides) and on the bench's
+Gaussian ones (a flat tail: the nucleus holds thousands of ids, so the head fails and the sort runs
+after it), at 2k, 32k and 150k ids. Writes benchmarks/results/sampling.json and prints one
 line: milliseconds per decode step on each side and the speed-up (the best of ``--repeats``).
 """
 
@@ -31,6 +37,7 @@ RESULTS = REPO / "benchmarks" / "results" / "sampling.json"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from lightning_agentrl.algorithms import logprobs as logprobs_module  # noqa: E402
 from lightning_agentrl.algorithms.logprobs import sampling_logits  # noqa: E402
 from lightning_agentrl.rollout.engine import SamplingParams, _request_uniforms, inverse_cdf_sample  # noqa: E402
 
@@ -69,6 +76,35 @@ def best_ms_per_step(fn, logprobs, args) -> float:
     return min(times)
 
 
+def zipf_logits(rows: int, vocab: int, exponent: float = 1.5) -> torch.Tensor:
+    """Logits of a peaked next-token distribution, as a language model's: the r-th most likely id has
+    probability proportional to r ** -exponent (Zipf), the ids in a random order per row."""
+    gen = torch.Generator().manual_seed(2)
+    ranked = -exponent * torch.arange(1, vocab + 1, dtype=torch.float32).log()
+    return torch.stack([ranked[torch.randperm(vocab, generator=gen)] for _ in range(rows)])
+
+
+def filter_ms(z: torch.Tensor, repeats: int) -> dict:
+    """Milliseconds of one ``sampling_logits`` call (T 0.8, top-p 0.9) on logits ``z``: the full sort against
+    the head shortcut (the best of ``repeats`` x 10 calls)."""
+    head = logprobs_module._HEAD_SIZE
+    result = {}
+    for name, size in (("sort", 0), ("head", head)):
+        logprobs_module._HEAD_SIZE = size
+        try:
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                for _ in range(10):
+                    sampling_logits(z, 0.8, top_p=0.9)
+                times.append((time.perf_counter() - started) / 10 * 1e3)
+        finally:
+            logprobs_module._HEAD_SIZE = head
+        result[name] = round(min(times), 3)
+    result["speedup"] = round(result["sort"] / result["head"], 2)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -82,11 +118,18 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.machine(), "threads": args.threads, "rows": args.rows, "vocab": args.vocab,
         "steps": args.steps, "ms_per_step": ms,
         "speedup": round(ms["per_row"] / ms["batched"], 2),
+        "top_p_filter_ms": {
+            f"{kind} {args.rows}x{vocab}": filter_ms(make(args.rows, vocab), args.repeats)
+            for vocab in sorted({args.vocab, 2048, 151936})
+            for kind, make in (("zipf", zipf_logits), ("gaussian", lambda r, v: torch.randn(r, v) * 3))
+        },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"sampling {args.rows} rows x vocab {args.vocab}: per row {ms['per_row']:.2f} ms/step, "
           f"batched {ms['batched']:.2f} ms/step: {record['speedup']}x")
+    for shape, filt in record["top_p_filter_ms"].items():
+        print(f"top-p filter {shape}: full sort {filt['sort']:.2f} ms, head {filt['head']:.2f} ms: {filt['speedup']}x")
 
 
 if __name__ == "__main__":

@@ -160,3 +160,39 @@ def test_nucleus_logprobs_are_renormalized_over_the_kept_ids_with_finite_gradien
 
     dropped = torch.isinf(sampling_logits(hidden[:1] @ weight.T, 0.8, 0.5, keep_ids=targets[:1]))[0]
     assert dropped.any() and torch.equal(w_only.grad[dropped], torch.zeros_like(w_only.grad[dropped]))
+
+
+@pytest.mark.parametrize("top_k", [0, 7, "per-row"])
+def test_the_head_shortcut_keeps_exactly_the_ids_the_full_sort_keeps(top_k):
+    """Peaked rows are decided from the most likely ids (the head); flat ones fall back to the sort."""
+    from lightning_agentrl.algorithms import logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    decided_by_head = 0
+    for scale in (0.5, 2.0, 6.0, 12.0):  # flat (nucleus past any head) to peaked (a few ids)
+        for vocab in (300, 2048, 5000):
+            z = torch.randn(24, vocab, generator=gen) * scale
+            p = torch.rand(24, 1, generator=gen) * 0.95
+            k = torch.randint(0, 50, (24, 1), generator=gen) if top_k == "per-row" else top_k
+            rows_k = None if isinstance(k, int) and k <= 0 else logprobs._row_top_k(k, z)
+            expected = logprobs._dropped_by_sort(z, rows_k, p)
+            assert torch.equal(torch.isinf(logprobs.sampling_logits(z, 1.0, p, k)), expected)
+            head = min(logprobs._HEAD_SIZE, vocab // 4)
+            decided_by_head += logprobs._dropped_from_head(z, rows_k, p, head) is not None
+    assert decided_by_head > 0
+    if top_k == 0:
+        assert decided_by_head < 12  # flat rows went to the sort (a top-k shorter than the head never does)
+
+
+def test_the_head_shortcut_declines_rows_it_cannot_decide():
+    from lightning_agentrl.algorithms import logprobs
+
+    flat = torch.zeros(2, 1000)  # the nucleus holds 900 ids, past any head
+    assert logprobs._dropped_from_head(flat, None, torch.tensor([[0.9]]), 64) is None
+    peaked = torch.arange(1000.0).flip(0).expand(2, 1000) * 0.5
+    assert logprobs._dropped_from_head(peaked, None, torch.tensor([[0.9]]), 64) is not None
+    # a top-k as long as the head, and a tie with the k-th largest running past the head's end
+    assert logprobs._dropped_from_head(peaked, torch.full((2, 1), 64), None, 64) is None
+    tied = torch.cat([torch.tensor([[5.0, 4.0]]), torch.full((1, 998), 1.0)], dim=1)
+    assert logprobs._dropped_from_head(tied, torch.full((1, 1), 3), None, 64) is None
+    assert torch.isinf(logprobs.sampling_logits(tied, top_k=3)).sum() == 0  # all 998 tied ids stay
