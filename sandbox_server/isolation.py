@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import functools
 import json
+import marshal
 import os
 import resource
 import shutil
@@ -442,7 +443,7 @@ class Isolation:
         (with ``lazy_peer``, at ``argv``'s first write to it)."""
         spec = {"command": argv, "peer": peer, "env": env, "judge_uid": self.judge_uid(slot),
                 "peer_uid": self.command_uid(slot) if self.per_sandbox_uids else None, "lazy_peer": lazy_peer}
-        return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, json.dumps(spec)]
+        return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, marshal.dumps(spec).hex()]
 
     def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool,
                uid: int | None, peer: list[str] | None = None, slot: int = 0, lazy_peer: bool = False) -> Launch:
