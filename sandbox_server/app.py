@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandbox_client.models import ExecResult
 from sandbox_server import PROTOCOL_VERSION
-from sandbox_server.isolation import Isolation, refused_env_name
+from sandbox_server.isolation import Isolation, pair_spec_arg, refused_env_name
 from sandbox_server.limits import Cgroups, claim_root, claim_uids, default_root, mount_tmpfs, unmount
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
@@ -703,6 +703,7 @@ def _prepare_exec(body: ExecRequest, max_timeout_s: float) -> _Command:
     peer = _argv(body.peer_command) if body.peer_command is not None else None
     if peer is not None:
         _check_exec_size(peer, {})
+        _check_pair_spec_size(argv, peer, env)
     elif body.lazy_peer:
         raise ApiError(400, "invalid_request", "lazy_peer needs a peer_command")
     if not 0 < body.timeout_s <= max_timeout_s:
@@ -802,6 +803,17 @@ def _check_exec_size(argv: list[str], env: dict[str, str]) -> None:
     if total > _MAX_ARGS_TOTAL_BYTES:
         raise ApiError(413, "payload_too_large", f"command and environment have {total} bytes; the limit is "
                        f"{_MAX_ARGS_TOTAL_BYTES} (pass big input on stdin or in a file)")
+
+
+def _check_pair_spec_size(argv: list[str], peer: list[str], env: dict[str, str]) -> None:
+    """With a peer, the command, the peer and the environment reach the pair launcher as one argument
+    (:func:`~sandbox_server.isolation.pair_spec_arg`), under the same 128 KiB cap as any argument; 4 KiB
+    are left for the service's own variables and the uids."""
+    size = len(pair_spec_arg({"command": argv, "peer": peer, "env": env})) + 4096
+    if size > _MAX_ARG_BYTES:
+        raise ApiError(413, "payload_too_large", f"with a peer_command, the command, the peer and the environment "
+                       f"travel as one argument of {size} bytes; the limit is {_MAX_ARG_BYTES} (pass big input on "
+                       "stdin or in a file)")
 
 
 def _env(env: dict[str, str]) -> dict[str, str]:

@@ -28,6 +28,7 @@ group are found by an environment marker and killed.
 from __future__ import annotations
 
 import asyncio
+import binascii
 import contextlib
 import ctypes
 import functools
@@ -129,6 +130,14 @@ class IsolationReport:
     isolated: list[str] = field(default_factory=list)
     not_isolated: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def pair_spec_arg(spec: dict) -> str:
+    """The pair launcher's spec as its one argument: :mod:`marshal` (the launcher's interpreter is this
+    one) in base64, which the launcher decodes with built-in modules only (``json`` would cost it a
+    third of its start-up). Linux caps one argument at 128 KiB; the server checks this length before
+    the exec (``_check_pair_spec_size``)."""
+    return binascii.b2a_base64(marshal.dumps(spec), newline=False).decode("ascii")
 
 
 def _python_dirs() -> list[str]:
@@ -443,7 +452,7 @@ class Isolation:
         (with ``lazy_peer``, at ``argv``'s first write to it)."""
         spec = {"command": argv, "peer": peer, "env": env, "judge_uid": self.judge_uid(slot),
                 "peer_uid": self.command_uid(slot) if self.per_sandbox_uids else None, "lazy_peer": lazy_peer}
-        return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, marshal.dumps(spec).hex()]
+        return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, pair_spec_arg(spec)]
 
     def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool,
                uid: int | None, peer: list[str] | None = None, slot: int = 0, lazy_peer: bool = False) -> Launch:

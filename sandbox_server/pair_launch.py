@@ -3,7 +3,7 @@
 Standard library only: the server runs this source as ``python -I -S -c SOURCE SPEC`` inside the
 sandbox's namespaces (bubblewrap) or as a plain child (process backend), with the server's uid
 (root when uids can be switched). SPEC: ``{"command", "peer", "env", "judge_uid", "peer_uid",
-"lazy_peer"}`` in :mod:`marshal`'s format as hex (the same interpreter writes and reads it; ``json``
+"lazy_peer"}`` in :mod:`marshal`'s format, base64 (the same interpreter writes and reads it; ``json``
 would cost this process a third of its start-up, about 8 ms of every scoring run).
 
 - the peer gets the pipes as stdin (requests), stdout (replies) and stderr, and nothing else; it
@@ -20,6 +20,7 @@ would cost this process a third of its start-up, about 8 ms of every scoring run
 With a uid of None (a server that is not root) that process keeps the launcher's uid.
 """
 
+import binascii
 import ctypes
 import fcntl
 import marshal
@@ -86,7 +87,7 @@ def _first_request(to_peer_r, command):
 
 
 def main():
-    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
+    spec = marshal.loads(binascii.a2b_base64(sys.argv[1]))
     libc = ctypes.CDLL(None, use_errno=True)
     # Where both run as one uid: no /proc/PID/fd of this launcher (it holds the exec's stdin/stdout)
     # for the peer; and the launcher lets go of them once the command has its copies.

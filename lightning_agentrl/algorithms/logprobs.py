@@ -19,8 +19,8 @@ log-probability under the distribution it is sampled from, which :func:`sampling
 
 The nucleus is the smallest set of the most likely ids whose mass reaches ``top_p`` (vLLM's
 ``apply_top_k_top_p``: ascending sort, drop the ids whose cumulative mass is <= 1 - top_p, keep the
-most likely id always). It is decided from the 512 most likely ids when the nucleus lies inside
-them (a few percent of a sort of a 150k vocabulary), else from a sort of the whole vocabulary; of ids
+most likely id always). It is decided per row from the 512 most likely ids when the nucleus lies
+inside them (a few percent of a sort of a 150k vocabulary), else from a sort of the row; of ids
 with equal probability at the nucleus's edge, which are kept follows the order the top-k or sort
 returns (arbitrary, in vLLM too). vLLM reports exactly this with ``logprobs_mode="processed_logprobs"``
 (:data:`lightning_agentrl.rollout.engine.VLLM_LOGPROBS_MODE`); the torch engine samples with it;
@@ -76,11 +76,11 @@ def sampling_logits(
         return z
     with torch.no_grad():
         k = _row_top_k(top_k, z) if filter_k else None
-        p = torch.as_tensor(top_p, device=z.device).reshape(-1, 1) if filter_p else None
-        head = min(_HEAD_SIZE, z.shape[-1] // 4)
-        drop = _dropped_from_head(z, k, p, head) if head > 0 else None
-        if drop is None:
-            drop = _dropped_by_sort(z, k, p)
+        p = torch.as_tensor(top_p, device=z.device).reshape(-1, 1).expand(z.shape[0], 1) if filter_p else None
+        drop, decided = _dropped_from_head(z, k, p, min(_HEAD_SIZE, z.shape[-1] // 4))
+        if not bool(decided.all()):  # each row on its own: its result never depends on the others
+            rest = (~decided).nonzero().squeeze(-1)
+            drop[rest] = _dropped_by_sort(z[rest], None if k is None else k[rest], None if p is None else p[rest])
         if keep_ids is not None:
             drop.scatter_(-1, keep_ids.reshape(-1, 1), False)
     return z.masked_fill(drop, float("-inf"))
@@ -114,9 +114,10 @@ def _dropped_by_sort(z: Tensor, k: Tensor | None, p: Tensor | None) -> Tensor:
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
-def _dropped_from_head(z: Tensor, k: Tensor | None, p: Tensor | None, head: int) -> Tensor | None:
-    """:func:`_dropped_by_sort` from the ``head`` most likely ids only, or None when the rule cannot be
-    decided there (a row's top-k reaches the head's end, or its nucleus reaches past the head).
+def _dropped_from_head(z: Tensor, k: Tensor | None, p: Tensor | None, head: int) -> tuple[Tensor, Tensor]:
+    """:func:`_dropped_by_sort` from the ``head`` most likely ids of each row: (dropped [B, V], decided [B]).
+    A row is not decided (its ``dropped`` is meaningless) when its top-k reaches the head's end, its
+    nucleus reaches past the head, or its largest logit is NaN.
 
     Ids outside the head are less likely than all in it, so their cumulative mass (ascending, as the
     rule counts it) is at most the ``tail`` mass outside the head. The cumulative mass of the head's
@@ -124,30 +125,30 @@ def _dropped_from_head(z: Tensor, k: Tensor | None, p: Tensor | None, head: int)
     every id after it is too, and the head decides the whole row. Same rule; only the order of the
     float additions differs from the full sort's (a difference of float rounding, ~1e-7 in the mass).
     """
-    if k is not None and bool((k >= head).any()):
-        return None
-    values, ids = z.topk(head, dim=-1)  # [B, head], descending
+    rows = z.shape[0]
+    if head <= 0:
+        return torch.zeros_like(z, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool, device=z.device)
+    values, ids = z.topk(head, dim=-1)  # [B, head], descending; a NaN comes first
+    decided = ~values[:, 0].isnan()
     head_kept = torch.ones_like(values, dtype=torch.bool)
     if k is not None:
-        head_kept = values >= values.gather(-1, k - 1)  # ties with the k-th largest are kept, as in the sort
-        if bool(head_kept[:, -1].any()):  # a tie reaching the head's end may go on past it
-            return None
+        head_kept = values >= values.gather(-1, k.clamp(max=head) - 1)  # ties with the k-th largest are kept
+        decided &= (k[:, 0] < head) & ~head_kept[:, -1]  # a tie reaching the head's end may go on past it
     if p is None:  # top-k alone: the ids below the k-th largest
-        return torch.ones_like(z, dtype=torch.bool).scatter(-1, ids, ~head_kept)
+        return torch.ones_like(z, dtype=torch.bool).scatter(-1, ids, ~head_kept), decided
     head_weights = (values - values[:, :1]).exp()  # softmax numerators, the row's max at 1
     if k is None:
         everything = (z - values[:, :1]).exp().sum(dim=-1, keepdim=True)
         tail = (everything - head_weights.sum(dim=-1, keepdim=True)).clamp(min=0.0)
     else:  # every id outside the head is dropped by the top-k
-        tail = head_weights.new_zeros(head_weights.shape[0], 1)
+        tail = head_weights.new_zeros(rows, 1)
         head_weights = head_weights.masked_fill(~head_kept, 0.0)
     total = tail + head_weights.sum(dim=-1, keepdim=True)
     cumulative = (tail + head_weights.flip(-1).cumsum(dim=-1).flip(-1)) / total  # ascending mass at each head id
     drop_head = cumulative <= 1 - p
     drop_head[:, 0] = False  # the most likely id, always
-    if not bool(drop_head[:, -1].all()):
-        return None
-    return torch.ones_like(z, dtype=torch.bool).scatter(-1, ids, drop_head)
+    decided &= drop_head[:, -1]
+    return torch.ones_like(z, dtype=torch.bool).scatter(-1, ids, drop_head), decided
 
 
 def _chunk_logprobs(

@@ -178,21 +178,56 @@ def test_the_head_shortcut_keeps_exactly_the_ids_the_full_sort_keeps(top_k):
             expected = logprobs._dropped_by_sort(z, rows_k, p)
             assert torch.equal(torch.isinf(logprobs.sampling_logits(z, 1.0, p, k)), expected)
             head = min(logprobs._HEAD_SIZE, vocab // 4)
-            decided_by_head += logprobs._dropped_from_head(z, rows_k, p, head) is not None
+            rows_p = p.expand(24, 1)
+            decided_by_head += int(logprobs._dropped_from_head(z, rows_k, rows_p, head)[1].sum())
     assert decided_by_head > 0
     if top_k == 0:
-        assert decided_by_head < 12  # flat rows went to the sort (a top-k shorter than the head never does)
+        assert decided_by_head < 12 * 24  # flat rows went to the sort (a top-k shorter than the head never does)
 
 
 def test_the_head_shortcut_declines_rows_it_cannot_decide():
     from lightning_agentrl.algorithms import logprobs
 
-    flat = torch.zeros(2, 1000)  # the nucleus holds 900 ids, past any head
-    assert logprobs._dropped_from_head(flat, None, torch.tensor([[0.9]]), 64) is None
+    def decided(z, k, p, head=64):
+        return logprobs._dropped_from_head(z, k, p, head)[1].tolist()
+
+    p = torch.tensor([[0.9]]).expand(2, 1)
     peaked = torch.arange(1000.0).flip(0).expand(2, 1000) * 0.5
-    assert logprobs._dropped_from_head(peaked, None, torch.tensor([[0.9]]), 64) is not None
+    flat = torch.cat([peaked[:1], torch.zeros(1, 1000)])  # the second row's nucleus holds 900 ids
+    assert decided(peaked, None, p) == [True, True] and decided(flat, None, p) == [True, False]
     # a top-k as long as the head, and a tie with the k-th largest running past the head's end
-    assert logprobs._dropped_from_head(peaked, torch.full((2, 1), 64), None, 64) is None
+    assert decided(peaked, torch.tensor([[3], [64]]), None) == [True, False]
     tied = torch.cat([torch.tensor([[5.0, 4.0]]), torch.full((1, 998), 1.0)], dim=1)
-    assert logprobs._dropped_from_head(tied, torch.full((1, 1), 3), None, 64) is None
+    assert decided(tied, torch.full((1, 1), 3), None) == [False]
     assert torch.isinf(logprobs.sampling_logits(tied, top_k=3)).sum() == 0  # all 998 tied ids stay
+    # a NaN logit: the row goes to the sort, which leaves it NaN rather than dropping the NaN id
+    nan_row = torch.randn(1, 64) * 5
+    nan_row[0, 3] = float("nan")
+    assert decided(nan_row, torch.full((1, 1), 5), None, head=16) == [False]
+    assert logprobs.sampling_logits(nan_row, top_k=5).log_softmax(-1).isnan().all()
+
+
+def test_the_nucleus_boundary_and_the_most_likely_id():
+    """Mass exactly 1 - p at an id drops it (the rule's <=); a nucleus of p ~ 0 still keeps one id."""
+    from lightning_agentrl.algorithms import logprobs
+
+    four = torch.cat([torch.zeros(1, 4), torch.full((1, 12), float("-inf"))], dim=1)  # 16 ids, the head is 4
+    assert (~torch.isinf(logprobs.sampling_logits(four, top_p=0.5))).sum() == 2
+    assert logprobs._dropped_from_head(four, None, torch.tensor([[0.5]]), 4)[1].all()
+    peaked = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0)) * 4
+    assert (~torch.isinf(logprobs.sampling_logits(peaked, top_p=1e-8))).sum(-1).tolist() == [1, 1]
+
+
+def test_a_row_keeps_the_same_ids_alone_or_beside_rows_that_need_the_sort():
+    """bf16-valued logits tie often; a row's path (head or sort), and so which tied ids it keeps,
+    depends on that row alone, so a seeded request draws the same in any batch."""
+    from lightning_agentrl.algorithms import logprobs
+
+    gen = torch.Generator().manual_seed(4)
+    rows = (torch.randn(16, 32000, generator=gen) * 4).bfloat16().float()
+    alone = torch.isinf(logprobs.sampling_logits(rows, 1.0, 0.8))
+    flat = torch.zeros(1, 32000)  # its nucleus is 80% of the vocabulary: the sort
+    beside_flat = torch.isinf(logprobs.sampling_logits(torch.cat([rows, flat]), 1.0, 0.8))[:16]
+    greedy_p = torch.cat([torch.full((16, 1), 0.8), torch.ones(1, 1)])  # top-p 1 (a greedy row): the sort
+    beside_greedy = torch.isinf(logprobs.sampling_logits(torch.cat([rows, rows[:1]]), 1.0, greedy_p))[:16]
+    assert torch.equal(alone, beside_flat) and torch.equal(alone, beside_greedy)

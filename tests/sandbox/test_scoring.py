@@ -257,3 +257,26 @@ def test_lazy_peer_without_a_peer_command_is_refused(server):
     response = asyncio.run(main())
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_request", response.text
     assert "lazy_peer needs a peer_command" in response.json()["error"]["message"]
+
+
+def test_a_peer_exec_near_the_argument_cap_runs_and_one_past_it_is_a_413(server):
+    """With a peer, command, peer and environment reach the pair launcher as one argument (Linux caps
+    one at 128 KiB): a command of 60 KB runs; one of 100 KB is refused before exec with a typed 413,
+    not started to fail with exit 126."""
+    from sandbox_client.errors import SandboxRequestError
+
+    async def main():
+        async with SandboxClient(server.url, server.token) as client:
+            sid = await client.create({"a.txt": "x"})
+            try:
+                fits = await client.exec(sid, "echo " + "a" * 60_000 + " | wc -c", peer_command=["true"],
+                                         timeout_s=20)
+                assert fits.exit_code == 0 and fits.stdout.strip() == "60001"
+                with pytest.raises(SandboxRequestError) as refused:
+                    await client.exec(sid, "echo " + "a" * 100_000, peer_command=["true"], timeout_s=20)
+                assert refused.value.status == 413 and refused.value.code == "payload_too_large"
+                assert "peer_command" in str(refused.value)
+            finally:
+                await client.delete(sid)
+
+    asyncio.run(main())
