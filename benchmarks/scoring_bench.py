@@ -15,12 +15,16 @@ It also measures the two Python starts a check makes, each alone (``starts_cpu_m
 ``--rounds`` starts as children of this process, the mean): the judge's interpreter (``python -I``,
 whose ``site`` runs the venv's .pth files: an editable install's import hook costs every start),
 the same with ``-S`` (no .pth at all, the floor), and the pair launcher's imports as it reads its
-spec now (``binascii``, ``marshal``) against reading it with ``json``.
+spec now (``binascii``, ``marshal``) against reading it with ``json``, and the judge's own imports
+(the top-level ones of ``sandbox_client/score_runner.py``, read from it) against the same plus the
+six it imported before (``base64``, ``datetime``, ``decimal``, ``fractions`` now wait for a request
+to the peer; ``shutil`` and ``tempfile`` are gone).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import json
 import os
@@ -90,11 +94,22 @@ async def measure(url: str, token: str, rounds: int) -> tuple[dict[str, list[flo
 
 
 _LAUNCHER_IMPORTS = "import ctypes, fcntl, os, select, signal, struct, sys, termios, "
+
+
+def _top_level_imports(path: Path) -> list[str]:
+    """The modules a source imports at its top level (``import x`` lines), as it starts."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+
+
+_JUDGE_IMPORTS = "import " + ", ".join(_top_level_imports(REPO / "sandbox_client" / "score_runner.py"))
 STARTS = {
     "judge_python_-I": ["-I", "-c", "pass"],
     "python_-I_-S": ["-I", "-S", "-c", "pass"],
     "launcher_marshal": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + "binascii, marshal"],
     "launcher_json": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + "json"],
+    "judge_imports": ["-I", "-B", "-c", _JUDGE_IMPORTS],
+    "judge_imports_before": ["-I", "-B", "-c", _JUDGE_IMPORTS + ", base64, datetime, decimal, fractions, shutil, tempfile"],
 }
 
 

@@ -155,6 +155,31 @@ def test_the_judge_and_the_peer_read_each_others_standard_values():
     assert done.returncode == 0 and "same wire format" in done.stdout, done.stderr[-2000:]
 
 
+def test_the_judges_folder_is_private_and_its_removal_never_follows_a_link(tmp_path):
+    """The judge makes its hidden-files folder and removes it without ``tempfile``/``shutil`` (their
+    imports cost more than a copy-the-key check's own work): a new 0700 folder each time, and a
+    removal that unlinks links (to a folder or a file) rather than emptying what they point at."""
+    import os
+    import stat
+
+    from sandbox_client import score_runner as judge
+
+    outside = tmp_path / "outside"
+    (outside / "inner").mkdir(parents=True)
+    (outside / "keep.txt").write_text("kept")
+    (outside / "inner" / "deep.txt").write_text("kept")
+    root, other = judge._private_folder(), judge._private_folder()
+    assert root != other and all(stat.S_IMODE(os.stat(p).st_mode) == 0o700 for p in (root, other))
+    os.makedirs(os.path.join(root, "tests", "sub"))
+    Path(root, "tests", "sub", "a.py").write_text("x")
+    os.symlink(outside, os.path.join(root, "tests", "to_dir"))
+    os.symlink(outside / "keep.txt", os.path.join(root, "to_file"))
+    for folder in (root, other):
+        judge._remove_tree(folder)
+        assert not os.path.lexists(folder)
+    assert (outside / "keep.txt").read_text() == "kept" and (outside / "inner" / "deep.txt").exists()
+
+
 def test_the_agents_code_and_the_hidden_tests_import_installed_packages(server):
     """The peer (the agent's modules) and the judge (pytest, the hidden tests) find installed packages."""
     uses_installed = "import packaging.version\n\n" + FIXED.replace("to_int(d)", "to_int(str(packaging.version.Version(d)))")
