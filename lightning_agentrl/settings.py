@@ -296,7 +296,8 @@ class AlgorithmSettings(_Section):
     kl_coef: float = Field(0.0, ge=0.0)
     """KL penalty to a frozen reference policy (0 = no reference model is loaded)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator."""
+    """Per-token KL estimator, with d = log pi - log pi_ref: k1 = d, or k3 = exp(-d) - 1 + d capped at 10
+    (verl's k3/low_var_kl and OpenRLHF's k3)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus."""
     value_coef: float = Field(0.5, ge=0.0)

@@ -26,6 +26,9 @@ AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 # exp() of a log-ratio beyond this is an overflow, not information (verl clamps the same way).
 _MAX_LOG_RATIO = 20.0
+# k3 per token is capped here, as verl's "k3"/"low_var_kl" and OpenRLHF's "k3" do: past it the token
+# gets no KL gradient, where exp(-d) would otherwise give it up to e^20 times a usual token's.
+_MAX_K3 = 10.0
 
 
 def _check_token_tensors(mask: Tensor, **tensors: Tensor) -> None:
@@ -249,8 +252,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2",
     With ``d = log pi - log pi_ref``:
     - ``k1 = d``: unbiased, high variance, can be negative per token.
     - ``k2 = d^2 / 2``: biased, low variance.
-    - ``k3 = exp(-d) - 1 + d``: unbiased and always >= 0 (GRPO's choice, https://arxiv.org/abs/2402.03300).
-      ``d`` is clamped to +-20 inside the exponential to avoid overflow.
+    - ``k3 = min(exp(-d) - 1 + d, 10)``: unbiased below the cap and always >= 0 (GRPO's choice,
+      https://arxiv.org/abs/2402.03300). ``d`` is clamped to +-20 inside the exponential to avoid
+      overflow. The cap is verl's and OpenRLHF's: its gradient ``1 - exp(-d)`` grows exponentially as
+      the policy falls below the reference on a sampled token (with off-policy samples, one such token
+      can outweigh a whole batch), and a capped token gets none. It binds from ``d`` of about -2.6
+      (``pi / pi_ref`` below 1/13).
 
     Mask and aggregate the result with ``aggregate``. Shapes: logprobs[N], ref_logprobs[N] -> Tensor[N].
     """
@@ -265,7 +272,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2",
         return 0.5 * diff * diff
     if kind == "k3":
         diff = diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return torch.exp(-diff) - 1.0 + diff
+        return (torch.exp(-diff) - 1.0 + diff).clamp(max=_MAX_K3)
     raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
 
 
