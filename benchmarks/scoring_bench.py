@@ -14,11 +14,13 @@ process on it).
 It also measures the two Python starts a check makes, each alone (``starts_cpu_ms``: CPU of
 ``--rounds`` starts as children of this process, the mean): the judge's interpreter (``python -I``,
 whose ``site`` runs the venv's .pth files: an editable install's import hook costs every start),
-the same with ``-S`` (no .pth at all, the floor), and the pair launcher's imports as it reads its
-spec now (``binascii``, ``marshal``) against reading it with ``json``, and the judge's own imports
-(the top-level ones of ``sandbox_client/score_runner.py``, read from it) against the same plus the
-six it imported before (``base64``, ``datetime``, ``decimal``, ``fractions`` now wait for a request
-to the peer; ``shutil`` and ``tempfile`` are gone).
+the same with ``-S`` (no .pth at all, the floor), the pair launcher's imports (the top-level ones
+of ``sandbox_server/pair_launch.py``, read from it) against reading its spec with ``json`` instead
+of ``binascii`` and ``marshal`` and against adding ``signal`` (which it imported before: ``enum``
+comes with it), and the judge's own imports (the top-level ones of
+``sandbox_client/score_runner.py``) against the same plus the six it imported before (``base64``,
+``datetime``, ``decimal`` and ``fractions`` now wait for the first value that needs them;
+``shutil`` and ``tempfile`` are gone).
 """
 
 from __future__ import annotations
@@ -93,9 +95,6 @@ async def measure(url: str, token: str, rounds: int) -> tuple[dict[str, list[flo
     return times, cpu
 
 
-_LAUNCHER_IMPORTS = "import ctypes, fcntl, os, select, signal, struct, sys, termios, "
-
-
 def _top_level_imports(path: Path) -> list[str]:
     """The modules a source imports at its top level (``import x`` lines), as it starts."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -103,11 +102,15 @@ def _top_level_imports(path: Path) -> list[str]:
 
 
 _JUDGE_IMPORTS = "import " + ", ".join(_top_level_imports(REPO / "sandbox_client" / "score_runner.py"))
+_LAUNCHER = _top_level_imports(REPO / "sandbox_server" / "pair_launch.py")
+_LAUNCHER_IMPORTS = "import " + ", ".join(_LAUNCHER)
 STARTS = {
     "judge_python_-I": ["-I", "-c", "pass"],
     "python_-I_-S": ["-I", "-S", "-c", "pass"],
-    "launcher_marshal": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + "binascii, marshal"],
-    "launcher_json": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + "json"],
+    "launcher_marshal": ["-I", "-S", "-c", _LAUNCHER_IMPORTS],
+    "launcher_json": ["-I", "-S", "-c", "import " + ", ".join(m for m in _LAUNCHER if m not in ("binascii", "marshal"))
+                      + ", json"],
+    "launcher_marshal_signal": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + ", signal"],
     "judge_imports": ["-I", "-B", "-c", _JUDGE_IMPORTS],
     "judge_imports_before": ["-I", "-B", "-c", _JUDGE_IMPORTS + ", base64, datetime, decimal, fractions, shutil, tempfile"],
 }

@@ -362,8 +362,8 @@ def test_scoring_benchmark_times_the_lazy_and_the_eager_peer_on_a_solved_task(tm
     assert set(record["cpu_s_mean"]) == {"lazy_peer", "eager_peer"}
     assert all(v > 0 for v in record["cpu_s_mean"].values())  # a scoring starts processes: CPU is spent
     starts = record["starts_cpu_ms"]
-    assert set(starts) == {"judge_python_-I", "python_-I_-S", "launcher_marshal", "launcher_json", "judge_imports",
-                           "judge_imports_before"}
+    assert set(starts) == {"judge_python_-I", "python_-I_-S", "launcher_marshal", "launcher_json",
+                           "launcher_marshal_signal", "judge_imports", "judge_imports_before"}
     assert all(v > 0 for v in starts.values())  # each is a real process start
     done = subprocess.run([sys.executable, "benchmarks/scoring_bench.py", "--rounds", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
