@@ -18,9 +18,8 @@ the same with ``-S`` (no .pth at all, the floor), the pair launcher's imports (t
 of ``sandbox_server/pair_launch.py``, read from it) against reading its spec with ``json`` instead
 of ``binascii`` and ``marshal`` and against adding ``signal`` (which it imported before: ``enum``
 comes with it), and the judge's own imports (the top-level ones of
-``sandbox_client/score_runner.py``) against the same plus the six it imported before (``base64``,
-``datetime``, ``decimal`` and ``fractions`` now wait for the first value that needs them;
-``shutil`` and ``tempfile`` are gone).
+``sandbox_client/score_runner.py``) against the same plus ``shutil`` and ``tempfile``, which it
+imported before.
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ STARTS = {
                       + ", json"],
     "launcher_marshal_signal": ["-I", "-S", "-c", _LAUNCHER_IMPORTS + ", signal"],
     "judge_imports": ["-I", "-B", "-c", _JUDGE_IMPORTS],
-    "judge_imports_before": ["-I", "-B", "-c", _JUDGE_IMPORTS + ", base64, datetime, decimal, fractions, shutil, tempfile"],
+    "judge_imports_before": ["-I", "-B", "-c", _JUDGE_IMPORTS + ", shutil, tempfile"],
 }
 
 

@@ -297,7 +297,7 @@ class AlgorithmSettings(_Section):
     """KL penalty to a frozen reference policy (0 = no reference model is loaded)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """Per-token KL estimator, with d = log pi - log pi_ref: k1 = d, or k3 = exp(-d) - 1 + d capped at 10
-    (verl's k3/low_var_kl and OpenRLHF's k3)."""
+    (verl's k3/low_var_kl and OpenRLHF's k3: no KL gradient below d = -2.6 or above d = 11)."""
     entropy_coef: float = Field(0.0, ge=0.0)
     """Entropy bonus."""
     value_coef: float = Field(0.5, ge=0.0)

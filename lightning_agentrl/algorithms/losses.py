@@ -256,8 +256,9 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2",
       https://arxiv.org/abs/2402.03300). ``d`` is clamped to +-20 inside the exponential to avoid
       overflow. The cap is verl's and OpenRLHF's: its gradient ``1 - exp(-d)`` grows exponentially as
       the policy falls below the reference on a sampled token (with off-policy samples, one such token
-      can outweigh a whole batch), and a capped token gets none. It binds from ``d`` of about -2.6
-      (``pi / pi_ref`` below 1/13).
+      can outweigh a whole batch), and a capped token gets none. It binds below ``d`` of about -2.6
+      (``pi / pi_ref`` under 1/13) and, as in verl, above ``d`` of about 11 (``pi`` over e^11 times
+      ``pi_ref``), where the uncapped gradient was about 1.
 
     Mask and aggregate the result with ``aggregate``. Shapes: logprobs[N], ref_logprobs[N] -> Tensor[N].
     """

@@ -311,15 +311,15 @@ def test_kl_estimators_values_and_unbiasedness():
 def test_k3_is_capped_at_10_as_verl_and_openrlhf_cap_it():
     """verl's ``k3``/``low_var_kl`` and OpenRLHF's ``k3`` clamp the per-token value to 10: a token
     the policy has pushed far below the reference gets no KL gradient, rather than exp(-d) times it."""
-    d = torch.tensor([0.5, -1.0, -2.0, -2.6, -3.0, -8.0, -30.0])
+    d = torch.tensor([0.5, -1.0, -2.0, -2.6, 10.9, -3.0, -8.0, -30.0, 11.5, 40.0])
     logp = torch.full_like(d, -1.0).requires_grad_(True)
     k3 = losses.kl_penalty(logp, logp.detach() - d, "k3")
     verl = (torch.exp(-d.clamp(-20, 20)) + d - 1).clamp(-10, 10)  # verl: ratio - kl - 1 with kl = ref - logp
     torch.testing.assert_close(k3, verl)
     k3.sum().backward()
     uncapped = 1 - torch.exp(-d)
-    torch.testing.assert_close(logp.grad[:4], uncapped[:4])  # below the cap (k3(-2.6) = 9.86): the usual gradient
-    assert logp.grad[4:].abs().max().item() == 0.0  # at the cap: none (k3(-3) = 17.1 uncapped)
+    torch.testing.assert_close(logp.grad[:5], uncapped[:5])  # below the cap (k3(-2.6) = 9.86): the usual gradient
+    assert logp.grad[5:].abs().max().item() == 0.0  # at the cap: none (k3(-3) = 17.1, k3(11.5) = 10.5 uncapped)
 
 
 def test_entropy_bonus_rewards_higher_entropy():
