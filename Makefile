@@ -37,7 +37,7 @@ smoke: install
 
 # Tests run on TEST_WORKERS pytest-xdist workers (most fit-level tests use about one core each), a test
 # file to a worker, so a module-scoped fixture (often a whole training run) is built once.
-# TEST_WORKERS=0: one process. On this suite's 2 cores: 22 to 25 minutes, against 40 in one process.
+# TEST_WORKERS=0: one process. On this suite's 2 cores: 19 to 25 minutes, against 40 in one process.
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
