@@ -125,9 +125,9 @@ class AgentRLModule(L.LightningModule):
             # refuses torch's. Same AdamW update rule (decoupled weight decay).
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(params, lr=t.lr, weight_decay=t.weight_decay, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(params, lr=t.lr, eps=t.adam_eps, weight_decay=t.weight_decay, adamw_mode=True)
         else:
-            optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+            optimizer = torch.optim.AdamW(params, lr=t.lr, eps=t.adam_eps, weight_decay=t.weight_decay)
         warmup = max(t.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
@@ -186,6 +186,7 @@ class AgentRLModule(L.LightningModule):
             input_ids[targets_at],
             temperature=max(self.settings.engine.temperature, 1e-6),
             top_p=self.settings.engine.top_p,  # the sampling distribution (algorithms/logprobs.py)
+            top_k=self.settings.engine.top_k,
             chunk_size=self.settings.trainer.logprob_chunk_tokens,
         )
 
@@ -511,10 +512,10 @@ class OutputLogprobs(torch.nn.Module):
 
                 deepspeed.zero.register_external_parameter(self, parameter)
 
-    def forward(self, hidden, target_ids, *, temperature: float, chunk_size: int, top_p: float = 1.0):
+    def forward(self, hidden, target_ids, *, temperature: float, chunk_size: int, top_p: float = 1.0, top_k: int = 0):
         (head,) = self._head
         return token_logprobs(
-            hidden, head.weight, target_ids, temperature=temperature, top_p=top_p, chunk_size=chunk_size,
+            hidden, head.weight, target_ids, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size,
             lm_head_bias=getattr(head, "bias", None),
         )
 

@@ -99,6 +99,9 @@ class EngineSettings(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass: sample among the most likely tokens whose probability reaches this; the trainer's
     log-probs use the same nucleus."""
+    top_k: int = Field(0, ge=0)
+    """Sample among this many most likely tokens at most (0 = no limit), before the top-p nucleus; the trainer's
+    log-probs use the same filter."""
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
@@ -328,6 +331,9 @@ class TrainerSettings(_Section):
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
+    adam_eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
+    """AdamW's epsilon, added to the root of the second moment. A parameter whose gradients stay below it moves by
+    about lr x gradient / eps instead of a full lr step."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up over this many training steps (the schedule advances once per step, not
     per optimizer update)."""

@@ -178,3 +178,31 @@ def test_gigpo_similarity_merges_near_identical_states(tmp_path):
         _, log = scripted_fit(settings, script)
         counts[similarity] = log.metrics[0]["gigpo/num_anchor_groups"]
     assert counts == {None: 6.0, 0.9: 4.0}
+
+
+class FirstUpdate(L.Callback):
+    """The optimizer's ``eps`` and the largest change of any policy weight in the first training step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 0:
+            self.before = [p.detach().clone() for p in pl_module.policy.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            self.eps = trainer.optimizers[0].param_groups[0]["eps"]
+            self.change = max(float((p.detach() - b).abs().max())
+                              for p, b in zip(pl_module.policy.parameters(), self.before, strict=True))
+
+
+@pytest.mark.parametrize("eps", [None, 1.0])
+def test_adam_eps_reaches_the_optimizer_and_damps_small_gradients(tmp_path, eps):
+    """Adam's first step moves each weight by lr x g / (|g| + eps): about lr with the default 1e-8, far less
+    than lr when eps is above every gradient (1.0 here; the tiny model's gradients are well below it)."""
+    first = FirstUpdate()
+    overrides = [] if eps is None else [f"--trainer.adam_eps={eps}"]
+    scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=1", *overrides), {"e0": SOLVE}, callbacks=[first])
+    lr = 1e-3  # learn_settings'
+    if eps is None:
+        assert first.eps == 1e-8 and 0.9 * lr < first.change <= 1.01 * lr
+    else:
+        assert first.eps == eps and 0 < first.change < 0.1 * lr

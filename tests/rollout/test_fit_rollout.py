@@ -65,6 +65,41 @@ def test_lag_zero_logprobs_agree_with_the_torch_engine_under_top_p_and_temperatu
     assert gain.min() > -1e-4 and gain.max() < -math.log(0.9) + 1e-4 and gain.median() > 1e-3, gain
 
 
+def test_top_k_restricts_what_the_torch_engine_samples_and_the_trainer_scores(tmp_path, tiny_model_path):
+    """``engine.top_k`` reaches both sides of the log-prob rule: the engine samples only among the k most
+    likely ids, and the trainer renormalizes over the same k (lag 0 agrees with the engine). With the
+    random tiny model the top 2 ids hold a few percent of the mass, so a trainer that ignored the filter
+    would differ from the engine by several nats, and an engine that ignored it would sample other ids."""
+    settings = two_task_settings(tmp_path, tiny_model_path, *SMALL, "--engine.top_k=2", "--rollout.groups_per_step=2")
+    result, _, capture = recorded_fit(settings)
+    assert result.global_step == 2
+    mismatch = metric(result, "mismatch/logprob_max")
+    assert len(mismatch) == 2 and all(0 <= m < 1e-4 for m in mismatch), mismatch
+    ranks, gain = sampled_ranks(tiny_model_path, capture.batches[0].trajectories[0])
+    assert ranks.max() <= 1, ranks  # every sampled id is one of the 2 most likely
+    # renormalized over the top 2: log p(y) - log(p1 + p2) > 0, by more than a nat for this flat model
+    assert gain.min() > 1.0, gain
+
+
+def sampled_ranks(model_path, trajectory) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank of each sampled action id among the initial weights' logits (0 = the most likely), and its
+    recorded behavior log-prob minus its untruncated ``log_softmax``, over the first segment (step 0)."""
+    from transformers import AutoModelForCausalLM
+
+    segment = trajectory.segments[0]
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = torch.tensor([segment.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    actions = torch.tensor([i for i, m in enumerate(segment.loss_mask) if m and i > 0])
+    chosen = ids[0, actions]
+    chosen_logits = logits[actions - 1].gather(-1, chosen[:, None])
+    ranks = (logits[actions - 1] > chosen_logits).sum(-1)
+    untruncated = torch.log_softmax(logits[actions - 1], -1).gather(-1, chosen[:, None])[:, 0]
+    behavior = torch.tensor([segment.behavior_logprobs[i] for i in actions.tolist()])
+    return ranks, behavior - untruncated
+
+
 def nucleus_gain(model_path, trajectory, *, temperature: float) -> torch.Tensor:
     """Recorded behavior log-prob minus the untruncated ``log_softmax(logits / T)`` of the initial
     weights, at every action token of the episode's first segment (generated at step 0)."""
