@@ -58,7 +58,7 @@ def drift_rows(run_dir: Path, before: int, after: int, step: int, limit: int) ->
     warm, old, new = (_load(run_dir / "warm_start"), _load(run_dir / "snapshots" / f"step_{before:06d}"),
                       _load(run_dir / "snapshots" / f"step_{after:06d}"))
     w_old, w_new = old.get_output_embeddings().weight.detach(), new.get_output_embeddings().weight.detach()
-    rows = []
+    rows, seen = [], set()
     for trajectory in load_trajectories(run_dir / "trajectories" / f"step_{step:06d}.jsonl"):
         if trajectory.termination is TerminationReason.SUBMITTED or len(rows) >= limit:
             continue
@@ -67,10 +67,13 @@ def drift_rows(run_dir: Path, before: int, after: int, step: int, limit: int) ->
         (_, p_warm), (h_old, p_old), (h_new, p_new) = (_hidden_and_probs(m, ids) for m in (warm, old, new))
         for i in range(1, len(ids)):
             y = int(ids[i])
+            if (i, y, tuple(segment.token_ids[:i])) in seen:
+                break  # the same prefix and token as an episode already listed (episodes of a group often are)
             if not segment.loss_mask[i] or p_warm[i - 1, y] >= NEVER or p_new[i - 1, y] <= NOW:
                 continue
             at = {"p_warm": p_warm[i - 1], "p_old": p_old[i - 1], "p_new": p_new[i - 1], "h_old": h_old[i - 1],
                   "h_new": h_new[i - 1], "w_old": w_old, "w_new": w_new}
+            seen.add((i, y, tuple(segment.token_ids[:i])))
             rows.append({"episode": trajectory.episode_id, "position": i,
                          "context": tokenizer.decode(ids[max(0, i - 12):i]),
                          "written": {"token": tokenizer.decode([y]), **_split(y, **at)},
@@ -78,6 +81,18 @@ def drift_rows(run_dir: Path, before: int, after: int, step: int, limit: int) ->
                                             **_split(top, **at)}})
             break
     return rows
+
+
+def missing_inputs(run_dir: Path, before: int, after: int, step: int) -> str | None:
+    """What the run lacks for these steps (a message naming the snapshots it has), or None."""
+    needed = [run_dir / "warm_start", run_dir / "snapshots" / f"step_{before:06d}",
+              run_dir / "snapshots" / f"step_{after:06d}", run_dir / "trajectories" / f"step_{step:06d}.jsonl"]
+    absent = [str(path) for path in needed if not path.exists()]
+    if not absent:
+        return None
+    have = sorted(int(p.name.split("_")[1]) for p in (run_dir / "snapshots").glob("step_*")) if run_dir.is_dir() else []
+    return (f"not found: {', '.join(absent)}. A `make learn` run folder (benchmarks/learn_cpu.py --run-dir) has "
+            f"warm_start/, snapshots/step_NNNNNN and trajectories/; this one has snapshots at steps {have or 'none'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = drift_rows(args.run_dir, args.before, args.after, args.after if args.step is None else args.step, args.limit)
+    step = args.after if args.step is None else args.step
+    problem = missing_inputs(args.run_dir, args.before, args.after, step)
+    if problem is not None:
+        print(f"format_drift: {problem}", file=sys.stderr)
+        return 2
+    rows = drift_rows(args.run_dir, args.before, args.after, step, args.limit)
+    if not rows:
+        print(f"format_drift: no episode of step {step} that did not submit holds a token under {NEVER:.0%} for the "
+              f"warm start and over {NOW:.0%} at step {args.after}", file=sys.stderr)
     for row in rows:
         w, t = row["written"], row["warm_start_top"]
         print(f"{row['episode']} ...{row['context']!r} -> {w['token']!r}: p {w['p_warm_start']:.4f} (warm start) "

@@ -155,8 +155,8 @@ class PolicySnapshots(L.Callback):
 def evaluate_snapshots(snapshots: list[dict], *, config: str, overrides: list[str], samples_per_task: int,
                        seed: int) -> list[dict]:
     """Held-out success of each saved policy (``python -m lightning_agentrl evaluate``), one entry per
-    snapshot: its step, :func:`~lightning_agentrl.callbacks.evaluation.score_episodes`'s scores and
-    ``minutes``, the training time (warm start included) at which the policy was saved. Every
+    snapshot: its step, :func:`~lightning_agentrl.callbacks.evaluation.score_episodes`'s scores, and
+    ``minutes`` and ``seconds``, the training time (warm start included) at which the policy was saved. Every
     snapshot is evaluated with the same ``run.seed`` (the same sampling streams for each episode),
     so two steps differ by their weights only."""
     from lightning_agentrl.evaluate import evaluate_policy
@@ -166,7 +166,7 @@ def evaluate_snapshots(snapshots: list[dict], *, config: str, overrides: list[st
         scores = evaluate_policy(snapshot["path"], split="test", samples=samples_per_task, config=Path(config),
                                  overrides=[*overrides, f"--run.seed={seed}"])
         history.append({"step": snapshot["step"], "episodes": scores["episodes"], **{k: scores[k] for k in SCORE_KEYS},
-                        "minutes": round(snapshot["seconds"] / 60, 2)})
+                        "minutes": round(snapshot["seconds"] / 60, 2), "seconds": round(snapshot["seconds"], 1)})
     return history
 
 

@@ -100,8 +100,24 @@ class EngineSettings(_Section):
     """Nucleus sampling mass: sample among the most likely tokens whose probability reaches this; the trainer's
     log-probs use the same nucleus."""
     top_k: int = Field(0, ge=0)
-    """Sample among this many most likely tokens at most (0 = no limit), before the top-p nucleus; the trainer's
-    log-probs use the same filter."""
+    """Sample among this many most likely tokens at most (0 = no limit; not 1), before the top-p nucleus; the
+    trainer's log-probs use the same filter, so the policy gets no gradient on tokens outside it and evaluation
+    with another filter can score it very differently (README, "What breaks the format")."""
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_is_a_count(cls, top_k):
+        if isinstance(top_k, bool):
+            raise ValueError(f"engine.top_k must be a count of tokens, got {top_k!r}")
+        return top_k
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_leaves_a_choice(cls, top_k: int) -> int:
+        if top_k == 1:
+            raise ValueError("engine.top_k=1 samples the most likely token only: every log-prob is 0 and nothing "
+                             "trains (greedy evaluation is eval.temperature: 0)")
+        return top_k
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
@@ -333,7 +349,8 @@ class TrainerSettings(_Section):
     """AdamW weight decay."""
     adam_eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
     """AdamW's epsilon, added to the root of the second moment. A parameter whose gradients stay below it moves by
-    about lr x gradient / eps instead of a full lr step."""
+    about lr x gradient / eps instead of a full lr step. At least the smallest normal number of `model.dtype`
+    (6.2e-5 for float16, so float16 needs more than the default), or a weight with no gradient becomes NaN."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up over this many training steps (the schedule advances once per step, not
     per optimizer update)."""
@@ -450,6 +467,12 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"rollout.forced_truncation_turns ({self.rollout.forced_truncation_turns}) must be below "
                 f"env.max_turns ({self.env.max_turns}), or the forced episodes are not cut"
+            )
+        tiny = {"float32": 1.2e-38, "bfloat16": 1.2e-38, "float16": 6.2e-5}[self.model.dtype]
+        if self.trainer.adam_eps < tiny:
+            raise ValueError(
+                f"trainer.adam_eps ({self.trainer.adam_eps:g}) rounds to 0 in model.dtype={self.model.dtype} (smallest "
+                f"normal number about {tiny:g}): a weight whose gradient is 0 would become NaN (0/0)"
             )
         if "vllm_kv_cache_bytes" in self.engine.model_fields_set and self.trainer.accelerator == "gpu":
             raise ValueError(

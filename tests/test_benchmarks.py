@@ -155,6 +155,8 @@ def test_learn_writes_the_record_and_the_figure(tmp_path):
     # at least the warm start and the steps before the save, at most the warm start and all of fit
     warm_s, ordered = record["warm_start"]["seconds"], [step_s[step] for step in sorted(step_s)]
     assert history[0]["minutes"] == round(warm_s / 60, 2)
+    assert history[0]["seconds"] == round(warm_s, 1)
+    assert all(abs(h["seconds"] / 60 - h["minutes"]) <= 0.0051 for h in history)  # the same time, unrounded
     assert warm_s + sum(ordered[:3]) - 0.6 <= history[1]["minutes"] * 60 <= history[2]["minutes"] * 60
     assert warm_s + sum(ordered) - 0.6 <= history[2]["minutes"] * 60 <= record["training_time_s"] + 0.6
     assert record["training_time_s"] <= warm_s + record["rl_wall_time_s"]

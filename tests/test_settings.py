@@ -121,6 +121,25 @@ def test_training_refuses_greedy_sampling_but_evaluation_may_be_greedy():
     assert load_settings(overrides=["--eval.temperature=0"]).eval.temperature == 0
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--engine.top_k=1"], "engine.top_k=1 samples the most likely token only"),
+        (["--engine.top_k=true"], "engine.top_k must be a count of tokens"),
+        (["--trainer.adam_eps=1e-300"], r"trainer.adam_eps \(1e-300\) rounds to 0 in model.dtype=float32"),
+        (["--model.dtype=float16"], r"trainer.adam_eps \(1e-08\) rounds to 0 in model.dtype=float16"),
+    ],
+)
+def test_sampling_and_optimizer_values_that_cannot_train_are_refused(overrides, message):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(overrides=overrides)
+
+
+def test_top_k_and_adam_eps_that_can_train_are_accepted():
+    settings = load_settings(overrides=["--engine.top_k=2", "--model.dtype=float16", "--trainer.adam_eps=1e-4"])
+    assert (settings.engine.top_k, settings.trainer.adam_eps) == (2, 1e-4)
+
+
 @pytest.mark.parametrize("role", ["assistant", "system", "bogus"])
 def test_an_observation_role_that_is_not_a_tool_results_role_is_refused(role):
     with pytest.raises(ValueError, match="env.observation_role"):

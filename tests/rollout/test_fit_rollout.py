@@ -69,12 +69,15 @@ def test_top_k_restricts_what_the_torch_engine_samples_and_the_trainer_scores(tm
     """``engine.top_k`` reaches both sides of the log-prob rule: the engine samples only among the k most
     likely ids, and the trainer renormalizes over the same k (lag 0 agrees with the engine). With the
     random tiny model the top 2 ids hold a few percent of the mass, so a trainer that ignored the filter
-    would differ from the engine by several nats, and an engine that ignored it would sample other ids."""
-    settings = two_task_settings(tmp_path, tiny_model_path, *SMALL, "--engine.top_k=2", "--rollout.groups_per_step=2")
+    would differ from the engine by several nats, and an engine that ignored it would sample other ids. The
+    reference policy (KL) scores with the same filter: at step 0 it equals the policy, so the KL is 0."""
+    settings = two_task_settings(tmp_path, tiny_model_path, *SMALL, "--engine.top_k=2", "--rollout.groups_per_step=2",
+                                 "--algorithm.kl_coef=0.1")
     result, _, capture = recorded_fit(settings)
     assert result.global_step == 2
     mismatch = metric(result, "mismatch/logprob_max")
     assert len(mismatch) == 2 and all(0 <= m < 1e-4 for m in mismatch), mismatch
+    assert abs(metric(result, "loss/kl")[0]) < 1e-6
     ranks, gain = sampled_ranks(tiny_model_path, capture.batches[0].trajectories[0])
     assert ranks.max() <= 1, ranks  # every sampled id is one of the 2 most likely
     # renormalized over the top 2: log p(y) - log(p1 + p2) > 0, by more than a nat for this flat model
