@@ -67,13 +67,14 @@ def drift_rows(run_dir: Path, before: int, after: int, step: int, limit: int) ->
         (_, p_warm), (h_old, p_old), (h_new, p_new) = (_hidden_and_probs(m, ids) for m in (warm, old, new))
         for i in range(1, len(ids)):
             y = int(ids[i])
-            if (i, y, tuple(segment.token_ids[:i])) in seen:
-                break  # the same prefix and token as an episode already listed (episodes of a group often are)
             if not segment.loss_mask[i] or p_warm[i - 1, y] >= NEVER or p_new[i - 1, y] <= NOW:
                 continue
+            key = tuple(segment.token_ids[: i + 1])
+            if key in seen:
+                break  # the same prefix and token as an episode already listed (episodes of a group often are)
+            seen.add(key)
             at = {"p_warm": p_warm[i - 1], "p_old": p_old[i - 1], "p_new": p_new[i - 1], "h_old": h_old[i - 1],
                   "h_new": h_new[i - 1], "w_old": w_old, "w_new": w_new}
-            seen.add((i, y, tuple(segment.token_ids[:i])))
             rows.append({"episode": trajectory.episode_id, "position": i,
                          "context": tokenizer.decode(ids[max(0, i - 12):i]),
                          "written": {"token": tokenizer.decode([y]), **_split(y, **at)},

@@ -408,3 +408,15 @@ def test_policy_snapshots_save_each_step_once_and_never_step_zero(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
     elapsed = time.monotonic() - started  # offset, then the time since started, at each save
     assert 5.0 < snapshots.saved[0]["seconds"] <= snapshots.saved[1]["seconds"] <= 5.0 + elapsed
+
+
+def test_format_drift_names_what_a_run_lacks_before_loading_anything(tmp_path, capsys):
+    sys.path.insert(0, str(REPO))
+    from benchmarks.format_drift import main as format_drift
+
+    (tmp_path / "warm_start").mkdir()
+    (tmp_path / "snapshots" / "step_000010").mkdir(parents=True)
+    assert format_drift([str(tmp_path), "--before", "10", "--after", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "snapshots/step_000020" in err and "trajectories/step_000020.jsonl" in err
+    assert "snapshots/step_000010," not in err and "snapshots at steps [10]" in err
