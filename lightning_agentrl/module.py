@@ -181,12 +181,14 @@ class AgentRLModule(L.LightningModule):
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of ``input_ids[targets_at]``; ``hidden[t-1]`` predicts token t."""
         head = self.policy_logprobs if model is self.policy else self.reference_logprobs
+        e = self.settings.engine
+        filtered = e.logprobs == "sampler"  # the sampling distribution (algorithms/logprobs.py), or the softmax
         return head(
             hidden[targets_at - 1],
             input_ids[targets_at],
-            temperature=max(self.settings.engine.temperature, 1e-6),
-            top_p=self.settings.engine.top_p,  # the sampling distribution (algorithms/logprobs.py)
-            top_k=self.settings.engine.top_k,
+            temperature=max(e.temperature, 1e-6),
+            top_p=e.top_p if filtered else 1.0,
+            top_k=e.top_k if filtered else 0,
             chunk_size=self.settings.trainer.logprob_chunk_tokens,
         )
 

@@ -118,6 +118,13 @@ class EngineSettings(_Section):
             raise ValueError("engine.top_k=1 samples the most likely token only: every log-prob is 0 and nothing "
                              "trains (greedy evaluation is eval.temperature: 0)")
         return top_k
+    logprobs: Literal["sampler", "softmax"] = "sampler"
+    """Which distribution every log-prob (the engine's behavior log-probs, the trainer's current, proximal and
+    reference ones) is of. `sampler`: the one sampled from (top-k and top-p applied, renormalized), so the
+    importance ratios are exact; tokens outside the filter get no gradient and no KL, and their mass can grow
+    unseen (README, "What breaks the format"). `softmax`: softmax(logits / temperature), as verl's trainer
+    does; sampling still uses the filter, every token gets gradient and KL, and the ratios leave out the
+    filter. The same with `top_p: 1` and `top_k: 0`. `softmax` needs `engine.kind: torch` for now."""
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
@@ -543,6 +550,10 @@ def _check_engine(settings: Settings) -> None:
     """The engine settings that only make sense together."""
     # Compared with the defaults, not `model_fields_set`: a run's settings.yaml (the base of a resume) sets every field.
     e, t = settings.engine, settings.trainer
+    if e.logprobs == "softmax" and e.kind != "torch":
+        raise ValueError(f"engine.logprobs=softmax needs engine.kind=torch for now: vLLM reports log-probs after "
+                         f"top-k and top-p (processed_logprobs) or before temperature (raw), not between "
+                         f"(engine.kind is {e.kind!r})")
     if e.kind != "vllm_server":
         for name, value in (("urls", e.urls), ("num_servers", e.num_servers != 1)):
             if value:

@@ -463,7 +463,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
         tasks=tasks,
         sampling=SamplingParams(
             max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-            seed=settings.run.seed
+            filtered_logprobs=e.logprobs == "sampler", seed=settings.run.seed
         ),
         budget=EpisodeBudget.from_settings(env),
         plan=RolloutPlan.from_settings(r, seed=settings.run.seed),

@@ -128,6 +128,8 @@ def test_training_refuses_greedy_sampling_but_evaluation_may_be_greedy():
         (["--engine.top_k=true"], "engine.top_k must be a count of tokens"),
         (["--trainer.adam_eps=1e-300"], r"trainer.adam_eps \(1e-300\) rounds to 0 in model.dtype=float32"),
         (["--model.dtype=float16"], r"trainer.adam_eps \(1e-08\) rounds to 0 in model.dtype=float16"),
+        (["--engine.logprobs=softmax", "--engine.kind=vllm"], "engine.logprobs=softmax needs engine.kind=torch"),
+        (["--engine.logprobs=filtered"], "engine.logprobs: Input should be 'sampler' or 'softmax'"),
     ],
 )
 def test_sampling_and_optimizer_values_that_cannot_train_are_refused(overrides, message):

@@ -29,6 +29,14 @@ the trainer computes current, proximal and reference (KL) log-probs and the entr
 ``log_softmax(logits / T)``. Temperature 0 (greedy) has no distribution: engines then report
 ``log_softmax(logits)``, and training refuses it.
 
+**The softmax option** (``engine.logprobs: softmax``, verl's trainer): sampling keeps the filter, but
+the engine reports and the trainer computes ``log_softmax(logits / T)``, i.e. this rule with
+``top_p = 1`` and ``top_k = 0``. The ratios then leave out the filter (off by the kept mass, the
+same at both ends when the policy has not moved), and in exchange the ids the filter drops are in
+every normalizer: an update that raises one of them lowers the log-prob of what was sampled, so
+the policy gradient and the KL see it. Under the filtered rule a position whose nucleus is one id
+has log-prob 0 and no gradient at all, whatever mass builds up outside it.
+
 Gradients: the kept set is a selection, recomputed from the *current* logits and held fixed
 (no gradient flows through which ids are kept; the set is piecewise constant in the weights, so
 this is the exact gradient almost everywhere); gradients flow through ``z_y`` and through the

@@ -7,7 +7,9 @@ distribution is the one log-prob rule of :mod:`lightning_agentrl.algorithms.logp
 temperature, restricted to the top-k ids and the top-p nucleus, renormalized
 (:func:`~lightning_agentrl.algorithms.logprobs.sampling_logits`); the trainer recomputes log-probs
 with the same rule. vLLM calls it :data:`VLLM_LOGPROBS_MODE`: an engine built on vLLM (in process or
-a server, ``vllm serve --logprobs-mode processed_logprobs``) must run in that mode.
+a server, ``vllm serve --logprobs-mode processed_logprobs``) must run in that mode. With
+``SamplingParams.filtered_logprobs`` off (``engine.logprobs: softmax``) the torch engine still samples
+from the filtered distribution but reports ``log_softmax(logits / T)``.
 
 All engine methods are coroutines and are called from the rollout service's event loop; the
 trainer reaches them through the service, never directly.
@@ -45,6 +47,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # the log-prob reported: under the filtered distribution sampled from (the log-prob rule), or
+    # False: under softmax(logits / temperature), the filter left out (settings' `engine.logprobs`)
+    filtered_logprobs: bool = True
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # this request's own seed: same seed, same samples, whatever the batch
 
@@ -149,6 +154,8 @@ class _Sampler:
         params = [row.request.sampling for row in rows]
         self.temperature, self.filters = _row_filters(params, device)
         self.sampled = torch.tensor([not p.greedy for p in params], device=device)
+        unfiltered = [not p.filtered_logprobs for p in params]
+        self.unfiltered = torch.tensor(unfiltered, device=device)[:, None] if any(unfiltered) else None
         self.uniforms = torch.nn.utils.rnn.pad_sequence([row.uniforms for row in rows], batch_first=True).to(device)
         self.last = torch.tensor([len(row.uniforms) - 1 for row in rows], device=device)
 
@@ -160,6 +167,9 @@ class _Sampler:
         steps = torch.tensor([len(row.ids) for row in rows], device=logits.device).minimum(self.last)
         uniforms = self.uniforms.gather(1, steps[:, None]).squeeze(1)
         token = torch.where(self.sampled, inverse_cdf_sample(logprobs, uniforms), logits.argmax(-1))
+        if self.unfiltered is not None:
+            softmax = torch.log_softmax(sampling_logits(logits, self.temperature), dim=-1)
+            logprobs = torch.where(self.unfiltered, softmax, logprobs)
         token_lp = logprobs.gather(-1, token[:, None]).squeeze(-1)
         for row, tid, lp in zip(rows, token.tolist(), token_lp.tolist(), strict=True):
             if row.reason is None:

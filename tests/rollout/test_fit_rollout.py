@@ -84,6 +84,24 @@ def test_top_k_restricts_what_the_torch_engine_samples_and_the_trainer_scores(tm
     assert gain.min() > 1.0, gain
 
 
+def test_softmax_logprobs_sample_with_the_filter_and_score_without_it(tmp_path, tiny_model_path):
+    """``engine.logprobs=softmax``: the engine still samples among the top k, but reports each id's
+    log-prob under ``log_softmax(logits / T)``, and the trainer (policy and reference) scores with that
+    same softmax, so lag 0 agrees with the engine. With the top-2 filter of the flat random model the two
+    rules differ by more than a nat at every token: an engine that kept renormalizing, or a trainer or a
+    reference that kept the filter, would fail the checks below."""
+    settings = two_task_settings(tmp_path, tiny_model_path, *SMALL, "--engine.top_k=2", "--engine.logprobs=softmax",
+                                 "--rollout.groups_per_step=2", "--algorithm.kl_coef=0.1")
+    result, _, capture = recorded_fit(settings)
+    assert result.global_step == 2
+    mismatch = metric(result, "mismatch/logprob_max")
+    assert len(mismatch) == 2 and all(0 <= m < 1e-4 for m in mismatch), mismatch
+    assert abs(metric(result, "loss/kl")[0]) < 1e-6
+    ranks, gain = sampled_ranks(tiny_model_path, capture.batches[0].trajectories[0])
+    assert ranks.max() <= 1, ranks  # sampled with the filter
+    assert gain.abs().max() < 1e-4, gain  # reported without it
+
+
 def sampled_ranks(model_path, trajectory) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank of each sampled action id among the initial weights' logits (0 = the most likely), and its
     recorded behavior log-prob minus its untruncated ``log_softmax``, over the first segment (step 0)."""
