@@ -35,7 +35,9 @@ the engine reports and the trainer computes ``log_softmax(logits / T)``, i.e. th
 same at both ends when the policy has not moved), and in exchange the ids the filter drops are in
 every normalizer: an update that raises one of them lowers the log-prob of what was sampled, so
 the policy gradient and the KL see it. Under the filtered rule a position whose nucleus is one id
-has log-prob 0 and no gradient at all, whatever mass builds up outside it.
+has log-prob 0 and no gradient at all, whatever mass builds up outside it, so the KL cannot pull a
+policy back from a nucleus of one wrong id. Seeing the dropped ids is not keeping their mass small:
+the README ("Scoring without the filter") measures both.
 
 Gradients: the kept set is a selection, recomputed from the *current* logits and held fixed
 (no gradient flows through which ids are kept; the set is piecewise constant in the weights, so
