@@ -117,6 +117,28 @@ class AgentRLModule(L.LightningModule):
         np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
 
     @override
+    def on_train_start(self) -> None:
+        """The optimizer runs with this run's settings: a resume restores Adam's moments and the
+        schedule's position from the checkpoint, but `trainer.lr`, `adam_eps`, `weight_decay` and
+        `warmup_steps` from the settings it was started with, and says which changed."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        t, scheduler = self.settings.trainer, self.lr_schedulers()
+        groups = self.trainer.optimizers[0].param_groups
+        lr = t.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)  # where the schedule stands now
+        wanted = {"initial_lr": t.lr, "lr": lr, "eps": t.adam_eps, "weight_decay": t.weight_decay}
+        for key, value in wanted.items():
+            before = {group.get(key) for group in groups}
+            if before != {value} and key != "lr":  # lr follows initial_lr and the schedule
+                name = {"initial_lr": "lr", "eps": "adam_eps"}.get(key, key)
+                rank_zero_info(f"trainer.{name}: the checkpoint's optimizer had {sorted(before, key=str)}; "
+                               f"this run uses {value:g} (its settings)")
+            for group in groups:
+                group[key] = value
+        scheduler.base_lrs = [t.lr] * len(scheduler.base_lrs)
+        scheduler._last_lr = [group["lr"] for group in groups]
+
+    @override
     def configure_optimizers(self):
         t = self.settings.trainer
         params = [p for p in self.parameters() if p.requires_grad]

@@ -206,3 +206,34 @@ def test_adam_eps_reaches_the_optimizer_and_damps_small_gradients(tmp_path, eps)
         assert first.eps == 1e-8 and 0.9 * lr < first.change <= 1.01 * lr
     else:
         assert first.eps == eps and 0 < first.change < 0.1 * lr
+
+
+class OptimizerValues(L.Callback):
+    """The optimizer's lr, eps and weight decay as each training step starts, by global step."""
+
+    def __init__(self) -> None:
+        self.seen = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        group = trainer.optimizers[0].param_groups[0]
+        self.seen[trainer.global_step] = (group["lr"], group["eps"], group["weight_decay"])
+
+
+def test_a_resume_trains_with_its_own_lr_eps_and_weight_decay_from_where_the_warmup_stood(tmp_path, caplog):
+    """The checkpoint restores Adam's moments and the schedule's position, not the settings: resumed with a
+    new lr, eps and weight decay after 2 of 4 warmup steps, step 3 runs at 3/4 of the new lr (7.5e-6, not
+    7.5e-4 from the checkpoint's lr), with the new eps and weight decay, and the log names each change."""
+    warmup = "--trainer.warmup_steps=4"
+    scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=2", warmup), {"e0": SOLVE})
+    values = OptimizerValues()
+    with caplog.at_level("INFO"):
+        scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=3", warmup, "--run.resume=last", "--trainer.lr=1e-5",
+                                    "--trainer.adam_eps=1e-6", "--trainer.weight_decay=0.01"),
+                     {"e0": SOLVE}, callbacks=[values])
+    assert list(values.seen) == [2]
+    lr, eps, weight_decay = values.seen[2]
+    assert lr == pytest.approx(7.5e-6, rel=1e-9) and (eps, weight_decay) == (1e-6, 0.01)
+    for change in ("trainer.lr: the checkpoint's optimizer had [0.001]; this run uses 1e-05",
+                   "trainer.adam_eps: the checkpoint's optimizer had [1e-08]; this run uses 1e-06",
+                   "trainer.weight_decay: the checkpoint's optimizer had [0.0]; this run uses 0.01"):
+        assert change in caplog.text
