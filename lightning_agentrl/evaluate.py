@@ -43,8 +43,10 @@ def evaluation_settings(path: str | Path, *, split: str, samples: int, config: P
     policy, run_settings = resolve_policy(path)
     if config is not None and run_settings is not None:
         raise SettingsError("--config applies to a policy folder; a run folder brings its own settings")
+    # Evaluation trains nothing, so no log-prob rule binds the engine: a policy trained with
+    # engine.logprobs=softmax (torch only) may be evaluated on vLLM unless the command asks otherwise.
     settings = load_settings(config or run_settings, [
-        *overrides, f"--model.path={policy}", f"--eval.split={split}", f"--eval.samples_per_task={samples}",
+        "--engine.logprobs=sampler", *overrides, f"--model.path={policy}", f"--eval.split={split}", f"--eval.samples_per_task={samples}",
         f"--run.dir={out}", "--run.resume=never",
     ])
     return policy, settings

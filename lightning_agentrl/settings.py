@@ -124,7 +124,10 @@ class EngineSettings(_Section):
     importance ratios are exact; tokens outside the filter get no gradient and no KL, and their mass can grow
     unseen (README, "What breaks the format"). `softmax`: softmax(logits / temperature), as verl's trainer
     does; sampling still uses the filter, every token gets gradient and KL, and the ratios leave out the
-    filter. The same with `top_p: 1` and `top_k: 0`. `softmax` needs `engine.kind: torch` for now."""
+    filter. The entropy (its metric and `algorithm.entropy_coef`'s bonus) is of the same distribution, so under
+`softmax` the bonus spreads mass onto the tokens the filter drops. The same with `top_p: 1` and `top_k: 0`.
+`softmax` needs `engine.kind: torch` for training (evaluation takes any engine). A resume keeps it, as it keeps
+`temperature`, `top_p` and `top_k`."""
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)

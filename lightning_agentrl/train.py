@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from lightning_agentrl.resume import checkpoint_candidates, resume_checkpoint
-from lightning_agentrl.settings import Settings, SettingsError, TrainerSettings, flatten
+from lightning_agentrl.settings import Settings, SettingsError, flatten
 
 
 @dataclass
@@ -229,19 +229,31 @@ def _first_process() -> bool:
     return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
+_LAYOUT = "a resume keeps the strategy and the number of processes (ZeRO checkpoints and the rollout state are per rank)"
+_SAMPLER = ("a resume keeps the sampling distribution: the episodes restored from the checkpoint carry log-probs "
+            "of the old one, and their importance weights would be wrong")
+KEPT_ON_RESUME = {
+    ("trainer", "strategy"): _LAYOUT, ("trainer", "devices"): _LAYOUT, ("trainer", "num_nodes"): _LAYOUT,
+    ("engine", "temperature"): _SAMPLER, ("engine", "top_p"): _SAMPLER, ("engine", "top_k"): _SAMPLER,
+    ("engine", "logprobs"): _SAMPLER,
+}
+"""Settings a resume may not change, each with the reason."""
+
+
 def check_same_layout(settings: Settings, run_dir: Path) -> None:
-    """A resume keeps the strategy and the number of processes: ZeRO checkpoints are partitioned
-    per rank and the rollout state is saved per rank."""
+    """A resume keeps the settings of :data:`KEPT_ON_RESUME`; a field the run's settings file lacks (written
+    before the field existed) had its default."""
     previous = last_run_settings(run_dir)
     if previous is None:
         return
-    before, now = previous.get("trainer", {}), settings.trainer
-    for field in ("strategy", "devices", "num_nodes"):
-        old, new = before.get(field, TrainerSettings.model_fields[field].default), getattr(now, field)
+    for (section, field), reason in KEPT_ON_RESUME.items():
+        now = getattr(settings, section)
+        old = previous.get(section, {}).get(field, type(now).model_fields[field].default)
+        new = getattr(now, field)
         if old != new:
             raise SettingsError(
-                f"trainer.{field}: the run in {run_dir} ran with {old!r}, this resume asks for {new!r}; "
-                f"a resume keeps the strategy and the number of processes (resume with {old!r}, or start a new run.dir)"
+                f"{section}.{field}: the run in {run_dir} ran with {old!r}, this resume asks for {new!r}; "
+                f"{reason} (resume with {old!r}, or start a new run.dir)"
             )
 
 

@@ -22,6 +22,7 @@ def one_step_run(tmp_path_factory, tiny_model_path):
     settings = two_task_settings(
         root, tiny_model_path, "--trainer.max_steps=1", "--engine.max_new_tokens=16", "--env.max_turns=2",
         "--eval.every_n_steps=1", "--eval.split=all", "--eval.samples_per_task=2",
+        "--engine.logprobs=softmax",  # torch only in training; evaluation on vLLM must still take the run
     )
     result, engine, _ = recorded_fit(settings)
     return result, engine

@@ -237,3 +237,24 @@ def test_a_resume_trains_with_its_own_lr_eps_and_weight_decay_from_where_the_war
                    "trainer.adam_eps: the checkpoint's optimizer had [1e-08]; this run uses 1e-06",
                    "trainer.weight_decay: the checkpoint's optimizer had [0.0]; this run uses 0.01"):
         assert change in caplog.text
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("--engine.top_p=0.9", "engine.top_p: the run in .* ran with 1.0, this resume asks for 0.9; a resume keeps the "
+                           "sampling distribution"),
+    ("--engine.logprobs=softmax", "engine.logprobs: the run in .* ran with 'sampler', this resume asks for 'softmax'"),
+])
+def test_a_resume_that_changes_the_sampling_distribution_is_refused_before_it_starts(tmp_path, override, message):
+    """Episodes restored from the checkpoint carry log-probs of the distribution they were sampled from; a
+    resume with another would weight them wrongly. The run's settings file may predate `engine.logprobs`
+    (it then ran with the default), as the second case's does."""
+    from lightning_agentrl.settings import SettingsError
+    from lightning_agentrl.train import fit
+
+    scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=1"), {"e0": SOLVE})
+    settings_file = tmp_path / "run" / "settings.yaml"
+    written = settings_file.read_text()
+    assert "logprobs: sampler" in written
+    settings_file.write_text(written.replace("  logprobs: sampler\n", ""))
+    with pytest.raises(SettingsError, match=message):
+        fit(learn_settings(tmp_path, "--trainer.max_steps=2", "--run.resume=last", override))

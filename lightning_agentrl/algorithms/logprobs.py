@@ -11,7 +11,8 @@ logits, and autograd would keep them for the backward pass. Here the positions a
 chunks of ``chunk_size``; each chunk's logits live only inside that chunk and are recomputed during
 backward (activation checkpointing), so peak memory is one chunk's ``[chunk_size, V]``.
 
-**The log-prob rule** (one for every engine and the trainer): the log-prob of a token is its
+**The log-prob rule** (one for every engine and the trainer; ``engine.logprobs: softmax``, below, is
+the same rule without the filters): the log-prob of a token is its
 log-probability under the distribution it is sampled from, which :func:`sampling_logits` defines:
 
     z = logits / T;  keep = top-k of z  and  the top-p nucleus of softmax(z) among those;

@@ -84,21 +84,26 @@ def test_top_k_restricts_what_the_torch_engine_samples_and_the_trainer_scores(tm
     assert gain.min() > 1.0, gain
 
 
-def test_softmax_logprobs_sample_with_the_filter_and_score_without_it(tmp_path, tiny_model_path):
-    """``engine.logprobs=softmax``: the engine still samples among the top k, but reports each id's
-    log-prob under ``log_softmax(logits / T)``, and the trainer (policy and reference) scores with that
-    same softmax, so lag 0 agrees with the engine. With the top-2 filter of the flat random model the two
-    rules differ by more than a nat at every token: an engine that kept renormalizing, or a trainer or a
+@pytest.mark.parametrize("filters", [["--engine.top_k=2"], ["--engine.top_p=0.9", "--engine.temperature=0.7"]])
+def test_softmax_logprobs_sample_with_the_filter_and_score_without_it(tmp_path, tiny_model_path, filters):
+    """``engine.logprobs=softmax``: the engine still samples with the filter (top-k, or top-p at a
+    temperature), but reports each id's log-prob under ``log_softmax(logits / T)``, and the trainer (policy
+    and reference) scores with that same softmax, so lag 0 agrees with the engine. The filtered rule differs
+    from it by -log(kept mass) at every token: more than a nat for the top 2 of the flat random model, about
+    0.1 for a 0.9 nucleus. An engine or a trainer that kept either filter or dropped the temperature, or a
     reference that kept the filter, would fail the checks below."""
-    settings = two_task_settings(tmp_path, tiny_model_path, *SMALL, "--engine.top_k=2", "--engine.logprobs=softmax",
+    settings = two_task_settings(tmp_path, tiny_model_path, *SMALL, *filters, "--engine.logprobs=softmax",
                                  "--rollout.groups_per_step=2", "--algorithm.kl_coef=0.1")
     result, _, capture = recorded_fit(settings)
     assert result.global_step == 2
     mismatch = metric(result, "mismatch/logprob_max")
     assert len(mismatch) == 2 and all(0 <= m < 1e-4 for m in mismatch), mismatch
     assert abs(metric(result, "loss/kl")[0]) < 1e-6
-    ranks, gain = sampled_ranks(tiny_model_path, capture.batches[0].trajectories[0])
-    assert ranks.max() <= 1, ranks  # sampled with the filter
+    trajectory = capture.batches[0].trajectories[0]
+    if settings.engine.top_k:
+        ranks, _ = sampled_ranks(tiny_model_path, trajectory)
+        assert ranks.max() <= 1, ranks  # sampled with the filter
+    gain = nucleus_gain(tiny_model_path, trajectory, temperature=settings.engine.temperature)
     assert gain.abs().max() < 1e-4, gain  # reported without it
 
 
