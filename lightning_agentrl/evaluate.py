@@ -46,8 +46,8 @@ def evaluation_settings(path: str | Path, *, split: str, samples: int, config: P
     # Evaluation trains nothing, so no log-prob rule binds the engine: a policy trained with
     # engine.logprobs=softmax (torch only) may be evaluated on vLLM unless the command asks otherwise.
     settings = load_settings(config or run_settings, [
-        "--engine.logprobs=sampler", *overrides, f"--model.path={policy}", f"--eval.split={split}", f"--eval.samples_per_task={samples}",
-        f"--run.dir={out}", "--run.resume=never",
+        "--engine.logprobs=sampler", *overrides, f"--model.path={policy}", f"--eval.split={split}",
+        f"--eval.samples_per_task={samples}", f"--run.dir={out}", "--run.resume=never",
     ])
     return policy, settings
 

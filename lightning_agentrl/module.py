@@ -204,7 +204,7 @@ class AgentRLModule(L.LightningModule):
         """Log-probs (and entropies) of ``input_ids[targets_at]``; ``hidden[t-1]`` predicts token t."""
         head = self.policy_logprobs if model is self.policy else self.reference_logprobs
         e = self.settings.engine
-        filtered = e.logprobs == "sampler"  # the sampling distribution (algorithms/logprobs.py), or the softmax
+        filtered = e.filtered_logprobs  # the sampling distribution (algorithms/logprobs.py), or the softmax
         return head(
             hidden[targets_at - 1],
             input_ids[targets_at],

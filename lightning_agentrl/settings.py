@@ -125,9 +125,15 @@ class EngineSettings(_Section):
     unseen (README, "What breaks the format"). `softmax`: softmax(logits / temperature), as verl's trainer
     does; sampling still uses the filter, every token gets gradient and KL, and the ratios leave out the
     filter. The entropy (its metric and `algorithm.entropy_coef`'s bonus) is of the same distribution, so under
-`softmax` the bonus spreads mass onto the tokens the filter drops. The same with `top_p: 1` and `top_k: 0`.
-`softmax` needs `engine.kind: torch` for training (evaluation takes any engine). A resume keeps it, as it keeps
-`temperature`, `top_p` and `top_k`."""
+    `softmax` the bonus spreads mass onto the tokens the filter drops. The same with `top_p: 1` and `top_k: 0`.
+    `softmax` needs `engine.kind: torch` for training (evaluation takes any engine). A resume keeps it, as it
+    keeps `temperature`, `top_p` and `top_k`."""
+
+    @property
+    def filtered_logprobs(self) -> bool:
+        """Log-probs of the filtered sampling distribution (`logprobs: sampler`), not of the whole softmax."""
+        return self.logprobs == "sampler"
+
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
     vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)

@@ -197,7 +197,7 @@ def check_run_dir(settings: Settings) -> Path:
     if settings.run.resume == "never":
         check_new_run_dir(run_dir, checkpoints)
     if settings.run.resume == "last":
-        check_same_layout(settings, run_dir)
+        check_resume_keeps(settings, run_dir)
     return run_dir
 
 
@@ -240,7 +240,7 @@ KEPT_ON_RESUME = {
 """Settings a resume may not change, each with the reason."""
 
 
-def check_same_layout(settings: Settings, run_dir: Path) -> None:
+def check_resume_keeps(settings: Settings, run_dir: Path) -> None:
     """A resume keeps the settings of :data:`KEPT_ON_RESUME`; a field the run's settings file lacks (written
     before the field existed) had its default."""
     previous = last_run_settings(run_dir)
@@ -475,7 +475,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
         tasks=tasks,
         sampling=SamplingParams(
             max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
-            filtered_logprobs=e.logprobs == "sampler", seed=settings.run.seed
+            filtered_logprobs=e.filtered_logprobs, seed=settings.run.seed
         ),
         budget=EpisodeBudget.from_settings(env),
         plan=RolloutPlan.from_settings(r, seed=settings.run.seed),
