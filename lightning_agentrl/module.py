@@ -127,11 +127,12 @@ class AgentRLModule(L.LightningModule):
         groups = self.trainer.optimizers[0].param_groups
         lr = t.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)  # where the schedule stands now
         wanted = {"initial_lr": t.lr, "lr": lr, "eps": t.adam_eps, "weight_decay": t.weight_decay}
+        names = {"initial_lr": "trainer.lr", "lr": "this step's lr (trainer.lr and warmup_steps)",
+                 "eps": "trainer.adam_eps", "weight_decay": "trainer.weight_decay"}
         for key, value in wanted.items():
             before = {group.get(key) for group in groups}
-            if before != {value} and key != "lr":  # lr follows initial_lr and the schedule
-                name = {"initial_lr": "lr", "eps": "adam_eps"}.get(key, key)
-                rank_zero_info(f"trainer.{name}: the checkpoint's optimizer had {sorted(before, key=str)}; "
+            if before != {value}:
+                rank_zero_info(f"{names[key]}: the checkpoint's optimizer had {sorted(before, key=str)}; "
                                f"this run uses {value:g} (its settings)")
             for group in groups:
                 group[key] = value

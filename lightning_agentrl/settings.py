@@ -126,8 +126,8 @@ class EngineSettings(_Section):
     does; sampling still uses the filter, every token gets gradient and KL, and the ratios leave out the
     filter. The entropy (its metric and `algorithm.entropy_coef`'s bonus) is of the same distribution, so under
     `softmax` the bonus spreads mass onto the tokens the filter drops. The same with `top_p: 1` and `top_k: 0`.
-    `softmax` needs `engine.kind: torch` for training (evaluation takes any engine). A resume keeps it, as it
-    keeps `temperature`, `top_p` and `top_k`."""
+    `softmax` needs `engine.kind: torch` for training (evaluation takes any engine). A resume keeps it, and
+    `temperature`, and under `sampler` also `top_p` and `top_k`."""
 
     @property
     def filtered_logprobs(self) -> bool:

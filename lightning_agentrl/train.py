@@ -246,11 +246,14 @@ def check_resume_keeps(settings: Settings, run_dir: Path) -> None:
     previous = last_run_settings(run_dir)
     if previous is None:
         return
+    def before(section: str, field: str):
+        return previous.get(section, {}).get(field, type(getattr(settings, section)).model_fields[field].default)
+
+    # under the softmax rule the filters decide what is sampled, not the log-probs recorded
+    softmax = before("engine", "logprobs") == settings.engine.logprobs == "softmax"
     for (section, field), reason in KEPT_ON_RESUME.items():
-        now = getattr(settings, section)
-        old = previous.get(section, {}).get(field, type(now).model_fields[field].default)
-        new = getattr(now, field)
-        if old != new:
+        old, new = before(section, field), getattr(getattr(settings, section), field)
+        if old != new and not (softmax and field in ("top_p", "top_k")):
             raise SettingsError(
                 f"{section}.{field}: the run in {run_dir} ran with {old!r}, this resume asks for {new!r}; "
                 f"{reason} (resume with {old!r}, or start a new run.dir)"

@@ -227,34 +227,43 @@ def test_a_resume_trains_with_its_own_lr_eps_and_weight_decay_from_where_the_war
     scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=2", warmup), {"e0": SOLVE})
     values = OptimizerValues()
     with caplog.at_level("INFO"):
-        scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=3", warmup, "--run.resume=last", "--trainer.lr=1e-5",
+        scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=4", warmup, "--run.resume=last", "--trainer.lr=1e-5",
                                     "--trainer.adam_eps=1e-6", "--trainer.weight_decay=0.01"),
                      {"e0": SOLVE}, callbacks=[values])
-    assert list(values.seen) == [2]
-    lr, eps, weight_decay = values.seen[2]
-    assert lr == pytest.approx(7.5e-6, rel=1e-9) and (eps, weight_decay) == (1e-6, 0.01)
+    assert list(values.seen) == [2, 3]
+    for step, lr in ((2, 7.5e-6), (3, 1e-5)):  # the schedule goes on from the new lr, not the checkpoint's
+        assert values.seen[step][0] == pytest.approx(lr, rel=1e-9) and values.seen[step][1:] == (1e-6, 0.01), values.seen
     for change in ("trainer.lr: the checkpoint's optimizer had [0.001]; this run uses 1e-05",
+                   "this step's lr (trainer.lr and warmup_steps): the checkpoint's optimizer had [0.00075]; this run "
+                   "uses 7.5e-06",
                    "trainer.adam_eps: the checkpoint's optimizer had [1e-08]; this run uses 1e-06",
                    "trainer.weight_decay: the checkpoint's optimizer had [0.0]; this run uses 0.01"):
         assert change in caplog.text
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("--engine.top_p=0.9", "engine.top_p: the run in .* ran with 1.0, this resume asks for 0.9; a resume keeps the "
-                           "sampling distribution"),
-    ("--engine.logprobs=softmax", "engine.logprobs: the run in .* ran with 'sampler', this resume asks for 'softmax'"),
-])
-def test_a_resume_that_changes_the_sampling_distribution_is_refused_before_it_starts(tmp_path, override, message):
+def test_a_resume_that_changes_the_sampling_distribution_is_refused_before_it_starts(tmp_path):
     """Episodes restored from the checkpoint carry log-probs of the distribution they were sampled from; a
     resume with another would weight them wrongly. The run's settings file may predate `engine.logprobs`
-    (it then ran with the default), as the second case's does."""
+    (it then ran with the default). Under the softmax rule the filters change what is sampled but not the
+    log-probs recorded, so a softmax run may change them."""
     from lightning_agentrl.settings import SettingsError
-    from lightning_agentrl.train import fit
+    from lightning_agentrl.train import check_resume_keeps, fit
 
     scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=1"), {"e0": SOLVE})
     settings_file = tmp_path / "run" / "settings.yaml"
     written = settings_file.read_text()
     assert "logprobs: sampler" in written
     settings_file.write_text(written.replace("  logprobs: sampler\n", ""))
-    with pytest.raises(SettingsError, match=message):
-        fit(learn_settings(tmp_path, "--trainer.max_steps=2", "--run.resume=last", override))
+    for override, old, new in (("--engine.temperature=0.7", "1.0", "0.7"), ("--engine.top_p=0.9", "1.0", "0.9"),
+                               ("--engine.top_k=5", "0", "5"), ("--engine.logprobs=softmax", "'sampler'", "'softmax'")):
+        field = override[2:].split("=")[0]
+        message = f"{field}: the run in .* ran with {old}, this resume asks for {new}; a resume keeps the sampling"
+        with pytest.raises(SettingsError, match=message):
+            fit(learn_settings(tmp_path, "--trainer.max_steps=2", "--run.resume=last", override))
+    settings_file.write_text(written.replace("logprobs: sampler", "logprobs: softmax"))
+    for override in ("--engine.top_p=0.9", "--engine.top_k=5"):
+        check_resume_keeps(learn_settings(tmp_path, "--run.resume=last", "--engine.logprobs=softmax", override),
+                           tmp_path / "run")
+    with pytest.raises(SettingsError, match="engine.temperature: the run"):
+        check_resume_keeps(learn_settings(tmp_path, "--run.resume=last", "--engine.logprobs=softmax",
+                                          "--engine.temperature=0.7"), tmp_path / "run")
