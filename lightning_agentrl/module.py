@@ -34,7 +34,7 @@ import torch
 from typing_extensions import override
 
 from lightning_agentrl.algorithms import advantages as adv
-from lightning_agentrl.algorithms import losses
+from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import global_max, global_sum, reduce_metrics, world_size
@@ -358,7 +358,7 @@ class AgentRLModule(L.LightningModule):
         num_tokens, num_seqs, num_turns_kept = global_sum(
             float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns_local
         )
-        totals = _StepTotals()
+        totals = _StepTotals(self.loss_fn.importance_cap)
         micro = [
             slice(span.start + sl.start, span.start + sl.stop)
             for sl in _micro_batches(batch.seq_ids[span], self.settings.trainer.micro_batch_tokens)
@@ -409,7 +409,8 @@ class AgentRLModule(L.LightningModule):
             recomputed = proximal[targets_at]
         else:  # one update: the weights before it are the current ones
             stale = bool((lag[targets_at] > 0).any())
-            proximal = dense_lp.detach() if stale else None
+            # a sequence-level weight is taken at every step: it also corrects the engine-vs-trainer mismatch
+            proximal = dense_lp.detach() if stale or self.loss_fn.importance_level != "token" else None
             recomputed = logprobs.detach()
         loss, metrics = self.loss_fn(
             dense_lp, behavior, micro_adv, mask, batch.seq_ids[sl],
@@ -420,6 +421,8 @@ class AgentRLModule(L.LightningModule):
             value_loss=value_loss,
         )
         totals.add_micro_batch(metrics, share=float(mask.sum()))
+        if proximal is not None:
+            totals.importance.append(self._importance(proximal, behavior, mask, batch.seq_ids[sl]))
         if entropy is not None:
             totals.add("policy/entropy", float(entropy.detach().sum()))
         # train/inference mismatch on tokens sampled by the weights the step started from (lag 0)
@@ -430,6 +433,12 @@ class AgentRLModule(L.LightningModule):
             totals.add("mismatch_sum", float(diff.sum()))
             totals.add("mismatch_n", float(on_policy.sum()))
         return loss
+
+    def _importance(self, proximal, behavior, mask, seq_ids) -> importance.ImportanceWeights:
+        """The importance weights the loss applied to a micro-batch, for the step's ``importance/*`` metrics."""
+        fn = self.loss_fn
+        return importance.importance_weights(proximal, behavior, mask, seq_ids, level=fn.importance_level,
+                                             mode=fn.importance_mode, cap=fn.importance_cap, lower=fn.importance_floor)
 
     def _reference_logprobs(self, batch: RolloutBatch, sl: slice, targets_at, mask) -> torch.Tensor:
         """The frozen reference policy's log-probs of micro-batch ``sl``'s targets, dense like ``mask``."""
@@ -656,11 +665,13 @@ class _StepTotals:
     ``maxima`` are maxima; ``value/*`` are sums of value x kept turns, divided by the kept turns;
     every other key is a sum of value x action tokens, divided by the step's action tokens at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, importance_cap: float | None = None) -> None:
+        self.importance_cap = importance_cap
         self.sums: dict[str, float] = {}
         self.maxima: dict[str, float] = {"mismatch/logprob_max": 0.0}
         self.values: list[torch.Tensor] = []
         self.returns: list[torch.Tensor] = []
+        self.importance: list[importance.ImportanceWeights] = []
 
     def add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
@@ -696,7 +707,19 @@ class _StepTotals:
                 out[key] = value / max(value_weight, 1.0)
             else:
                 out[key] = value / max(weight, 1.0)
-        return out
+        return {**out, **self._importance_metrics()}
+
+    def _importance_metrics(self) -> dict[str, float]:
+        """``importance/*`` over the units (tokens or episodes) of this rank's micro-batches; over ranks the
+        maxima and minima are kept, the unit counts summed and the rest (means, quantiles, ESS) averaged.
+        A collective: every rank calls it, with or without weights."""
+        local: dict[str, float] = {}
+        if self.importance:
+            joined = importance.ImportanceWeights(*(torch.cat(parts) for parts in zip(*(
+                (w.weights, w.dropped, w.unit_weights, w.unit_dropped) for w in self.importance), strict=True)))
+            local = importance.importance_metrics(joined, cap=self.importance_cap)
+        return reduce_metrics(local, sums={"importance/num_units"}, maxima={"importance/weight_max"},
+                              minima={"importance/weight_min"})
 
 
 def _partitioned(model) -> bool:

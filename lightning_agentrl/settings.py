@@ -28,6 +28,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 StrategyName = Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
 StalenessKind = Literal["none", "exp", "inverse"]  # algorithms/staleness.py implements each
+ImportanceLevel = Literal["token", "sequence", "geometric"]  # algorithms/importance.py implements each
+ImportanceMode = Literal["truncate", "mask"]
 """The training strategies :func:`lightning_agentrl.strategies.make_strategy` builds."""
 
 _YAML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_YAML_DATA", default=None)
@@ -305,6 +307,13 @@ class RolloutSettings(_Section):
 
 
 class AlgorithmSettings(_Section):
+    @property
+    def importance_floor(self) -> float | None:
+        """The lower bound a `mask` applies: `importance_lower`, or 1 / `importance_cap` when unset (None for `truncate`)."""
+        if self.importance_mode != "mask":
+            return None
+        return self.importance_lower if self.importance_lower is not None else 1.0 / self.importance_cap
+
     advantage: Literal["grpo", "rloo", "reinforce_decay", "gigpo", "gae"] = "grpo"
     """Advantage estimator (SPEC §3)."""
     grpo_std: Literal["population", "sample", "none"] = "population"
@@ -340,7 +349,19 @@ class AlgorithmSettings(_Section):
     value_clip: float | None = Field(0.2, gt=0.0)
     """Clip of the value loss around the old values (None = plain squared error)."""
     importance_cap: float | None = Field(5.0, gt=0.0)
-    """Truncate importance weights proximal/behavior at this value (None = no cap)."""
+    """The upper bound C of the importance weight proximal/behavior: `truncate` caps the weight at C, `mask` drops
+    a unit above it (None = no cap; `truncate` only)."""
+    importance_level: ImportanceLevel = "token"
+    """The unit of the importance weight pi_prox/pi_behavior (algorithms/importance.py): `token` (each token's
+    ratio; applied only where a token is stale or a step has several updates, as decoupled PPO does), `sequence`
+    (the product of an episode's token ratios: all its turns and segments) or `geometric` (their geometric mean).
+    The sequence levels weigh every step, lag 0 included, so they also correct the engine-vs-trainer mismatch."""
+    importance_mode: ImportanceMode = "truncate"
+    """`truncate` (TIS): the weight is min(w, importance_cap). `mask` (MIS): a unit (token or episode) whose weight
+    is outside [importance_lower, importance_cap] is dropped from the loss and counted (`importance/dropped_frac`);
+    its tokens stay in the loss's denominator."""
+    importance_lower: float | None = Field(None, ge=0.0)
+    """The lower bound of `importance_mode: mask` (None = 1 / importance_cap, as verl's rejection sampling)."""
     staleness_weighting: StalenessKind = "none"
     """Down-weight tokens sampled `lag` versions ago: exp(-rate*lag), 1/(1+rate*lag), or not at all."""
     staleness_rate: float = Field(0.5, ge=0.0)
@@ -515,6 +536,7 @@ class Settings(BaseSettings):
                 f"({self.rollout.groups_per_step}): a mini-batch holds whole groups"
             )
         self._check_rollout_combinations()
+        _check_importance(self.algorithm)
         if self.sandbox.call_timeout_s < self.sandbox.request_timeout_s:
             raise ValueError(
                 f"sandbox.call_timeout_s ({self.sandbox.call_timeout_s:g}) must be >= sandbox.request_timeout_s "
@@ -553,6 +575,21 @@ class Settings(BaseSettings):
                 "trainer.mini_batches > 1 needs trainer.devices as a number: with auto the groups each process "
                 "trains on, which the mini-batches divide, are unknown until the run starts"
             )
+
+
+def _check_importance(a: AlgorithmSettings) -> None:
+    """The importance-weight settings that only make sense together."""
+    if a.importance_mode == "mask" and a.importance_cap is None:
+        raise ValueError("algorithm.importance_mode=mask needs algorithm.importance_cap (the upper bound)")
+    if a.importance_level != "token" and a.importance_cap is None:
+        raise ValueError(f"algorithm.importance_level={a.importance_level} needs algorithm.importance_cap: an "
+                         "uncapped sequence weight is a product of hundreds of ratios")
+    if a.importance_lower is not None:
+        if a.importance_mode != "mask":
+            raise ValueError("algorithm.importance_lower applies to algorithm.importance_mode=mask only")
+        if a.importance_lower >= a.importance_cap:
+            raise ValueError(f"algorithm.importance_lower ({a.importance_lower:g}) must be below "
+                             f"algorithm.importance_cap ({a.importance_cap:g})")
 
 
 def _check_engine(settings: Settings) -> None:

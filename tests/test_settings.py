@@ -152,3 +152,29 @@ def test_an_unknown_precision_is_refused_before_any_model_loads():
     with pytest.raises(SettingsError, match=r"trainer.precision: Input should be '32-true'.*\(got 'bogus'\)"):
         load_settings(overrides=["--trainer.precision=bogus"])
     assert load_settings(overrides=["--trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--algorithm.importance_mode=mask", "--algorithm.importance_cap=null"],
+         "importance_mode=mask needs algorithm.importance_cap"),
+        (["--algorithm.importance_level=sequence", "--algorithm.importance_cap=null"],
+         "importance_level=sequence needs algorithm.importance_cap"),
+        (["--algorithm.importance_lower=0.5"], "importance_lower applies to algorithm.importance_mode=mask only"),
+        (["--algorithm.importance_mode=mask", "--algorithm.importance_lower=3", "--algorithm.importance_cap=2"],
+         r"importance_lower \(3\) must be below algorithm.importance_cap \(2\)"),
+        (["--algorithm.importance_level=episode"], "importance_level: Input should be 'token', 'sequence' or"),
+    ],
+)
+def test_importance_combinations_that_cannot_run_are_refused_by_name(overrides, message, capsys):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(overrides=overrides)
+    assert main(["validate", *overrides]) == 2
+    assert "algorithm.importance_" in capsys.readouterr().err
+
+
+def test_a_mask_without_a_lower_bound_uses_the_reciprocal_of_the_cap():
+    settings = load_settings(overrides=["--algorithm.importance_mode=mask", "--algorithm.importance_cap=4"])
+    assert settings.algorithm.importance_floor == 0.25
+    assert load_settings().algorithm.importance_floor is None

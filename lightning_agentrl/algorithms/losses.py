@@ -22,6 +22,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_agentrl.algorithms.importance import importance_weights
+
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 # exp() of a log-ratio beyond this is an overflow, not information (verl clamps the same way).
@@ -125,6 +127,8 @@ def _check_clip_arguments(
         raise ValueError(f"is_cap must be > 0, got {is_cap}")
     if is_cap_mode not in ("truncate", "mask"):
         raise ValueError(f"is_cap_mode must be 'truncate' or 'mask', got {is_cap_mode!r}")
+    if is_cap_mode == "mask" and is_cap is None:
+        raise ValueError("is_cap_mode='mask' needs is_cap (the upper bound)")
 
 
 def policy_loss(
@@ -142,6 +146,8 @@ def policy_loss(
     is_weights: Tensor | None = None,
     is_cap: float | None = None,
     is_cap_mode: Literal["truncate", "mask"] = "truncate",
+    is_level: Literal["token", "sequence", "geometric"] = "token",
+    is_lower: float | None = None,
     num_seqs: int | None = None,
     num_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -157,7 +163,9 @@ def policy_loss(
     - Decoupled PPO (AReaL, https://arxiv.org/abs/2505.24298): with ``proximal_logprobs`` the clip is
       taken around the proximal policy, ``r = pi / pi_prox``, and the token is weighted by the
       importance weight ``w = pi_prox / pi_behavior`` (detached), truncated at ``is_cap``
-      (``is_cap_mode="mask"`` instead drops tokens above the cap, as AReaL's code does). Without
+      (``is_cap_mode="mask"`` instead drops tokens above the cap, as AReaL's code does, or outside
+      ``[is_lower, is_cap]``). ``is_level`` takes the weight per token, per sequence (the product of the
+      sequence's token ratios) or as their geometric mean: :func:`importance.importance_weights`. Without
       ``proximal_logprobs``, ``pi_old = pi_behavior`` and ``w = 1``: plain PPO. With
       ``proximal == behavior`` the weight is exactly 1 and the loss equals plain PPO bit for bit.
     - ``is_weights`` (per token, e.g. staleness weights) multiply into ``w``.
@@ -198,13 +206,9 @@ def policy_loss(
     weight = torch.ones_like(ratio.detach())
     is_masked = torch.zeros_like(active)
     if proximal_logprobs is not None:
-        weight = torch.exp((old - behavior).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-        if is_cap is not None:
-            if is_cap_mode == "truncate":
-                weight = weight.clamp(max=is_cap)
-            else:
-                is_masked = active & (weight > is_cap)
-                weight = torch.where(is_masked, torch.zeros_like(weight), weight)
+        corrected = importance_weights(old, behavior, mask, seq_ids, level=is_level, mode=is_cap_mode, cap=is_cap,
+                                       lower=is_lower)
+        weight, is_masked = corrected.weights, corrected.dropped
     if is_weights is not None:
         _check_token_tensors(mask, is_weights=is_weights)
         weight = weight * _masked(is_weights.detach(), mask)
@@ -377,6 +381,9 @@ class MicroBatchLoss:
     dual_clip: float | None = None
     aggregation: AggMode = "token-mean"
     importance_cap: float | None = None
+    importance_mode: Literal["truncate", "mask"] = "truncate"
+    importance_level: Literal["token", "sequence", "geometric"] = "token"
+    importance_floor: float | None = None
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -411,6 +418,7 @@ class MicroBatchLoss:
             logprobs, behavior_logprobs, advantages, mask, seq_ids,
             clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip, agg=self.aggregation,
             proximal_logprobs=proximal_logprobs, is_weights=is_weights, is_cap=self.importance_cap,
+            is_cap_mode=self.importance_mode, is_level=self.importance_level, is_lower=self.importance_floor,
             num_seqs=num_seqs, num_tokens=num_tokens,
         )
         loss = loss + policy

@@ -6,10 +6,10 @@ import doctest
 
 import pytest
 
-from lightning_agentrl.algorithms import advantages, logprobs
+from lightning_agentrl.algorithms import advantages, importance, logprobs
 
 
-@pytest.mark.parametrize("module", [advantages, logprobs], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [advantages, importance, logprobs], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, raise_on_error=False, verbose=False)
     assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,93 @@
+"""Sequence-level importance correction through ``fit``: an engine that reports every sampled token
+``SHIFT`` nats less likely than the policy it samples from (what a lower-precision or differently
+tempered engine does), so that each trained token's ratio pi_prox / pi_behavior is exp(SHIFT) and an
+episode's product is exp(SHIFT x its trained tokens). The logged weights, truncation and masking must
+be those numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from lightning_agentrl.train import fit
+from tests.fitting import StepLog, learn_settings
+
+pytestmark = pytest.mark.timeout(300)
+SHIFT = 0.01
+
+
+class ShiftedLogprobEngine:
+    """The wrapped engine's samples, with every behavior log-prob lowered by ``SHIFT``."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def generate(self, prompt_ids, sampling, session_id):
+        out = await self.engine.generate(prompt_ids, sampling, session_id)
+        return dataclasses.replace(out, logprobs=[lp - SHIFT for lp in out.logprobs])
+
+    async def update_weights(self, named_tensors, version):
+        await self.engine.update_weights(named_tensors, version)
+
+    async def close(self):
+        await self.engine.close()
+
+
+def shifted_fit(settings):
+    """``fit`` with every episode sampled by the shifted engine; returns the step log."""
+    log = StepLog()
+    fit(settings, callbacks=[log], wrap_engine=ShiftedLogprobEngine)
+    return None, log
+
+
+def episode_log_weights(batch) -> torch.Tensor:
+    """SHIFT x the trained tokens of each included episode: its log sequence weight."""
+    trained = (batch.loss_mask > 0) & batch.include[batch.seq_ids]
+    counts = torch.zeros(batch.num_episodes).index_add_(0, batch.seq_ids, trained.float())
+    return SHIFT * counts[counts > 0]
+
+
+def test_sequence_truncation_weighs_each_episode_by_its_product_of_ratios(tmp_path):
+    settings = learn_settings(tmp_path, "--algorithm.importance_level=sequence", "--algorithm.importance_cap=1.3")
+    _, log = shifted_fit(settings)
+    assert len(log.metrics) == 2
+    for batch, step in zip(log.batches, log.metrics, strict=True):
+        weights = torch.exp(episode_log_weights(batch))
+        assert step["importance/num_units"] == weights.numel()
+        assert math.isclose(step["importance/weight_mean"], float(weights.mean()), rel_tol=1e-3)
+        assert math.isclose(step["importance/weight_max"], float(weights.max()), rel_tol=1e-3)
+        assert math.isclose(step["importance/truncated_frac"], float((weights > 1.3).float().mean()), abs_tol=1e-6)
+        assert step["importance/truncated_frac"] > 0  # the cap bites on the long episodes
+        assert step["importance/dropped_frac"] == 0.0
+        assert math.isclose(step["mismatch/logprob_mean"], SHIFT, rel_tol=1e-2)  # the engine is visibly off
+        # the loss saw the truncated weights (token-mean over the trained tokens)
+        assert 1.0 < step["policy/is_weight_mean"] <= 1.3 + 1e-6
+
+
+def test_sequence_masking_drops_whole_episodes_outside_the_bounds_and_counts_them(tmp_path):
+    settings = learn_settings(tmp_path, "--algorithm.importance_level=sequence", "--algorithm.importance_mode=mask",
+                              "--algorithm.importance_cap=1.3")
+    _, log = shifted_fit(settings)
+    for batch, step in zip(log.batches, log.metrics, strict=True):
+        weights = torch.exp(episode_log_weights(batch))
+        expected = float(((weights > 1.3) | (weights < 1 / 1.3)).float().mean())
+        assert expected > 0
+        assert math.isclose(step["importance/dropped_frac"], expected, abs_tol=1e-6)
+        assert step["policy/is_masked_frac"] > 0 and step["importance/truncated_frac"] == 0.0
+
+
+def test_geometric_mean_is_the_per_token_ratio_whatever_the_length(tmp_path):
+    settings = learn_settings(tmp_path, "--algorithm.importance_level=geometric", "--algorithm.importance_mode=mask",
+                              "--algorithm.importance_cap=1.3")
+    _, log = shifted_fit(settings)
+    for step in log.metrics:
+        assert math.isclose(step["importance/weight_mean"], math.exp(SHIFT), rel_tol=1e-4)
+        assert math.isclose(step["importance/weight_max"], math.exp(SHIFT), rel_tol=1e-4)
+        assert step["importance/dropped_frac"] == 0.0 and step["importance/ess"] > 0.999
