@@ -316,8 +316,10 @@ class AgentRLModule(L.LightningModule):
         Every rank runs the same number of forwards (ZeRO-3 gathers the weights in each)."""
         n = batch.num_tokens
         prepared.proximal = torch.full((n,), float("nan"), device=batch.input_ids.device)
+        token_level = self.settings.algorithm.gae_level == "token"
         if self.value_head is not None:
-            prepared.old_values = torch.zeros(batch.turn_traj.numel(), device=batch.input_ids.device)
+            prepared.old_values = (torch.full((n,), float("nan"), device=batch.input_ids.device) if token_level
+                                   else torch.zeros(batch.turn_traj.numel(), device=batch.input_ids.device))
             prepared.old_bootstrap = torch.zeros(batch.num_episodes, device=batch.input_ids.device)
         micro = _micro_batches(batch.seq_ids, self.settings.trainer.micro_batch_tokens)
         for index in range(int(global_max(len(micro)))):
@@ -333,7 +335,10 @@ class AgentRLModule(L.LightningModule):
                 prepared.proximal[sl.start + targets_at] = logprobs.float()
             if self.value_head is not None:
                 turns, episodes = _turns_and_episodes(batch, sl)
-                prepared.old_values[turns] = self._turn_values(batch, sl, hidden, turns)
+                if token_level:
+                    prepared.old_values[sl.start + targets_at] = self._token_values(hidden, targets_at)
+                else:
+                    prepared.old_values[turns] = self._turn_values(batch, sl, hidden, turns)
                 prepared.old_bootstrap[episodes] = self._bootstrap_values(batch, sl, hidden, episodes)
 
     def accumulate_gradients(
@@ -395,7 +400,8 @@ class AgentRLModule(L.LightningModule):
         micro_adv = prepared.token_adv[sl] if prepared.token_adv is not None else None
         value_loss = None
         if self.value_head is not None:
-            value_loss, micro_adv_gae = self._critic(batch, sl, hidden, mask, prepared, num_turns_kept, totals)
+            steps = num_tokens if self.settings.algorithm.gae_level == "token" else num_turns_kept
+            value_loss, micro_adv_gae = self._critic(batch, sl, hidden, mask, prepared, steps, totals)
             if micro_adv is None:
                 micro_adv = micro_adv_gae
         assert micro_adv is not None
@@ -468,20 +474,37 @@ class AgentRLModule(L.LightningModule):
         """V at each episode's last token: what a truncated episode's return bootstraps from."""
         return self.value_head(hidden[batch.episode_last[episodes] - sl.start]).squeeze(-1).float().detach()
 
-    def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, prepared: _Prepared, num_turns_kept: float,
+    def _token_values(self, hidden, targets_at) -> torch.Tensor:
+        """V before each trained token: the value head at the position that predicts it (the state it is sampled from)."""
+        return self.value_head(hidden[targets_at - 1]).squeeze(-1).float()
+
+    def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, prepared: _Prepared, denominator: float,
                 totals: _StepTotals):
         """Value loss and (for ``gae``) token advantages of the episodes in micro-batch ``sl``.
 
-        GAE and the value clip use the old values: recorded before the step's first update, or (one
-        update per step) the current ones, detached. A truncated episode bootstraps from V at its
-        last token when ``rollout.truncation`` is ``bootstrap``. A segment boundary is not an end:
-        turns of all segments of an episode form one chain.
+        The critic's steps are the turns (``algorithm.gae_level: turn``) or the trained tokens (``token``);
+        ``denominator`` is the mini-batch's count of them (kept turns, or trained tokens). GAE and the value
+        clip use the old values: recorded before the step's first update, or (one update per step) the
+        current ones, detached. A truncated episode bootstraps from V at its last token when
+        ``rollout.truncation`` is ``bootstrap``. A segment boundary is not an end: the steps of all segments
+        of an episode form one chain.
         """
         a = self.settings.algorithm
         turns, episodes = _turns_and_episodes(batch, sl)
-        local_traj = batch.turn_traj[turns] - int(batch.seq_ids[sl.start])
-        values = self._turn_values(batch, sl, hidden, turns)
-        old_values = prepared.old_values[turns] if prepared.old_values is not None else values.detach()
+        first = int(batch.seq_ids[sl.start])
+        if a.gae_level == "token":
+            targets_at = _targets_at(mask)
+            values = self._token_values(hidden, targets_at)
+            old_values = (prepared.old_values[sl.start + targets_at] if prepared.old_values is not None
+                          else values.detach())
+            step_traj = batch.seq_ids[sl][targets_at] - first
+            rewards = adv.turn_end_rewards(batch.turn_rewards, batch.token_turn[sl][targets_at])
+            keep = torch.ones_like(values)  # the trained tokens are those of included episodes
+        else:
+            values = self._turn_values(batch, sl, hidden, turns)
+            old_values = prepared.old_values[turns] if prepared.old_values is not None else values.detach()
+            step_traj, rewards = batch.turn_traj[turns] - first, batch.turn_rewards[turns]
+            keep = batch.include[batch.turn_traj[turns]].to(values.dtype)
         truncated = torch.tensor(
             [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
         )
@@ -489,15 +512,28 @@ class AgentRLModule(L.LightningModule):
         if self.settings.rollout.bootstraps_truncations:
             bootstrap = (prepared.old_bootstrap[episodes] if prepared.old_bootstrap is not None
                          else self._bootstrap_values(batch, sl, hidden, episodes))
-        turn_adv, returns = adv.gae(
-            batch.turn_rewards[turns], old_values, local_traj, a.gamma, a.gae_lambda,
+        gae = adv.token_gae if a.gae_level == "token" else adv.gae
+        step_adv, returns = gae(
+            rewards, old_values, step_traj, a.gamma, a.gae_lambda,
             bootstrap_values=bootstrap, truncated=truncated if bootstrap is not None else None,
         )
-        keep = batch.include[batch.turn_traj[turns]].to(values.dtype)
-        value_loss, value_metrics = losses.value_loss(values, old_values, returns, keep, clip=a.value_clip)
-        # value_loss is a mean over this micro-batch's turns; rescale to the mini-batch's turn count
+        value_loss = self._value_loss(values, old_values, returns, keep, denominator, totals)
+        if a.gae_level == "token":
+            return value_loss, _dense(step_adv.to(values.dtype), targets_at, mask)
+        if turns.numel() == 0:
+            return value_loss, torch.zeros_like(mask)
+        # turn indices of this micro-batch, counted from its first turn
+        token_turn = self._token_turn(batch)[sl]
+        local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
+        return value_loss, adv.expand_to_tokens(step_adv.to(values.dtype), local_turn, mask)
+
+    def _value_loss(self, values, old_values, returns, keep, denominator: float, totals: _StepTotals) -> torch.Tensor:
+        """The clipped value loss of a micro-batch's kept steps, scaled to the mini-batch's ``denominator``
+        steps; its metrics go to ``totals`` weighted by the kept steps."""
+        value_loss, value_metrics = losses.value_loss(values, old_values, returns, keep,
+                                                      clip=self.settings.algorithm.value_clip)
         num_kept = float(keep.sum())
-        value_loss = value_loss * num_kept / max(num_turns_kept, 1.0)
+        value_loss = value_loss * num_kept / max(denominator, 1.0)  # a mean over this micro-batch's steps
         totals.add("loss/value", float(value_loss.detach()))
         for key, value in value_metrics.items():
             if key != "loss/value":
@@ -505,13 +541,7 @@ class AgentRLModule(L.LightningModule):
         totals.add("value_weight", num_kept)
         totals.values.append(old_values[keep > 0])
         totals.returns.append(returns[keep > 0])
-        if turns.numel() == 0:
-            micro_adv = torch.zeros_like(mask)
-        else:  # turn indices of this micro-batch, counted from its first turn
-            token_turn = self._token_turn(batch)[sl]
-            local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
-            micro_adv = adv.expand_to_tokens(turn_adv.to(values.dtype), local_turn, mask)
-        return value_loss, micro_adv
+        return value_loss
 
 
 @dataclass
@@ -522,7 +552,7 @@ class _Prepared:
     token_adv: torch.Tensor | None  # [N]; None for gae (from the critic, per micro-batch)
     log: dict
     proximal: torch.Tensor | None = None  # [N] log-probs before the first update; NaN where no loss
-    old_values: torch.Tensor | None = None  # [K] critic values before the first update
+    old_values: torch.Tensor | None = None  # critic values before the first update: [K] per turn, or [N] per token
     old_bootstrap: torch.Tensor | None = None  # [B] V at each episode's last token, before the first update
 
 

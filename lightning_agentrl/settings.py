@@ -253,8 +253,9 @@ class EvalSettings(_Section):
 
 
 class RolloutSettings(_Section):
-    group_size: int = Field(4, ge=2)
-    """G: episodes per task in one group (the baseline is computed within a group)."""
+    group_size: int = Field(4, ge=1)
+    """G: episodes per task in one group (the group-relative estimators' baseline is computed within a group;
+    1 only with `algorithm.advantage: gae`, whose critic is the baseline)."""
     groups_per_step: int = Field(2, ge=1)
     """Groups (tasks) per optimizer step."""
     max_in_flight: int = Field(8, ge=1)
@@ -321,7 +322,11 @@ class AlgorithmSettings(_Section):
     gamma: float = Field(0.95, gt=0.0, le=1.0)
     """Discount for GiGPO returns, GAE and the REINFORCE length decay."""
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0)
-    """GAE lambda (turn level)."""
+    """GAE lambda."""
+    gae_level: Literal["turn", "token"] = "turn"
+    """The steps of `advantage: gae`: `turn` (one value per turn, read at the state the turn starts from) or
+    `token` (PPO's critic: a value before every trained token; observation tokens are not steps and are skipped,
+    algorithms/advantages.py:token_gae)."""
     gigpo_omega: float = Field(1.0, ge=0.0)
     """Weight of GiGPO's step-level advantage."""
     gigpo_similarity: float | None = Field(None, gt=0.0, lt=1.0)
@@ -565,6 +570,15 @@ class Settings(BaseSettings):
                 f"algorithm.staleness_weighting={a.staleness_weighting} needs rollout.max_staleness >= 1: "
                 "with synchronous rollouts no token is stale"
             )
+        if a.gae_level != "turn" and a.advantage != "gae":
+            raise ValueError(f"algorithm.gae_level={a.gae_level} applies to algorithm.advantage=gae only")
+        if r.group_size == 1 and a.advantage != "gae":
+            raise ValueError(f"rollout.group_size=1 leaves algorithm.advantage={a.advantage} without a baseline (it "
+                             "compares the episodes of a group): use a group of 2 or more, or advantage=gae with "
+                             "model.value_head=true (the critic is the baseline)")
+        if r.group_size == 1 and (r.dynamic_sampling or a.starpo_keep_fraction < 1):
+            raise ValueError("rollout.group_size=1: rollout.dynamic_sampling and algorithm.starpo_keep_fraction judge a "
+                             "group by its reward variance, which a group of one never has")
         if a.gigpo_similarity is not None and a.advantage != "gigpo":
             raise ValueError("algorithm.gigpo_similarity applies to algorithm.advantage=gigpo only")
         # compared with the default, not model_fields_set: a run's settings.yaml sets every field

@@ -267,3 +267,65 @@ def test_a_resume_that_changes_the_sampling_distribution_is_refused_before_it_st
     with pytest.raises(SettingsError, match="engine.temperature: the run"):
         check_resume_keeps(learn_settings(tmp_path, "--run.resume=last", "--engine.logprobs=softmax",
                                           "--engine.temperature=0.7"), tmp_path / "run")
+
+
+class ExpectedTokenGaeLoss(L.Callback):
+    """Before each step: the policy loss the module must log if its advantages are token-level GAE,
+    computed episode by episode (not packed) with verl's multi-turn recursion: V before every action
+    token from the value head, rewards at the end of each turn's action, observations skipped."""
+
+    def __init__(self, gamma: float, lam: float) -> None:
+        self.gamma, self.lam = gamma, lam
+        self.expected: list[float] = []
+
+    @torch.no_grad()
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from tests.algorithms.test_token_gae import verl_gae
+
+        decoder = pl_module.policy.get_decoder()
+        total, count = 0.0, 0
+        turn = 0
+        for trajectory in batch.trajectories:
+            (segment,) = trajectory.segments
+            ids = torch.tensor([segment.token_ids])
+            values = pl_module.value_head(decoder(input_ids=ids).last_hidden_state[0]).squeeze(-1).double()
+            mask = torch.tensor(segment.loss_mask, dtype=torch.float64)
+            mask[0] = 0.0  # nothing predicts the first token
+            rewards = torch.zeros_like(mask)
+            for t in segment.turns:
+                rewards[t.action_end - 1] = float(batch.turn_rewards[turn])
+                turn += 1
+            # V before token t is read at t - 1; the episode's last step sees V = 0 after it
+            before = torch.cat([values.new_zeros(1), values[:-1]])
+            advantages, _ = verl_gae(rewards[None], before[None], mask[None], self.gamma, self.lam)
+            total += float((advantages[0] * mask).sum())
+            count += int(mask.sum())
+        self.expected.append(-total / count)
+
+
+def test_token_level_gae_through_the_module_equals_verls_recursion_episode_by_episode(tmp_path):
+    settings = learn_settings(tmp_path, "--model.value_head=true", "--algorithm.advantage=gae",
+                              "--algorithm.gae_level=token", "--trainer.max_steps=3", "--trainer.lr=1e-2",
+                              "--algorithm.gamma=0.9", "--algorithm.gae_lambda=0.8")
+    expected = ExpectedTokenGaeLoss(settings.algorithm.gamma, settings.algorithm.gae_lambda)
+    _, log = scripted_fit(settings, {"e0": SOLVE}, callbacks=[expected])
+    assert len(expected.expected) == 3
+    for step, want in zip(log.metrics, expected.expected, strict=True):
+        # one update at lag 0: ratio 1, so the policy loss is minus the token-mean advantage
+        assert step["loss/policy"] == pytest.approx(want, abs=1e-4)
+        assert math.isfinite(step["loss/value"]) and step["loss/value"] > 0
+    assert all(abs(want) > 1e-3 for want in expected.expected)  # the critic's values make advantages non-zero
+
+
+def test_a_group_of_one_trains_with_the_token_critic_and_is_refused_for_group_baselines(tmp_path):
+    from lightning_agentrl.settings import SettingsError
+
+    settings = learn_settings(tmp_path, "--model.value_head=true", "--algorithm.advantage=gae",
+                              "--algorithm.gae_level=token", "--rollout.group_size=1", "--trainer.lr=1e-2")
+    result, log = scripted_fit(settings, {"e0": SOLVE})
+    assert result.global_step == 2
+    for batch, step in zip(log.batches, log.metrics, strict=True):
+        assert batch.num_episodes == 2 and len(set(batch.group_ids.tolist())) == 2
+        assert step["policy/grad_norm"] > 0  # the critic's baseline gives a signal without a group
+    with pytest.raises(SettingsError, match="rollout.group_size=1 leaves algorithm.advantage=grpo without a baseline"):
+        learn_settings(tmp_path, "--rollout.group_size=1")

@@ -73,7 +73,7 @@ def test_override_parsing():
 
 def test_cli_validate_exits_2_with_the_field_named(capsys):
     assert main(["validate", "--rollout.group_size=0"]) == 2
-    assert "rollout.group_size: Input should be greater than or equal to 2" in capsys.readouterr().err
+    assert "rollout.group_size: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
 def test_fit_help_lists_every_field_with_its_doc():
@@ -178,3 +178,17 @@ def test_a_mask_without_a_lower_bound_uses_the_reciprocal_of_the_cap():
     settings = load_settings(overrides=["--algorithm.importance_mode=mask", "--algorithm.importance_cap=4"])
     assert settings.algorithm.importance_floor == 0.25
     assert load_settings().algorithm.importance_floor is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--rollout.group_size=1"], "rollout.group_size=1 leaves algorithm.advantage=grpo without a baseline"),
+        (["--rollout.group_size=1", "--algorithm.advantage=gae", "--model.value_head=true",
+          "--rollout.dynamic_sampling=true"], "rollout.group_size=1: rollout.dynamic_sampling"),
+        (["--algorithm.gae_level=token"], "algorithm.gae_level=token applies to algorithm.advantage=gae only"),
+    ],
+)
+def test_critic_settings_that_cannot_run_are_refused_by_name(overrides, message):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(overrides=overrides)

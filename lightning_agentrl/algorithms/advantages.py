@@ -441,6 +441,53 @@ def gae(
     return adv.to(torch.float32), returns.to(torch.float32)
 
 
+def turn_end_rewards(turn_rewards: Tensor, token_turn: Tensor) -> Tensor:
+    """Each turn's reward on the last of its trained tokens, 0 on every other token: the per-token
+    rewards of token-level GAE. ``token_turn[M]`` lists the turn of each trained token in order (-1 for
+    a trained token outside any action, as the no-mask ablation trains; it gets no reward). A turn
+    with no trained token passes no reward on.
+
+    Shapes: turn_rewards[K] float, token_turn[M] int64 -> rewards[M] float.
+
+    Example (turn 0 has three tokens, turn 1 one):
+        >>> turn_end_rewards(torch.tensor([0.5, 1.0]), torch.tensor([0, 0, 0, -1, 1])).tolist()
+        [0.0, 0.0, 0.5, 0.0, 1.0]
+    """
+    _check_1d("token_turn", token_turn)
+    is_last = torch.ones_like(token_turn, dtype=torch.bool)
+    is_last[:-1] = token_turn[1:] != token_turn[:-1]
+    is_last &= token_turn >= 0
+    rewards = torch.zeros(token_turn.shape, dtype=turn_rewards.dtype, device=turn_rewards.device)
+    return rewards.masked_scatter(is_last, turn_rewards[token_turn[is_last]])
+
+
+def token_gae(
+    token_rewards: Tensor,
+    token_values: Tensor,
+    token_traj: Tensor,
+    gamma: float,
+    lam: float,
+    bootstrap_values: Tensor | None = None,
+    truncated: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Token-level GAE (PPO's critic, verl's default ``gae``): :func:`gae` with one step per *trained*
+    token, ``V_t`` the critic's value of the context before token ``t`` (the state it is sampled from).
+
+    ``delta_t = r_t + gamma * V_{t'} - V_t``,  ``A_t = delta_t + gamma * lam * A_{t'}``, ``returns_t = A_t + V_t``,
+
+    where ``t'`` is the episode's next *trained* token: observation tokens (tool output, template
+    scaffolding) are not steps, carry no reward, value or advantage, and are skipped by the recursion, as
+    verl's GAE does for a multi-turn response mask ("skip values and TD-error on observation tokens").
+    ``r_t`` is a turn's reward on its last token (:func:`turn_end_rewards`), 0 elsewhere. After the
+    episode's last trained token ``V`` is 0, or ``bootstrap_values[i]`` for a ``truncated`` episode.
+
+    Shapes: token_rewards[M], token_values[M] float, token_traj[M] int64 (non-decreasing: each episode's
+    tokens contiguous, in order), bootstrap_values[B], truncated[B] bool -> (advantages[M], returns[M]).
+    """
+    return gae(token_rewards, token_values, token_traj, gamma, lam, bootstrap_values=bootstrap_values,
+               truncated=truncated)
+
+
 # ----------------------------------------------------------------------------------------------
 # batch statistics and token expansion
 # ----------------------------------------------------------------------------------------------
