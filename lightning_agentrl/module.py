@@ -27,6 +27,7 @@ attending only to itself) and only at positions that carry a loss, chunk by chun
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import lightning as L
@@ -335,6 +336,7 @@ class AgentRLModule(L.LightningModule):
                 prepared.proximal[sl.start + targets_at] = logprobs.float()
             if self.value_head is not None:
                 turns, episodes = _turns_and_episodes(batch, sl)
+                hidden = self._value_hidden(batch, sl, hidden)
                 if token_level:
                     prepared.old_values[sl.start + targets_at] = self._token_values(hidden, targets_at)
                 else:
@@ -401,7 +403,11 @@ class AgentRLModule(L.LightningModule):
         value_loss = None
         if self.value_head is not None:
             steps = num_tokens if self.settings.algorithm.gae_level == "token" else num_turns_kept
-            value_loss, micro_adv_gae = self._critic(batch, sl, hidden, mask, prepared, steps, totals)
+            started = time.perf_counter()
+            value_hidden = self._value_hidden(batch, sl, hidden)
+            if value_hidden is not hidden:
+                totals.critic_forward_s += time.perf_counter() - started
+            value_loss, micro_adv_gae = self._critic(batch, sl, value_hidden, mask, prepared, steps, totals)
             if micro_adv is None:
                 micro_adv = micro_adv_gae
         assert micro_adv is not None
@@ -473,6 +479,23 @@ class AgentRLModule(L.LightningModule):
     def _bootstrap_values(self, batch: RolloutBatch, sl: slice, hidden, episodes) -> torch.Tensor:
         """V at each episode's last token: what a truncated episode's return bootstraps from."""
         return self.value_head(hidden[batch.episode_last[episodes] - sl.start]).squeeze(-1).float().detach()
+
+    def _value_hidden(self, batch: RolloutBatch, sl: slice, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states the value head reads for micro-batch ``sl`` [n, H], row t for the policy's token t:
+        the policy's own, or with ``algorithm.privileged_critic`` those of a second forward of the trunk over the
+        critic's stream (each segment after its episode's critic context), so the context reaches the critic's
+        gradient and never the policy's log-probs. The second forward runs for every micro-batch, context or not
+        (under ZeRO-3 every rank must run as many forwards)."""
+        if not self.settings.algorithm.privileged_critic:
+            return hidden
+        if batch.critic_input_ids is None:  # no episode of the batch has a context: the same stream again
+            return self.hidden_states(self.policy, batch.input_ids[sl], batch.position_ids[sl], batch.segment_ids[sl])
+        start = int(batch.critic_segment_start[batch.segment_ids[sl.start]])
+        stop = int(batch.critic_index[sl.stop - 1]) + 1
+        critic = slice(start, stop)
+        critic_hidden = self.hidden_states(self.policy, batch.critic_input_ids[critic], batch.critic_position_ids[critic],
+                                           batch.critic_segment_ids[critic])
+        return critic_hidden[batch.critic_index[sl] - start]
 
     def _token_values(self, hidden, targets_at) -> torch.Tensor:
         """V before each trained token: the value head at the position that predicts it (the state it is sampled from)."""
@@ -702,6 +725,7 @@ class _StepTotals:
         self.values: list[torch.Tensor] = []
         self.returns: list[torch.Tensor] = []
         self.importance: list[importance.ImportanceWeights] = []
+        self.critic_forward_s = 0.0  # the privileged critic's second forward (0 without one)
 
     def add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
@@ -737,7 +761,8 @@ class _StepTotals:
                 out[key] = value / max(value_weight, 1.0)
             else:
                 out[key] = value / max(weight, 1.0)
-        return {**out, **self._importance_metrics()}
+        seconds = reduce_metrics({"time/critic_forward_s": self.critic_forward_s}, maxima={"time/critic_forward_s"})
+        return {**out, **self._importance_metrics(), **seconds}
 
     def _importance_metrics(self) -> dict[str, float]:
         """``importance/*`` over the units (tokens or episodes) of this rank's micro-batches; over ranks the

@@ -558,6 +558,10 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     n = max(t.micro_batch_tokens, settings.env.max_context_tokens)
     add(Part("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
              f"n={n}, " + ("L*n*H*b + n*e*b (checkpointed)" if m.gradient_checkpointing else "L*n*e*b")))
+    if settings.algorithm.privileged_critic:  # the second forward, over each segment after its critic context
+        n_critic = n + settings.env.max_observation_chars  # the context is clipped to as many characters
+        add(Part("critic activations", activation_bytes(shape, n_critic, b, m.gradient_checkpointing), "train",
+                 f"as activations, n={n_critic} (+ env.max_observation_chars of critic context)"))
     attention = attention_matrix_bytes(shape, n, b, m.attn_implementation)
     if attention:
         add(Part("attention mask", attention, "train", f"n*n*(3+b) ({m.attn_implementation or 'sdpa'})"))

@@ -327,6 +327,10 @@ class AlgorithmSettings(_Section):
     """The steps of `advantage: gae`: `turn` (one value per turn, read at the state the turn starts from) or
     `token` (PPO's critic: a value before every trained token; observation tokens are not steps and are skipped,
     algorithms/advantages.py:token_gae)."""
+    privileged_critic: bool = False
+    """The value head reads each episode's `Environment.critic_context` (what only training has: the hidden tests,
+    the reference answer; SWEET-RL) before every segment, through a second forward of the trunk that the policy's
+    log-probs never see. Costs that forward and its activations (`plan`, `time/critic_forward_s`)."""
     gigpo_omega: float = Field(1.0, ge=0.0)
     """Weight of GiGPO's step-level advantage."""
     gigpo_similarity: float | None = Field(None, gt=0.0, lt=1.0)
@@ -495,6 +499,8 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.algorithm.advantage == "gae" and not self.model.value_head:
             raise ValueError("algorithm.advantage=gae needs model.value_head=true (a critic)")
+        if self.algorithm.privileged_critic and not self.model.value_head:
+            raise ValueError("algorithm.privileged_critic needs model.value_head=true (a critic to read the context)")
         if self.rollout.bootstraps_truncations and self.algorithm.advantage != "gae":
             raise ValueError("rollout.truncation=bootstrap needs algorithm.advantage=gae (the critic bootstraps returns)")
         if self.env.sub_agent is not None and self.engine.kind != "torch":

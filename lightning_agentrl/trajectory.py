@@ -115,6 +115,8 @@ class Trajectory(BaseModel):
     termination: TerminationReason | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     info: dict = Field(default_factory=dict)
+    critic_context_ids: list[int] = Field(default_factory=list)
+    """The environment's ``critic_context`` as ids: the critic reads them before every segment, the policy never."""
 
     @property
     def turns(self) -> list[Turn]:
@@ -180,6 +182,14 @@ class RolloutBatch:
     episode_last: torch.Tensor | None = None  # [B] packed index of each episode's last token
     # per segment [S]
     segment_traj: torch.Tensor | None = None
+    # the critic's stream (only where an episode has critic context): each segment after its episode's
+    # critic_context_ids; critic_index[N] is where each token of the policy's stream sits in it, and
+    # critic_segment_start[S] where each segment's context begins
+    critic_input_ids: torch.Tensor | None = None
+    critic_position_ids: torch.Tensor | None = None
+    critic_segment_ids: torch.Tensor | None = None
+    critic_index: torch.Tensor | None = None
+    critic_segment_start: torch.Tensor | None = None
 
     @property
     def num_episodes(self) -> int:
@@ -249,7 +259,9 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         num_turns.append(traj_turns)
         episode_last.append(len(ids) - 1)
     long = torch.long
+    critic = _critic_stream(trajectories) if any(t.critic_context_ids for t in trajectories) else {}
     return RolloutBatch(
+        **critic,
         input_ids=torch.tensor(ids, dtype=long),
         position_ids=torch.tensor(pos, dtype=long),
         loss_mask=torch.tensor(mask, dtype=torch.float32),
@@ -272,6 +284,27 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         episode_last=torch.tensor(episode_last, dtype=long),
         segment_traj=torch.tensor(segment_traj, dtype=long),
     )
+
+
+def _critic_stream(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """The critic's packed stream: every segment after its episode's ``critic_context_ids`` (positions from 0
+    at the context), and where the policy's tokens and each segment's context sit in it."""
+    ids, pos, seg, index, seg_start = [], [], [], [], []
+    segment_index = 0
+    for traj in trajectories:
+        context = traj.critic_context_ids
+        for segment in traj.segments:
+            seg_start.append(len(ids))
+            n = len(context) + len(segment.token_ids)
+            index.extend(range(len(ids) + len(context), len(ids) + n))
+            ids.extend([*context, *segment.token_ids])
+            pos.extend(range(n))
+            seg.extend([segment_index] * n)
+            segment_index += 1
+    long = torch.long
+    return {"critic_input_ids": torch.tensor(ids, dtype=long), "critic_position_ids": torch.tensor(pos, dtype=long),
+            "critic_segment_ids": torch.tensor(seg, dtype=long), "critic_index": torch.tensor(index, dtype=long),
+            "critic_segment_start": torch.tensor(seg_start, dtype=long)}
 
 
 # -- token-in/token-out check ---------------------------------------------------------------------

@@ -476,3 +476,14 @@ def test_activations_are_planned_for_the_longest_micro_batch():
     # the recipe's own 32768-token micro-batches are longer than any episode: n = 32768
     plan = memory_plan(zero2_recipe(), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
     assert plan.part("activations").gpu_bytes == 5_804_916_736
+
+
+def test_a_privileged_critic_adds_its_second_forward_over_the_context():
+    overrides = ["--model.value_head=true", "--algorithm.privileged_critic=true"]
+    recipe = REPO / "configs" / "gpu_zero2.yaml"
+    plan = memory_plan(load_settings(recipe, overrides), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    gpu = {p.name: p.gpu_bytes for p in plan.parts}
+    # n = 32,768 + 2,000 (env.max_observation_chars of context); L*n*H*b + n*e*b = 28*34768*1536*2 + 34768*45568*2
+    assert gpu["critic activations"] == 2_990_604_288 + 3_168_616_448 == 6_159_220_736
+    plain = memory_plan(load_settings(recipe, overrides[:1]), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
+    assert plan.phase_total("train") - plain.phase_total("train") == 6_159_220_736

@@ -108,6 +108,14 @@ def checked_step(env: Environment, result: Any, *, max_observation_chars: int | 
     return replace(result, observation=encodable(observation))
 
 
+def checked_critic_context(env: Environment) -> str | None:
+    """``env.critic_context``, checked to be a str or None (made :func:`encodable`)."""
+    text = env.critic_context
+    if text is not None and not isinstance(text, str):
+        raise EnvContractError(f"{type(env).__qualname__}.critic_context must be a str or None, got {_short(text)}")
+    return None if text is None else encodable(text)
+
+
 def checked_state_text(env: Environment) -> str:
     """``env.state_text``, checked to be a str (GiGPO groups turns by it)."""
     text = env.state_text
@@ -158,6 +166,11 @@ class Environment(ABC):
     """The frozen sub-agent named by ``env.sub_agent`` (set on each episode's environment after
     :meth:`from_settings`), or None when the settings name none. An environment offers it as a tool:
     ``StepResult(observation=await self.sub_agent.generate(messages))``."""
+
+    critic_context: str | None = None
+    """Text only the critic reads (SWEET-RL's training-time information: the reference answer, the hidden
+    tests), read after :meth:`reset`; the policy never sees it. With ``algorithm.privileged_critic`` the value
+    head reads it before every segment of the episode through a second forward of the trunk. None: nothing."""
 
     tools: list[dict] | None = None
     """The tools as JSON schemas (OpenAI function format, :meth:`~lightning_agentrl.envs.tools.ToolSpec.schema`)

@@ -84,6 +84,10 @@ class CodingEnv(Environment):
 
     async def reset(self) -> list[dict]:
         self.sandbox_id = await self.client.create(dict(self.task.files))
+        # what only training has: the hidden tests, for a privileged critic (algorithm.privileged_critic)
+        self.critic_context = clip("".join(f"[hidden test {path}]\n{content}\n"
+                                           for path, content in sorted(self.task.hidden_files.items())),
+                                   self.max_observation_chars)
         return self.opening_messages(self.task.prompt, self.system_prompt, native_tools=self.tools is not None)
 
     @staticmethod

@@ -55,9 +55,11 @@ from lightning_agentrl.envs.base import (
     EnvInfraError,
     Environment,
     ToolTimeout,
+    checked_critic_context,
     checked_messages,
     checked_state_text,
     checked_step,
+    clip,
 )
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, GenerationEngine, SamplingParams
@@ -358,6 +360,9 @@ class Episode:
         first = Segment()
         first.extend(self.codec.prompt_ids(messages, tools=self.env.tools), mask=0)
         self.trajectory.segments.append(first)
+        critic_context = checked_critic_context(self.env)
+        if critic_context:  # clipped like an observation: `plan` bounds the critic's stream by it
+            self.trajectory.critic_context_ids = self.codec.encode(clip(critic_context, self.budget.max_observation_chars))
 
     async def play_turns(self, started: float, park_after_s: float | None) -> None:
         steps_this_call = 0
