@@ -266,7 +266,12 @@ def _fit(settings) -> int:
         return 3
     if not result.is_global_zero:
         return 0
-    console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}")
+    signal = ""
+    if result.num_without_signal:
+        signal = (f", [bold yellow]no learning signal in {result.num_without_signal} of {result.num_batches} "
+                  "steps[/bold yellow] (every advantage 0: see the warning above)")
+    console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}{signal}",
+                  soft_wrap=True)  # one line: the folder is pasted from it
     console.print(f"  checkpoint: {result.checkpoint}")
     console.print(f"  policy:     {result.policy_dir}")
     if result.tracking_uri:

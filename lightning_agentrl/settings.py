@@ -292,6 +292,12 @@ class RolloutSettings(_Section):
     max_empty_steps: int = Field(3, ge=1)
     """Consecutive batches without one trainable token (every episode excluded) before the run stops with an
     error. Such a batch takes no optimizer or scheduler step."""
+    max_steps_without_signal: int | None = Field(10, ge=1)
+    """Consecutive steps without learning signal (every advantage 0: each group's episodes earned the same reward,
+    e.g. no valid tool call, or a reward that never varies) before the run stops with an error (exit status 3);
+    None = never stop. The first such step warns, naming what the batch shows, and the closing line counts them.
+    Such a step skips its forward and backward passes (its gradient is 0) unless a KL, entropy or value term
+    is in the loss."""
 
     @property
     def filters_truncations(self) -> bool:
