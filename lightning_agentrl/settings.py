@@ -192,10 +192,10 @@ class EnvSettings(_Section):
     """The environment: `coding` (bug-fix tasks in a sandbox), `keydoor` (a text key-and-door world), or a
     user's class by dotted path, `my_pkg.envs:SearchEnv` (a subclass of `lightning_agentrl.envs.base.Environment`,
     importable where the run starts; docs/environments.md)."""
-    tasks: Path = Path("tasks/smoke")
+    tasks: Path = Path("tasks/learn")
     """The tasks, in the format `env.kind` reads: for `coding` a task suite folder (one sub-folder per task), one
     task folder, a JSONL file (one task a line) or a `datasets` dataset saved with `save_to_disk`; for `keydoor` a
-    JSONL file."""
+    JSONL file. The default is the repository's copy-the-key suite, relative to the folder the command runs in."""
 
     @field_validator("kind")
     @classmethod
