@@ -27,6 +27,7 @@ attending only to itself) and only at positions that carry a loss, chunk by chun
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import lightning as L
@@ -58,6 +59,7 @@ class AgentRLModule(L.LightningModule):
         self.skipped_step = False  # the last batch had no trainable token: no optimizer step
         self.learning_signal = True  # the last batch had a nonzero advantage (callbacks/learning_signal.py)
         self.num_skipped_steps = 0
+        self.optimizer_s = 0.0  # seconds in optimizer updates (clip, step, zero), summed over the run (stage timings)
         # kept in checkpoints; the resolved settings reach MLflow once, flattened, from train.py
         self.save_hyperparameters({"settings": settings.model_dump(mode="json"), "model_path": model_path}, logger=False)
 
@@ -257,6 +259,7 @@ class AgentRLModule(L.LightningModule):
     def _optimizer_update(self, *, counted: bool) -> float:
         """Clip and step on the accumulated gradients, zero them; the global gradient norm before
         clipping. ``counted``: through the ``LightningOptimizer``, which advances ``global_step``."""
+        started = time.perf_counter()
         optimizer = self.optimizers()
         engine = self._deepspeed_engine()
         grad_norm = None
@@ -269,6 +272,7 @@ class AgentRLModule(L.LightningModule):
         if engine is not None:  # ZeRO partitions the gradients: DeepSpeed clips (config) and reports the norm
             grad_norm = float(engine.get_global_grad_norm() or 0.0)
         optimizer.zero_grad(set_to_none=True)
+        self.optimizer_s += time.perf_counter() - started
         return grad_norm
 
     def _skip_step(self, batch: RolloutBatch) -> torch.Tensor:
