@@ -104,7 +104,7 @@ def stage_timings(tracking_uri: str, run_id: str) -> dict:
     keys = [m for m in client.get_run(run_id).data.metrics if m.startswith("time/")]
     timings: dict[str, float] = {}
     for key in sorted(keys):
-        kept = [v for step, v in metric_per_step(client, run_id, key).items() if step > 1]
+        kept = [v for step, v in metric_per_step(client, run_id, key).items() if step > 0]
         if kept:
             timings[key] = round(sum(kept) / len(kept), 3)
     return timings

@@ -91,6 +91,8 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"error: every one of the {scores['episodes']} episodes was broken by infrastructure (sandbox or "
               f"inference server); nothing was scored (logs in --out)", file=sys.stderr)
         return 3
+    for warning in scores["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(scores, indent=2))
         return 0
@@ -100,6 +102,9 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"  pass@{k:<6d} {scores['pass_at_k']:.3f}")
     print(f"  submitted   {scores['submitted_frac']:.3f}")
     print(f"  episodes    {scores['episodes']} ({scores['infra_errors']} broken by infrastructure, not scored)")
+    kinds = ", ".join(f"{kind} {count}" for kind, count in scores["timeouts"].items())
+    print("  ended       " + ", ".join(f"{reason} {count}" + (f" ({kinds})" if reason == "timeout" else "")
+                                       for reason, count in scores["terminations"].items()))
     return 0
 
 
@@ -266,7 +271,12 @@ def _fit(settings) -> int:
         return 3
     if not result.is_global_zero:
         return 0
-    console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}")
+    signal = ""
+    if result.num_without_signal:
+        signal = (f", [bold yellow]no learning signal in {result.num_without_signal} of {result.num_batches} "
+                  "steps[/bold yellow] (every advantage 0: see the warning above)")
+    console.print(f"[bold green]done[/bold green]: {result.global_step} optimizer steps in {result.run_dir}{signal}",
+                  soft_wrap=True)  # one line: the folder is pasted from it
     console.print(f"  checkpoint: {result.checkpoint}")
     console.print(f"  policy:     {result.policy_dir}")
     if result.tracking_uri:

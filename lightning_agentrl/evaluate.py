@@ -66,6 +66,7 @@ def evaluate_policy(path: str | Path, *, split: str = "test", samples: int = 4, 
         policy, settings = evaluation_settings(path, split=split, samples=samples, config=config,
                                                overrides=list(overrides), out=folder.resolve())
         scores, trajectories = _run(policy, settings, folder)
+        scores["warnings"] = [w for w in [timeout_warning(scores, settings)] if w]
         if out is not None:
             from lightning_agentrl.trajectory import save_trajectories
 
@@ -75,6 +76,7 @@ def evaluate_policy(path: str | Path, *, split: str = "test", samples: int = 4, 
 
 
 def _run(policy: Path, settings: Settings, folder: Path):
+    import torch
     from transformers import AutoTokenizer
 
     from lightning_agentrl.callbacks.evaluation import score_episodes
@@ -88,7 +90,13 @@ def _run(policy: Path, settings: Settings, folder: Path):
         start_local_servers,
     )
 
-    tasks = load_env_tasks(settings, settings.eval.split)
+    if settings.trainer.threads:  # as `fit` does: on busy cores one thread decodes several times faster
+        torch.set_num_threads(settings.trainer.threads)
+    try:
+        tasks = load_env_tasks(settings, settings.eval.split)
+    except (OSError, ValueError) as err:
+        default = "" if "tasks" in settings.env.model_fields_set else " (the default; set --env.tasks or --config)"
+        raise SettingsError(f"env.tasks: {err}{default}") from None
     if not tasks:
         raise SettingsError(f"--split: no {settings.eval.split} tasks in {settings.env.tasks}")
     tokenizer = AutoTokenizer.from_pretrained(policy)
@@ -108,7 +116,9 @@ def _run(policy: Path, settings: Settings, folder: Path):
         temperature = settings.engine.temperature if settings.eval.temperature is None else settings.eval.temperature
         sampling = replace(service.sampling, temperature=temperature)
         push = settings.engine.kind == "vllm_server" and bool(settings.engine.urls)  # remote servers: load the policy
-        trajectories = asyncio.run(_play(service, tasks, settings.eval.samples_per_task, sampling, policy if push else None))
+        with EpisodeProgress(len(tasks) * settings.eval.samples_per_task) as progress:
+            trajectories = asyncio.run(_play(service, tasks, settings.eval.samples_per_task, sampling,
+                                             policy if push else None, on_episode=progress.add))
     finally:
         if servers is not None:
             servers.stop()
@@ -117,7 +127,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
             "engine": settings.engine.kind, "policy": str(policy)}, trajectories
 
 
-async def _play(service, tasks, samples: int, sampling, push_weights_from: Path | None):
+async def _play(service, tasks, samples: int, sampling, push_weights_from: Path | None, on_episode=None):
     engine = service.engine
     try:
         if push_weights_from is not None:
@@ -127,6 +137,59 @@ async def _play(service, tasks, samples: int, sampling, push_weights_from: Path 
             for file in sorted(push_weights_from.glob("*.safetensors")):
                 weights.update(load_file(str(file)))
             await engine.update_weights(weights.items(), version=engine.policy_version)
-        return await service.play_episodes_async(tasks, samples_per_task=samples, sampling=sampling, tag="evaluate")
+        return await service.play_episodes_async(tasks, samples_per_task=samples, sampling=sampling, tag="evaluate",
+                                                 on_episode=on_episode)
     finally:
         await engine.close()
+
+
+class EpisodeProgress:
+    """Episodes done of the total, the success so far and the timeouts, on stderr while ``evaluate`` plays
+    (a rich progress bar; on a terminal it updates in place, elsewhere its last state is printed at the end)."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("evaluate"), BarColumn(), MofNCompleteColumn(), TextColumn("episodes"),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=Console(stderr=True))
+        self.task = self.progress.add_task("episodes", total=total, status="")
+        self.rewards: list[float] = []
+        self.num_timeouts = 0
+
+    def add(self, trajectory) -> None:
+        from lightning_agentrl.trajectory import TerminationReason
+
+        if not (trajectory.termination is not None and trajectory.termination.infrastructure):
+            self.rewards.append(trajectory.reward)
+        self.num_timeouts += trajectory.termination is TerminationReason.TIMEOUT
+        success = sum(self.rewards) / max(len(self.rewards), 1)
+        self.progress.update(self.task, advance=1, status=f"success {success:.3f}  timeouts {self.num_timeouts}")
+
+    def __enter__(self) -> EpisodeProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+
+TIMEOUT_SETTINGS = {"generation": "generation_timeout_s", "tool": "tool_timeout_s", "episode": "episode_timeout_s"}
+"""What each kind of ``timeout`` ran past (``Trajectory.info["timeout"]``): a field of ``env``."""
+
+
+def timeout_warning(scores: dict, settings: Settings, *, share: float = 0.25) -> str | None:
+    """A warning when at least ``share`` of the scored episodes ended with ``timeout``, naming the settings they
+    ran past; None otherwise. Such episodes score 0 whatever the policy would have done."""
+    scored = scores["episodes"] - scores["infra_errors"]
+    timed_out = scores["terminations"].get("timeout", 0)
+    if not timed_out or timed_out < share * scored:
+        return None
+    kinds = ", ".join(
+        f"{count} {kind}" + (f" (env.{TIMEOUT_SETTINGS[kind]}={getattr(settings.env, TIMEOUT_SETTINGS[kind]):g} s)"
+                             if kind in TIMEOUT_SETTINGS else "")
+        for kind, count in scores["timeouts"].items()
+    )
+    return (f"{timed_out} of {scored} scored episodes timed out: {kinds}; they score 0 whatever the policy does. "
+            "On a slow engine or busy cores raise the timeout named (or lower rollout.max_in_flight, "
+            "engine.max_new_tokens), or the success measures the machine, not the policy")

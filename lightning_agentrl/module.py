@@ -57,7 +57,9 @@ class AgentRLModule(L.LightningModule):
         self.automatic_optimization = False
         self.offline_policy_version = 0
         self.skipped_step = False  # the last batch had no trainable token: no optimizer step
+        self.learning_signal = True  # the last batch had a nonzero advantage (callbacks/learning_signal.py)
         self.num_skipped_steps = 0
+        self.optimizer_s = 0.0  # seconds in optimizer updates (clip, step, zero), summed over the run (stage timings)
         # kept in checkpoints; the resolved settings reach MLflow once, flattened, from train.py
         self.save_hyperparameters({"settings": settings.model_dump(mode="json"), "model_path": model_path}, logger=False)
 
@@ -228,15 +230,20 @@ class AgentRLModule(L.LightningModule):
         train_mask = self.train_mask(batch)
         span_tokens = global_sum(*(float(train_mask[span].sum()) for span in spans))  # every rank agrees
         self.skipped_step = sum(span_tokens) == 0
+        self.learning_signal = False
         if self.skipped_step:
             return self._skip_step(batch)
         prepared = self.prepare(batch, train_mask, record_old=self.num_updates_per_step > 1)
+        self.learning_signal = prepared.signal
         # mini-batches without a trainable token (all their groups excluded) take no update
         spans = [span for span, tokens in zip(spans, span_tokens, strict=True) if tokens > 0]
         updates = [span for _ in range(t.ppo_epochs) for span in spans]
         logs = []
         for index, span in enumerate(updates):
-            log = self.accumulate_gradients(batch, prepared=prepared, span=span)
+            if prepared.zero_gradient:
+                log = self._zero_gradient(batch, prepared)
+            else:
+                log = self.accumulate_gradients(batch, prepared=prepared, span=span)
             log["policy/grad_norm"] = self._optimizer_update(counted=index == len(updates) - 1)
             logs.append(log)
         scheduler = self.lr_schedulers()
@@ -252,6 +259,7 @@ class AgentRLModule(L.LightningModule):
     def _optimizer_update(self, *, counted: bool) -> float:
         """Clip and step on the accumulated gradients, zero them; the global gradient norm before
         clipping. ``counted``: through the ``LightningOptimizer``, which advances ``global_step``."""
+        started = time.perf_counter()
         optimizer = self.optimizers()
         engine = self._deepspeed_engine()
         grad_norm = None
@@ -264,6 +272,7 @@ class AgentRLModule(L.LightningModule):
         if engine is not None:  # ZeRO partitions the gradients: DeepSpeed clips (config) and reports the norm
             grad_norm = float(engine.get_global_grad_norm() or 0.0)
         optimizer.zero_grad(set_to_none=True)
+        self.optimizer_s += time.perf_counter() - started
         return grad_norm
 
     def _skip_step(self, batch: RolloutBatch) -> torch.Tensor:
@@ -306,10 +315,55 @@ class AgentRLModule(L.LightningModule):
         with ``record_old``, the proximal log-probs and old values of the weights the step starts from."""
         token_adv, log = self.episode_advantages(batch, train_mask)
         prepared = _Prepared(train_mask=train_mask, token_adv=token_adv, log=log)
-        if record_old:
+        prepared.signal = self._has_learning_signal(batch, prepared)
+        # every advantage 0 and no other term in the loss: the gradient is exactly 0 without computing it
+        only_advantages = self.value_head is None and self.settings.algorithm.kl_coef == 0
+        prepared.zero_gradient = not prepared.signal and only_advantages and self.settings.algorithm.entropy_coef == 0
+        if record_old and not prepared.zero_gradient:
             with torch.no_grad():
                 self._record_old_outputs(batch, prepared)
         return prepared
+
+    def _has_learning_signal(self, batch: RolloutBatch, prepared: _Prepared) -> bool:
+        """Whether any trainable token of any rank has a nonzero advantage. ``gae`` (advantages from the
+        critic, per micro-batch): whether any reward of an included episode differs from the others."""
+        if prepared.token_adv is not None:
+            (nonzero,) = global_sum(float(((prepared.token_adv != 0) & (prepared.train_mask > 0)).sum()))
+            return nonzero > 0
+        kept = batch.include[batch.turn_traj]
+        rewards = torch.cat([batch.rewards[batch.include].float(), batch.turn_rewards[kept].float()])
+        highest = float(rewards.max()) if rewards.numel() else float("-inf")
+        lowest = float(rewards.min()) if rewards.numel() else float("inf")
+        return global_max(highest) + global_max(-lowest) > 0  # the highest minus the lowest, over ranks
+
+    def _zero_gradient(self, batch: RolloutBatch, prepared: _Prepared) -> dict[str, float]:
+        """An update whose gradient is exactly 0 (every advantage 0, no KL, entropy or value term), without
+        the forward and backward passes over the batch: one zero loss through every parameter (a collective
+        backward, like every rank's) gives the optimizer the zero gradient it would have got. The entropy and
+        the train/inference mismatch are measured on the first micro-batch alone, without gradients."""
+        totals = _StepTotals()
+        micro = [sl for sl in _micro_batches(batch.seq_ids, self.settings.trainer.micro_batch_tokens)
+                 if bool((prepared.train_mask[sl][1:] > 0).any())]
+        with torch.no_grad():  # one forward on every rank (ZeRO-3 gathers the weights in each)
+            if micro:
+                self._sample_diagnostics(batch, micro[0], prepared.train_mask[micro[0]], totals)
+            else:
+                self._zero_loss(batch)
+        self._backward(self._zero_loss(batch), last=True)
+        return {**prepared.log, **totals.reduced(), "loss/total": 0.0, "loss/policy": 0.0}
+
+    def _sample_diagnostics(self, batch: RolloutBatch, sl: slice, mask: torch.Tensor, totals: _StepTotals) -> None:
+        """The entropy and the train/inference mismatch of one micro-batch, from a forward without gradients."""
+        targets_at = _targets_at(mask)
+        input_ids = batch.input_ids[sl]
+        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+        logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
+        totals.add("weight", float(targets_at.numel()))
+        if entropy is not None:
+            totals.add("policy/entropy", float(entropy.sum()))
+        lag = (self._policy_version() - batch.policy_versions[sl]).clamp(min=0)
+        totals.add_mismatch(logprobs.float(), batch.behavior_logprobs[sl][targets_at], lag[targets_at] == 0,
+                            batch.loss_mask[sl][targets_at] > 0)
 
     def _record_old_outputs(self, batch: RolloutBatch, prepared: _Prepared) -> None:
         """One forward pass over the batch without gradients: log-probs at every trainable token
@@ -437,13 +491,8 @@ class AgentRLModule(L.LightningModule):
             totals.importance.append(self._importance(proximal, behavior, mask, batch.seq_ids[sl]))
         if entropy is not None:
             totals.add("policy/entropy", float(entropy.detach().sum()))
-        # train/inference mismatch on tokens sampled by the weights the step started from (lag 0)
-        on_policy = (lag[targets_at] == 0) & (batch.loss_mask[sl][targets_at] > 0)
-        if on_policy.any():
-            diff = (recomputed[on_policy] - batch.behavior_logprobs[sl][targets_at][on_policy]).abs()
-            totals.maxima["mismatch/logprob_max"] = max(totals.maxima["mismatch/logprob_max"], float(diff.max()))
-            totals.add("mismatch_sum", float(diff.sum()))
-            totals.add("mismatch_n", float(on_policy.sum()))
+        totals.add_mismatch(recomputed, batch.behavior_logprobs[sl][targets_at], lag[targets_at] == 0,
+                            batch.loss_mask[sl][targets_at] > 0)
         return loss
 
     def _importance(self, proximal, behavior, mask, seq_ids) -> importance.ImportanceWeights:
@@ -577,6 +626,8 @@ class _Prepared:
     proximal: torch.Tensor | None = None  # [N] log-probs before the first update; NaN where no loss
     old_values: torch.Tensor | None = None  # critic values before the first update: [K] per turn, or [N] per token
     old_bootstrap: torch.Tensor | None = None  # [B] V at each episode's last token, before the first update
+    signal: bool = True  # some trainable token has a nonzero advantage (any rank)
+    zero_gradient: bool = False  # no signal and no other loss term: the updates skip the forward/backward
 
 
 class OutputLogprobs(torch.nn.Module):
@@ -729,6 +780,16 @@ class _StepTotals:
 
     def add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def add_mismatch(self, recomputed, behavior, lag_zero, actions) -> None:
+        """The train/inference mismatch |recomputed - behavior| [n] on the action tokens sampled by the
+        weights the step started from (``lag_zero``)."""
+        on_policy = lag_zero & actions
+        if on_policy.any():
+            diff = (recomputed[on_policy] - behavior[on_policy]).abs()
+            self.maxima["mismatch/logprob_max"] = max(self.maxima["mismatch/logprob_max"], float(diff.max()))
+            self.add("mismatch_sum", float(diff.sum()))
+            self.add("mismatch_n", float(on_policy.sum()))
 
     def add_micro_batch(self, metrics: dict[str, torch.Tensor], *, share: float) -> None:
         """A micro-batch's loss metrics: ``loss/*`` as they are, ``*_max`` as maxima, the rest weighted

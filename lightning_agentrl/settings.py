@@ -194,10 +194,10 @@ class EnvSettings(_Section):
     """The environment: `coding` (bug-fix tasks in a sandbox), `keydoor` (a text key-and-door world), or a
     user's class by dotted path, `my_pkg.envs:SearchEnv` (a subclass of `lightning_agentrl.envs.base.Environment`,
     importable where the run starts; docs/environments.md)."""
-    tasks: Path = Path("tasks/smoke")
+    tasks: Path = Path("tasks/learn")
     """The tasks, in the format `env.kind` reads: for `coding` a task suite folder (one sub-folder per task), one
     task folder, a JSONL file (one task a line) or a `datasets` dataset saved with `save_to_disk`; for `keydoor` a
-    JSONL file."""
+    JSONL file. The default is the repository's copy-the-key suite, relative to the folder the command runs in."""
 
     @field_validator("kind")
     @classmethod
@@ -295,6 +295,12 @@ class RolloutSettings(_Section):
     max_empty_steps: int = Field(3, ge=1)
     """Consecutive batches without one trainable token (every episode excluded) before the run stops with an
     error. Such a batch takes no optimizer or scheduler step."""
+    max_steps_without_signal: int | None = Field(10, ge=1)
+    """Consecutive steps without learning signal (every advantage 0: each group's episodes earned the same reward,
+    e.g. no valid tool call, or a reward that never varies) before the run stops with an error (exit status 3);
+    None = never stop. The first such step warns, naming what the batch shows, and the closing line counts them.
+    Such a step skips its forward and backward passes (its gradient is 0) unless a KL, entropy or value term
+    is in the loss."""
 
     @property
     def filters_truncations(self) -> bool:

@@ -32,6 +32,9 @@ class FitResult:
     mlflow_run_id: str | None
     global_step: int
     is_global_zero: bool = True
+    num_batches: int = 0
+    num_without_signal: int = 0
+    """Of ``num_batches`` trained, how many had no learning signal (every advantage 0)."""
 
 
 def resolve_model_path(settings: Settings) -> str:
@@ -312,7 +315,15 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
         mlflow_run_id=logger.run_id if logger is not None else None,
         global_step=trainer.global_step,
         is_global_zero=trainer.is_global_zero,
+        **_signal_counts(trainer),
     )
+
+
+def _signal_counts(trainer) -> dict[str, int]:
+    from lightning_agentrl.callbacks.learning_signal import LearningSignalGuard
+
+    guard = next(c for c in trainer.callbacks if isinstance(c, LearningSignalGuard))
+    return {"num_batches": guard.num_batches, "num_without_signal": guard.num_without_signal}
 
 
 def prepare_run(settings: Settings) -> tuple[Path, Path | None]:
@@ -542,7 +553,8 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
 
 
 def build_guards(settings: Settings, run_dir: Path, service, sandbox) -> list:
-    """The circuit breaker on sandbox errors and the guard against steps with nothing to train on."""
+    """The circuit breaker on sandbox errors and the guards against steps with nothing to train on or
+    nothing to learn from."""
     from lightning_agentrl.callbacks.circuit_breaker import EmptyStepGuard, InfraCircuitBreaker
 
     r = settings.rollout
@@ -551,7 +563,10 @@ def build_guards(settings: Settings, run_dir: Path, service, sandbox) -> list:
         window=r.infra_error_window, on_failure=r.on_infra_failure, wait_s=r.infra_wait_s,
         uses_sandbox=not isinstance(sandbox, NoSandbox),
     )
-    return [breaker, EmptyStepGuard(service, max_empty_steps=r.max_empty_steps)]
+    from lightning_agentrl.callbacks.learning_signal import LearningSignalGuard
+
+    return [breaker, EmptyStepGuard(service, max_empty_steps=r.max_empty_steps),
+            LearningSignalGuard(max_in_a_row=r.max_steps_without_signal)]
 
 
 def build_trainer(settings: Settings, run_dir: Path, service, sandbox, tokenizer, *, extra: list):

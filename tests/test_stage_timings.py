@@ -23,7 +23,8 @@ def test_every_step_logs_its_stage_timings_and_they_fit_in_the_step(tmp_path):
             self.trajectories.extend(batch.trajectories)
 
     kept = Trajectories()
-    # max_steps 3, a checkpoint every 2 steps: step 2 saves, steps 1 and 3 do not (step 3's is after training)
+    # max_steps 3, a checkpoint every 2 steps: the second batch (logged at step 1) saves, the first and third do
+    # not (the third's is after training)
     settings = learn_settings(tmp_path, "--trainer.max_steps=3", "--trainer.checkpoint_every=2",
                               "--tracking.enabled=true", "--env.max_turns=3")
     result, _ = scripted_fit(settings, {"e0": SOLVE}, callbacks=[kept])
@@ -33,14 +34,14 @@ def test_every_step_logs_its_stage_timings_and_they_fit_in_the_step(tmp_path):
         return {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, key)}
 
     step_s = history("time/step_s")
-    assert sorted(step_s) == [1, 2, 3] and all(v > 0 for v in step_s.values())
+    assert sorted(step_s) == [0, 1, 2] and all(v > 0 for v in step_s.values())
     for key in ["time/wait_rollouts_s", "time/forward_backward_s", "time/optimizer_s", *ROLLOUT_STAGES,
                 "throughput/tokens_per_s"]:
         values = history(key)
-        assert sorted(values) == [1, 2, 3] and all(v > 0 for v in values.values()), (key, values)
-    assert history("time/weight_sync_s")[1] > 0 and history("time/weight_sync_s")[3] == 0  # no sync after the last
+        assert sorted(values) == [0, 1, 2] and all(v > 0 for v in values.values()), (key, values)
+    assert history("time/weight_sync_s")[0] > 0 and history("time/weight_sync_s")[2] == 0  # no sync after the last
     checkpoint_s = history("time/checkpoint_s")
-    assert checkpoint_s[2] > 0 and checkpoint_s[2] > 3 * max(checkpoint_s[1], checkpoint_s[3])  # only step 2 saves
+    assert checkpoint_s[1] > 0 and checkpoint_s[1] > 3 * max(checkpoint_s[0], checkpoint_s[2])  # only the second saves
     for step, wall in step_s.items():
         stages = sum(history(key)[step] for key in TRAINER_STAGES)
         assert stages <= wall * (1 + 1e-6), (step, stages, wall)
@@ -53,3 +54,26 @@ def test_every_step_logs_its_stage_timings_and_they_fit_in_the_step(tmp_path):
     assert solved and all(t.timings["scoring_s"] == t.turns[-1].timings["env_s"] > 0 for t in solved)
     # time/environment_s includes the scoring step (every turn's environment time), time/scoring_s is that step alone
     assert all(t.timings["tool_s"] == pytest.approx(sum(turn.timings["env_s"] for turn in t.turns)) for t in solved)
+
+
+def test_stage_timings_are_logged_at_the_step_of_the_other_metrics_of_their_batch(tmp_path):
+    """``time/*`` and ``throughput/*`` are logged at the step every other metric of the batch has (0 for the
+    first), also when the optimizer step is timed by the module rather than by the optimizer."""
+    from mlflow.tracking import MlflowClient
+
+    from lightning_agentrl.envs.keydoor import parse_task, solve
+    from tests.test_keydoor import MAP, moves
+    from tests.test_learning_signal import maze_settings
+
+    settings = maze_settings(tmp_path, "--trainer.max_steps=2", "--env.max_turns=10", "--tracking.enabled=true")
+    result, _ = scripted_fit(settings, {"e0": moves(*solve(parse_task({"id": "m", "map": MAP}, "test")))})
+    client = MlflowClient(tracking_uri=result.tracking_uri)
+
+    def steps(key: str) -> list[int]:
+        return sorted(m.step for m in client.get_metric_history(result.mlflow_run_id, key))
+
+    assert steps("reward/mean") == steps("loss/total") == [0, 1]
+    for key in ["time/step_s", "time/optimizer_s", "throughput/tokens_per_s"]:
+        assert steps(key) == [0, 1], key
+    optimizer_s = [m.value for m in client.get_metric_history(result.mlflow_run_id, "time/optimizer_s")]
+    assert all(v > 0 for v in optimizer_s)

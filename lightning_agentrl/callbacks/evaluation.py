@@ -19,6 +19,7 @@ Resumable: the history of evaluations is part of the checkpoint.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import replace
 
 import lightning as L
@@ -57,7 +58,22 @@ def score_episodes(trajectories: list[Trajectory]) -> dict:
         "submitted_frac": sum(t.termination is TerminationReason.SUBMITTED for t in scored) / max(len(scored), 1),
         "episodes": len(trajectories),
         "infra_errors": len(trajectories) - len(scored),
+        **termination_counts(trajectories),
     }
+
+
+def termination_counts(trajectories: list[Trajectory]) -> dict[str, dict[str, int]]:
+    """How the episodes ended (``terminations``, most frequent first) and what each ``timeout`` interrupted
+    (``timeouts``: ``generation``, ``tool`` or ``episode``).
+
+    >>> from lightning_agentrl.trajectory import Trajectory as T
+    >>> late = T(episode_id="a", task_id="x", group_id=0, termination="timeout", info={"timeout": "generation"})
+    >>> termination_counts([late, late, T(episode_id="b", task_id="x", group_id=0, termination="submitted")])
+    {'terminations': {'timeout': 2, 'submitted': 1}, 'timeouts': {'generation': 2}}
+    """
+    ended = Counter(t.termination.value for t in trajectories if t.termination is not None)
+    timeouts = Counter(t.info.get("timeout", "unknown") for t in trajectories if t.termination is TerminationReason.TIMEOUT)
+    return {"terminations": dict(ended.most_common()), "timeouts": dict(timeouts.most_common())}
 
 
 class HeldOutEvaluation(L.Callback):

@@ -31,13 +31,22 @@ def save_policy(config, weights: dict, directory: Path, tokenizer=None) -> None:
     """A Hugging Face folder (config, safetensors, tokenizer) from a config and full weights.
 
     The model is built on the meta device and takes ``weights`` as they are, so nothing is
-    initialized or allocated twice; tied embeddings are saved once, as ``save_pretrained`` does."""
+    initialized or allocated twice; tied embeddings are saved once, as ``save_pretrained`` does.
+    The folder is for generation: the KV cache that training turns off (``use_cache``) is on in its
+    ``config.json`` and ``generation_config.json``."""
+    import copy
+
     import torch
     from transformers import AutoModelForCausalLM
 
+    config = copy.deepcopy(config)
+    config.use_cache = True  # off while training (AgentRLModule); without it transformers decodes ~5x slower
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, strict=True, assign=True)
+    # assign=True gives the output embedding its own copy of the gathered tensor: tie it again, or the
+    # folder stores the embedding twice and a reload unties it
+    model.tie_weights()
     model.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)

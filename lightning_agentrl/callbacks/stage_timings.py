@@ -6,7 +6,8 @@ Trainer stages (disjoint intervals of one step, so they sum to at most ``time/st
 - ``time/wait_rollouts_s``: from the end of the previous step (or the start of training) until the
   batch reaches the trainer (the rollout service producing it, or handing over a ready one);
 - ``time/forward_backward_s``: the training step (forward, loss, backward) without the optimizer;
-- ``time/optimizer_s``: inside ``optimizer.step()`` (torch optimizer step hooks);
+- ``time/optimizer_s``: the optimizer updates (clipping, the step, DeepSpeed's included, zeroing the
+  gradients: ``AgentRLModule.optimizer_s``);
 - ``time/weight_sync_s``: gathering the weights and pushing them to the engine (:class:`WeightSync`);
 - ``time/checkpoint_s``: saving a checkpoint (:class:`~lightning_agentrl.checkpoint_io.StepCheckpoint`);
 - ``time/step_s``: the step's wall time, end of the previous step to the end of this one.
@@ -24,8 +25,9 @@ optimizer time, as a fraction of one device's peak FLOP/s for the training preci
 table), with ``tokens`` a device's mean share (the summed tokens over the number of processes).
 
 A step's numbers are complete only once the checkpoint callback (always the last) has run, so they are
-logged at the start of the next step, or at the end of training, under the step's own index. The final
-checkpoint written at the end of training comes after the last step and is not counted.
+logged at the start of the next step, or at the end of training, under the step's own index: the step
+every other metric of its batch is logged at (0 for the first batch). The final checkpoint written at the
+end of training comes after the last step and is not counted.
 """
 
 from __future__ import annotations
@@ -47,9 +49,7 @@ class StageTimings(L.Callback):
         self._pending: dict[str, float] | None = None
         self._step_index = 0
         self._previous_end = 0.0
-        self._optimizer_s = 0.0
-        self._optimizer_at = 0.0
-        self._handles: list = []
+        self._optimizer_before = 0.0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -57,27 +57,16 @@ class StageTimings(L.Callback):
         self._checkpoint = next((c for c in trainer.callbacks if isinstance(c, StepCheckpoint)), None)
         self._peak_flops = _peak_flops(trainer, pl_module)
         self._num_params = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters())
-        self._handles = [
-            handle
-            for optimizer in trainer.optimizers
-            if isinstance(optimizer, torch.optim.Optimizer)  # DeepSpeed's own step is not timed
-            for handle in (optimizer.register_step_pre_hook(self._optimizer_started),
-                           optimizer.register_step_post_hook(self._optimizer_finished))
-        ]
         self._previous_end = time.perf_counter()
-
-    def _optimizer_started(self, *_) -> None:
-        self._optimizer_at = time.perf_counter()
-
-    def _optimizer_finished(self, *_) -> None:
-        self._optimizer_s += time.perf_counter() - self._optimizer_at
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         now = time.perf_counter()
         self._flush(trainer)
+        # the step Lightning logs this batch's other metrics at (it counts batches, skipped ones too)
+        self._step_index = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
         self._started = now
-        self._optimizer_s = 0.0
+        self._optimizer_before = getattr(pl_module, "optimizer_s", 0.0)
         self._sync_before = self._sync.seconds if self._sync else 0.0
         self._checkpoint_before = self._checkpoint.seconds if self._checkpoint else 0.0
         self._wait_s = now - self._previous_end
@@ -86,11 +75,11 @@ class StageTimings(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         train_s = time.perf_counter() - self._started
         trajectories = getattr(batch, "trajectories", [])
-        self._step_index = trainer.global_step
+        optimizer_s = getattr(pl_module, "optimizer_s", 0.0) - self._optimizer_before
         self._pending = {
             "time/wait_rollouts_s": self._wait_s,
-            "time/forward_backward_s": train_s - self._optimizer_s,
-            "time/optimizer_s": self._optimizer_s,
+            "time/forward_backward_s": train_s - optimizer_s,
+            "time/optimizer_s": optimizer_s,
             **_rollout_means(trajectories),
             "tokens": float(sum(t.num_tokens for t in trajectories)),
         }
@@ -98,9 +87,6 @@ class StageTimings(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._flush(trainer)
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     def _flush(self, trainer: L.Trainer) -> None:
         """Log the previous step, now that its weight sync and checkpoint are done."""

@@ -424,19 +424,23 @@ class RolloutService:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def play_episodes_async(
-        self, tasks: list[Task], *, samples_per_task: int, sampling: SamplingParams, tag: str
+        self, tasks: list[Task], *, samples_per_task: int, sampling: SamplingParams, tag: str, on_episode=None
     ) -> list[Trajectory]:
         """:meth:`play_episodes` in the caller's event loop (one the engine lives in), e.g. for
-        ``python -m lightning_agentrl evaluate``, which never starts the training loop."""
+        ``python -m lightning_agentrl evaluate``, which never starts the training loop. ``on_episode``, if
+        given, is called with each trajectory as it ends (progress)."""
         slots = asyncio.Semaphore(self.plan.max_in_flight)
         client = self.make_client()
 
         async def play(index: int, task: Task, sample: int) -> Trajectory:
             async with slots:
-                return await run_episode(
+                trajectory = await run_episode(
                     engine=self.engine, env=self.make_env(client, task), codec=self.codec, sampling=sampling,
                     budget=self.budget, episode_id=f"{tag}-{task.id}-{sample}", task_id=task.id, group_id=index,
                 )
+            if on_episode is not None:
+                on_episode(trajectory)
+            return trajectory
 
         try:
             return await asyncio.gather(
