@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_agentrl.train import fit
-from tests.fitting import StepLog, learn_settings
+from tests.fitting import SOLVE, StepLog, TeacherForcedEngine, learn_settings
 
 pytestmark = pytest.mark.timeout(300)
 SHIFT = 0.01
@@ -41,9 +41,20 @@ class ShiftedLogprobEngine:
 
 
 def shifted_fit(settings):
-    """``fit`` with every episode sampled by the shifted engine; returns the step log."""
+    """``fit`` with every episode's log-probs shifted (episode 0 of each group solves its task, so that
+    groups have reward variance and the step trains); returns the step log."""
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.train import resolve_model_path
+
     log = StepLog()
-    fit(settings, callbacks=[log], wrap_engine=ShiftedLogprobEngine)
+
+    def wrap(engine):
+        codec = ChatCodec(AutoTokenizer.from_pretrained(resolve_model_path(settings)))
+        return ShiftedLogprobEngine(TeacherForcedEngine(engine, codec, {"e0": SOLVE}))
+
+    fit(settings, callbacks=[log], wrap_engine=wrap)
     return None, log
 
 
