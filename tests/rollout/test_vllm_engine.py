@@ -167,6 +167,9 @@ class LoopThread:
         self.thread.join(timeout=10)
 
 
+LONG_CONTEXT = 2600
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tiny_model_path):  # conftest.py: built once per machine under .cache/
     return tiny_model_path
@@ -206,8 +209,9 @@ def engine(tiny_path, runner):
     before = child_pids()
     # Two replicas: sticky routing and weight sync are checked on real engines. They start
     # concurrently, so the second costs a fraction of the first.
+    # max_model_len above vLLM's default step budget (2048 tokens): a prompt may be longer than it.
     vllm_engine = VLLMEngine(
-        str(tiny_path), num_replicas=2, max_model_len=1024, kv_cache_memory_bytes=32 << 20
+        str(tiny_path), num_replicas=2, max_model_len=LONG_CONTEXT, kv_cache_memory_bytes=32 << 20
     )
     runner.run(vllm_engine.start(), timeout=300)
     vllm_engine.child_pids = child_pids() - before
@@ -355,9 +359,9 @@ def test_eos_ends_generation_and_is_kept(engine, runner, hf_model, prompts):
 @needs_vllm
 @pytest.mark.vllm
 def test_prompt_longer_than_context_is_refused_and_room_caps_new_tokens(engine, runner, prompts):
-    with pytest.raises(PromptTooLongError, match="max_model_len is 1024"):
-        runner.run(engine.generate([5] * 1024, greedy(4), session_id="long"))
-    gen = runner.run(engine.generate([5] * 1020, greedy(16), session_id="long"))
+    with pytest.raises(PromptTooLongError, match=f"max_model_len is {LONG_CONTEXT}"):
+        runner.run(engine.generate([5] * LONG_CONTEXT, greedy(4), session_id="long"))
+    gen = runner.run(engine.generate([5] * (LONG_CONTEXT - 4), greedy(16), session_id="long"))
     assert len(gen.token_ids) == 4 and gen.finish_reason == "length"
 
 
@@ -445,6 +449,42 @@ def test_many_concurrent_generations_complete(engine, runner, prompts):
     assert sum(stats["requests"]) - requests_before == 16
     assert stats["in_flight"] == [0, 0]
     assert {g.extra["replica"] for g in results} == {0, 1}
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_long_and_short_seeded_prompts_arriving_together_keep_the_cpu_engine_alive(engine, runner, prompts):
+    """A prompt longer than vLLM's default step budget (2048 tokens), two that exceed it together,
+    and short ones, all seeded, on one replica at once. With chunked prefill vLLM would prefill the
+    long ones over two steps, discard the token sampled after the first, rewind the seeded CPU
+    generator and die ("CPU Generator does not use offset"). Each sample is the one its seed gives
+    alone: batching changes nothing."""
+    long_ids = [(7 * i) % 2000 + 4 for i in range(2500)]
+    requests = [long_ids, long_ids[:1200], long_ids[1:1201], ids_of(prompts[0]), ids_of(prompts[1])]
+
+    def sampling(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=8, top_p=0.9, seed=seed)
+
+    async def together():  # one session: every request on the same replica, in one batch
+        return await asyncio.gather(
+            *(engine.generate(ids, sampling(seed), session_id="long-short") for seed, ids in enumerate(requests))
+        )
+
+    batched = runner.run(together())
+    alone = [runner.run(engine.generate(ids, sampling(seed), session_id="long-short")) for seed, ids in enumerate(requests)]
+    assert [g.token_ids for g in batched] == [g.token_ids for g in alone]
+    assert all(len(g.token_ids) == 8 for g in batched)
+    assert len({tuple(g.token_ids) for g in batched}) > 1
+    assert engine.engine_args()["enable_chunked_prefill"] is False  # vLLM's CPU platform here
+
+
+def test_docstring_examples_of_the_engine_module():
+    import doctest
+
+    from lightning_agentrl.rollout import vllm_engine
+
+    result = doctest.testmod(vllm_engine, raise_on_error=False, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @needs_vllm

@@ -63,7 +63,7 @@ def test_given_urls_pin_each_episode_to_one_server_and_receive_the_policy_versio
     from lightning_agentrl.rollout.vllm_launch import LocalVLLMServers, vllm_serve_args
 
     args = vllm_serve_args(str(tiny_model_path), dtype="float32", max_model_len=2049, seed=0,
-                           kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=None)
+                           kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=None, cpu=True)
     with LocalVLLMServers(args, num_servers=2, log_dir=tmp_path / "servers") as servers:
         print(f"2 servers started by the test in {servers.startup_seconds:.1f} s")
         urls = servers.urls
