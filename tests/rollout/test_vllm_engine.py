@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -127,6 +128,29 @@ def test_prepare_weight_update_checks_names_shapes_and_fills_tied_head():
         )
     with pytest.raises(ValueError, match="twice"):
         prepare_weight_update([("model.norm.weight", norm), ("model.norm.weight", norm)], expected)
+
+
+def test_cpu_kv_cache_is_sized_for_each_replicas_share_of_the_episodes_in_flight(tiny_model_path, caplog):
+    """2 layers x 2 kv heads x head dim 64 x 4 bytes x 2 (K, V) = 2048 bytes a token; 2 replicas share
+    rollout.max_in_flight=16, 8 each, of 1,025 tokens: 9 blocks of 128 tokens each, plus the null block."""
+    from lightning_agentrl.settings import SettingsError, load_settings
+    from lightning_agentrl.train import cpu_kv_cache_bytes
+
+    def settings(*overrides):
+        return load_settings(None, ["--engine.kind=vllm", "--engine.num_replicas=2", "--rollout.max_in_flight=16",
+                                    "--env.max_context_tokens=1024", "--trainer.accelerator=cpu", *overrides])
+
+    with caplog.at_level(logging.INFO):
+        assert cpu_kv_cache_bytes(settings(), str(tiny_model_path), 2) == (8 * 9 + 1) * 128 * 2048
+    assert "18 MiB per engine (2): 8 episode(s) of 1,025 tokens at once, of the 8 each may serve" in caplog.text
+    with pytest.warns(UserWarning, match=r"\(2\): 1 episode\(s\) of 1,025 tokens .* the others wait for KV room"):
+        assert cpu_kv_cache_bytes(settings("--engine.vllm_kv_cache_bytes=4194304"), str(tiny_model_path), 2) == 4 << 20
+    with pytest.raises(SettingsError, match=r"engine.vllm_kv_cache_bytes: 2,097,152 bytes hold no sequence .* 1,025"):
+        cpu_kv_cache_bytes(settings("--engine.vllm_kv_cache_bytes=2097152"), str(tiny_model_path), 2)
+    huge = settings("--rollout.max_in_flight=4096", "--env.max_context_tokens=100000", "--engine.max_new_tokens=64")
+    with pytest.raises(SettingsError, match=r"2 x 391.0 GiB of KV cache \(for 2048 episodes of 100,001 tokens each\) "
+                                            r"exceed the .* GiB of memory available; lower rollout.max_in_flight"):
+        cpu_kv_cache_bytes(huge, str(tiny_model_path), 2)
 
 
 def test_checkpoint_shapes_add_lm_head_for_tied_embeddings(tmp_path):
