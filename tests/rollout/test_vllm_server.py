@@ -7,9 +7,11 @@ Each test pays for starting two servers (about a minute each on a laptop CPU, in
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
+import re
 import signal
 
 import httpx2
@@ -17,8 +19,9 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.settings import load_settings
-from lightning_agentrl.train import fit
+from lightning_agentrl.train import fit, make_engine, start_local_servers
 from lightning_agentrl.trajectory import TerminationReason
 from tests.test_fit import (
     CaptureBatches,
@@ -63,7 +66,7 @@ def test_given_urls_pin_each_episode_to_one_server_and_receive_the_policy_versio
     from lightning_agentrl.rollout.vllm_launch import LocalVLLMServers, vllm_serve_args
 
     args = vllm_serve_args(str(tiny_model_path), dtype="float32", max_model_len=2049, seed=0,
-                           kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=None)
+                           kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=None, cpu=True)
     with LocalVLLMServers(args, num_servers=2, log_dir=tmp_path / "servers") as servers:
         print(f"2 servers started by the test in {servers.startup_seconds:.1f} s")
         urls = servers.urls
@@ -136,3 +139,41 @@ def test_a_server_killed_mid_run_ends_only_its_episodes_and_the_run_trains_on(tm
     assert metric(result, "rollout/engine_servers_live")[-1] == 1.0
     assert metric(result, "tokens/turns_checked")[-1] > 0  # the token-in/token-out check ran, green
     assert_trained_ids_are_generated_ids(engine, capture.batches, 8)
+
+
+def test_a_run_started_cpu_server_takes_long_and_short_seeded_prompts_together_and_holds_every_episode(
+    tmp_path, tiny_model_path
+):
+    """The server ``fit`` starts on CPU, with a prompt longer than vLLM's default step budget (2048
+    tokens), two that exceed it together and a short one, all seeded, at once. With chunked prefill
+    the server's engine would die ("CPU Generator does not use offset"). Each sample equals the one its
+    seed gives alone; the KV cache, sized from the model, holds all rollout.max_in_flight=32 episodes at
+    full context (vLLM's own start-up line; its 64 MiB default held 12 here)."""
+    settings = load_settings(None, [
+        "--engine.kind=vllm_server", f"--model.path={tiny_model_path}", f"--run.dir={tmp_path / 'run'}",
+        "--env.max_context_tokens=2600", "--rollout.max_in_flight=32",
+    ])
+    long_ids = [(7 * i) % 2000 + 4 for i in range(2500)]
+    requests = [long_ids, long_ids[:1200], long_ids[1:1201], long_ids[:40]]
+
+    async def batched_then_alone(engine):
+        def generate(seed, ids):
+            return engine.generate(ids, SamplingParams(max_new_tokens=8, top_p=0.9, seed=seed), "long-short")
+
+        batched = await asyncio.gather(*(generate(seed, ids) for seed, ids in enumerate(requests)))
+        alone = [await generate(seed, ids) for seed, ids in enumerate(requests)]
+        await engine.close()
+        return batched, alone
+
+    servers = start_local_servers(settings, str(tiny_model_path), tmp_path / "run")
+    try:
+        engine = make_engine(settings, str(tiny_model_path), None, urls=servers.urls)
+        batched, alone = asyncio.run(batched_then_alone(engine))
+        log = servers.servers[0].log_path.read_text()
+    finally:
+        servers.stop()
+    assert engine.num_live_servers == 1
+    assert [g.token_ids for g in batched] == [g.token_ids for g in alone]
+    assert all(len(g.token_ids) == 8 for g in batched)
+    concurrency = float(re.search(r"Maximum concurrency for 2,601 tokens per request: ([\d.]+)x", log)[1])
+    assert 32 <= concurrency < 33, concurrency
