@@ -43,11 +43,15 @@ def lora_config(model: ModelSettings):
     )
 
 
-def apply_lora(model: torch.nn.Module, settings: ModelSettings):
-    """``model`` (an HF causal LM) with adapters injected as a ``PeftModel``; its base is frozen."""
+def apply_lora(model: torch.nn.Module, settings: ModelSettings, *, seed: int = 0):
+    """``model`` (an HF causal LM) with adapters injected as a ``PeftModel``; its base is frozen. The adapters'
+    random start (A; B is 0) is drawn from ``seed`` alone, so it does not depend on how many processes run or
+    on what drew random numbers before, and the caller's random streams are left as they were."""
     from peft import get_peft_model
 
-    peft_model = get_peft_model(model, lora_config(settings))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, lora_config(settings))
     if settings.gradient_checkpointing:
         # checkpointed blocks need an input that requires grad, or the adapters inside get no gradient
         peft_model.enable_input_require_grads()

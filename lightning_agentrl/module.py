@@ -81,7 +81,7 @@ class AgentRLModule(L.LightningModule):
         if self.settings.model.lora:
             from lightning_agentrl.lora import apply_lora
 
-            self.policy = apply_lora(self.policy, self.settings.model)  # freezes the base
+            self.policy = apply_lora(self.policy, self.settings.model, seed=self.settings.run.seed)  # freezes the base
         self.policy.train()  # from_pretrained returns eval mode; dropout (if any) belongs to training
         if self.settings.model.value_head:
             # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.

@@ -110,7 +110,7 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
     if settings.model.lora:  # the same adapters, unmerged: a sync loads them by name (lightning_agentrl/lora.py)
         from lightning_agentrl.lora import apply_lora, hf_model
 
-        model = hf_model(apply_lora(model, settings.model))
+        model = hf_model(apply_lora(model, settings.model, seed=settings.run.seed))
     return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=e.max_batch_size)
 
 

@@ -222,3 +222,56 @@ def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, over
         fit(settings)
     assert message in str(err.value)
     assert not (Path(settings.run.dir) / "checkpoints").exists()
+
+
+# -- two processes, resume --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_lora_with_two_processes_trains_like_one_and_resumes(tmp_path):
+    """DDP over 2 processes: the first step equals one process on the whole batch (loss and gradient norm of
+    the adapters), the engine's log-probs after a sync equal the trainer's, and a resume from the run folder
+    alone continues."""
+    import shutil
+
+    from tests.test_scale_out import REPO, TASKS, fit, metric, ok
+
+    for name in TASKS:
+        shutil.copytree(REPO / "tasks" / "bugfix" / name, tmp_path / "tasks" / name)
+    ok(fit(tmp_path, "one", *LORA))
+    ok(fit(tmp_path, "two", "--trainer.devices=2", "--trainer.strategy=ddp", *LORA))
+    ok(fit(tmp_path, "two", "--resume", "last", "--trainer.max_steps=3", config=False))
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert metric(two, "loss/total")[0] == pytest.approx(metric(one, "loss/total")[0], abs=1e-5)
+    assert metric(two, "policy/grad_norm")[0] == pytest.approx(metric(one, "policy/grad_norm")[0], rel=1e-4)
+    assert metric(one, "policy/grad_norm")[0] > 0
+    assert sorted(metric(two, "loss/total")) == [0, 1, 2]
+    assert max(metric(two, "mismatch/logprob_max").values()) < 1e-4
+    assert (two / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_the_memory_plan_counts_the_base_once_and_the_adapters_with_their_states(tiny_model_path):
+    import json
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_agentrl.lora import lora_config
+    from lightning_agentrl.plan import GiB, ModelShape, memory_plan
+
+    settings = load_settings(overrides=[*LORA, "--algorithm.kl_coef=0.1"])
+    shape = ModelShape.from_config(json.loads((tiny_model_path / "config.json").read_text()))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora_config(settings.model))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)  # what peft really adds
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert shape.lora_parameters(RANK) == adapters and shape.num_parameters() == base
+    plan = memory_plan(settings, shape, num_gpus=1, gpu_bytes=80 * GiB)
+    gpu = {p.name: p.gpu_bytes for p in plan.parts}
+    assert gpu["parameters"] == 4 * base + 4 * adapters
+    assert gpu["gradients"] == 4 * adapters
+    assert gpu["optimizer states"] == 8 * adapters
+    assert "reference model" not in gpu  # the base with the adapters disabled
+    only_q = load_settings(overrides=[*LORA, "--model.lora_target_modules=[q_proj]"])
+    q = memory_plan(only_q, shape, num_gpus=1, gpu_bytes=80 * GiB)
+    assert q.part("gradients").gpu_bytes == 4 * shape.num_layers * RANK * sum(shape.projections()["q_proj"])
