@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, help="a .ckpt file or a DeepSpeed checkpoint folder (e.g. last.ckpt)")
     p.add_argument("out", type=Path, help="the folder to write (config, safetensors, tokenizer)")
     p.add_argument("--dtype", default=None, help="cast weights, e.g. bfloat16 (default: as stored)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its peft adapter folder instead of the merged model")
     p = sub.add_parser(
         "evaluate",
         help="success and pass@k of a saved policy on a split of the tasks",
@@ -215,7 +217,7 @@ def _export(args: argparse.Namespace) -> int:
     from lightning_agentrl.export import export_policy
 
     try:
-        print(export_policy(args.checkpoint, args.out, dtype=args.dtype))
+        print(export_policy(args.checkpoint, args.out, dtype=args.dtype, adapter=args.adapter))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_agentrl.distributed import all_gather
+from lightning_agentrl.lora import engine_weights
 from lightning_agentrl.rollout.service import RolloutService
-from lightning_agentrl.strategies import gather_full_state_dict
 from lightning_agentrl.trajectory import RolloutBatch, pack
 
 
@@ -53,7 +53,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self._started:
             return
         module = self.trainer.lightning_module
-        weights = gather_full_state_dict(module.policy)
+        weights = engine_weights(module.policy)
         self.service.start(initial_weights=weights.items(), version=self.trainer.global_step)
         self._started = True
 

@@ -5,6 +5,9 @@ folder (ZeRO-2/3 write ``last.ckpt`` as a folder of per-rank shards). Both are r
 without processes or DeepSpeed's engine: a ZeRO folder is consolidated with Lightning's
 ``convert_zero_checkpoint_to_fp32_state_dict`` (fp32 master weights). The model's config and
 tokenizer come from the model path the run trained (kept in the checkpoint's hyperparameters).
+
+A LoRA checkpoint holds the adapters only: the base is loaded from that model path, and ``OUT`` gets
+the merged model, or with ``adapter=True`` (``--adapter``) peft's adapter folder.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lightning_agentrl.callbacks.export_policy import save_policy
+from lightning_agentrl.lora import apply_lora, merged_state_dict, save_adapter
 
 POLICY_PREFIX = "policy."
 
@@ -45,11 +49,11 @@ def load_checkpoint(path: str | Path) -> dict:
     return state
 
 
-def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None) -> Path:
+def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None, adapter: bool = False) -> Path:
     """Write the checkpoint's policy to ``out`` as ``config.json`` + safetensors + tokenizer.
 
     ``dtype`` (e.g. ``bfloat16``) casts floating-point weights; by default they keep the dtype the
-    checkpoint holds (fp32 masters for a ZeRO checkpoint)."""
+    checkpoint holds (fp32 masters for a ZeRO checkpoint). ``adapter``: a LoRA run's adapter folder instead."""
     from transformers import AutoConfig, AutoTokenizer
 
     out = Path(out)
@@ -67,14 +71,41 @@ def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None 
     weights = {k[len(POLICY_PREFIX) :]: v for k, v in state["state_dict"].items() if k.startswith(POLICY_PREFIX)}
     if not weights:
         raise ValueError(f"{checkpoint}: its state_dict holds no {POLICY_PREFIX}* weights")
-    if cast is not None:
-        weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in weights.items()}
     if not (Path(model_path) / "config.json").exists():
         raise ValueError(
             f"{checkpoint} was trained from {model_path!r}, which is not a model folder seen from here "
             f"(run from the folder the run started in, or keep that model folder)"
         )
-    save_policy(AutoConfig.from_pretrained(model_path), weights, out, AutoTokenizer.from_pretrained(model_path))
+    model_settings = state["hyper_parameters"].get("settings", {}).get("model", {})
+    lora = model_settings.get("lora_rank", 0) > 0
+    if adapter and not lora:
+        raise ValueError(f"--adapter: {checkpoint} is not of a LoRA run (model.lora_rank 0): it has no adapter")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if lora:
+        policy = _lora_policy(model_path, model_settings, weights)
+        if adapter:
+            save_adapter(policy, out)
+            tokenizer.save_pretrained(out)
+            return out
+        weights = merged_state_dict(policy)
+    if cast is not None:
+        weights = {k: v.to(cast) if v.is_floating_point() else v for k, v in weights.items()}
+    save_policy(AutoConfig.from_pretrained(model_path), weights, out, tokenizer)
     if not (out / "config.json").exists():
         raise ValueError(f"nothing was written to {out}")
     return out
+
+
+def _lora_policy(model_path: str, model_settings: dict, adapters: dict):
+    """The base of ``model_path`` with the run's LoRA adapters (``model.lora_*``) loaded into it."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_agentrl.settings import ModelSettings
+
+    lora = ModelSettings.model_validate({k: v for k, v in model_settings.items() if k.startswith("lora_")})
+    policy = apply_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora)
+    result = policy.load_state_dict(adapters, strict=False)
+    if result.unexpected_keys or any(".lora_" in key for key in result.missing_keys):
+        raise ValueError(f"the checkpoint's adapters do not fit {model_path} with its LoRA settings "
+                         f"({(result.unexpected_keys + result.missing_keys)[0]})")
+    return policy

@@ -27,6 +27,7 @@ attending only to itself) and only at positions that carry a loss, chunk by chun
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class AgentRLModule(L.LightningModule):
         self.learning_signal = True  # the last batch had a nonzero advantage (callbacks/learning_signal.py)
         self.num_skipped_steps = 0
         self.optimizer_s = 0.0  # seconds in optimizer updates (clip, step, zero), summed over the run (stage timings)
+        # a LoRA checkpoint holds the trainable tensors only (on_save_checkpoint); on_load_checkpoint checks them
+        self.strict_loading = not settings.model.lora
         # kept in checkpoints; the resolved settings reach MLflow once, flattened, from train.py
         self.save_hyperparameters({"settings": settings.model_dump(mode="json"), "model_path": model_path}, logger=False)
 
@@ -78,13 +81,17 @@ class AgentRLModule(L.LightningModule):
         if self.settings.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = False
+        if self.settings.model.lora:
+            from lightning_agentrl.lora import apply_lora
+
+            self.policy = apply_lora(self.policy, self.settings.model, seed=self.settings.run.seed)  # freezes the base
         self.policy.train()  # from_pretrained returns eval mode; dropout (if any) belongs to training
         if self.settings.model.value_head:
             # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
             self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1, dtype=dtype)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
-        if self.settings.algorithm.kl_coef > 0:
+        if self.settings.algorithm.kl_coef > 0 and not self.settings.model.lora:  # LoRA: the base, adapters off
             self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs).eval()
             self.reference.requires_grad_(False)
         self.policy_logprobs = OutputLogprobs(self.policy)
@@ -105,11 +112,20 @@ class AgentRLModule(L.LightningModule):
             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)],
         }
 
+        if self.settings.model.lora:  # the frozen base comes from model.path, not from the checkpoint
+            from lightning_agentrl.lora import trainable_names
+
+            keep = trainable_names(self)
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         import random
 
         import numpy as np
+
+        if self.settings.model.lora:
+            self._check_lora_checkpoint(checkpoint)
 
         state = checkpoint.get("rng")
         if state is None:
@@ -118,6 +134,21 @@ class AgentRLModule(L.LightningModule):
         random.setstate(state["python"])
         kind, keys, position, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+
+    def _check_lora_checkpoint(self, checkpoint: dict) -> None:
+        """A LoRA checkpoint's adapters belong to this base, and it holds every trainable tensor (loading is not
+        strict: the frozen base is not in it)."""
+        from lightning_agentrl.lora import trainable_names
+        from lightning_agentrl.settings import SettingsError
+
+        trained_from = checkpoint.get("hyper_parameters", {}).get("model_path")
+        if trained_from != self.model_path:
+            raise SettingsError(f"model.path: the checkpoint's LoRA adapters were trained on {trained_from}, this run "
+                                f"loads {self.model_path}; resume with the same model.path")
+        missing = sorted(trainable_names(self) - set(checkpoint["state_dict"]))
+        if missing:
+            raise SettingsError(f"model.lora_rank: the checkpoint lacks {len(missing)} trainable tensors of this run "
+                                f"({missing[0]}, ...): it was written with other LoRA settings, or without LoRA")
 
     @override
     def on_train_start(self) -> None:
@@ -483,7 +514,7 @@ class AgentRLModule(L.LightningModule):
             num_seqs=num_seqs, num_tokens=num_tokens,
             proximal_logprobs=proximal, is_weights=batch.token_weights[sl],
             entropy=_dense(entropy, targets_at, mask) if entropy is not None else None,
-            ref_logprobs=self._reference_logprobs(batch, sl, targets_at, mask) if self.reference is not None else None,
+            ref_logprobs=self._reference_logprobs(batch, sl, targets_at, mask) if self.uses_reference else None,
             value_loss=value_loss,
         )
         totals.add_micro_batch(metrics, share=float(mask.sum()))
@@ -501,12 +532,27 @@ class AgentRLModule(L.LightningModule):
         return importance.importance_weights(proximal, behavior, mask, seq_ids, level=fn.importance_level,
                                              mode=fn.importance_mode, cap=fn.importance_cap, lower=fn.importance_floor)
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss has a KL term against a frozen reference (``algorithm.kl_coef > 0``)."""
+        return self.settings.algorithm.kl_coef > 0
+
+    @contextlib.contextmanager
+    def _reference_model(self):
+        """The KL reference: its own frozen copy, or under LoRA the policy with its adapters disabled (the
+        base itself: no second copy of the weights)."""
+        if self.reference is not None:
+            yield self.reference
+            return
+        with self.policy.disable_adapter():
+            yield self.policy
+
     def _reference_logprobs(self, batch: RolloutBatch, sl: slice, targets_at, mask) -> torch.Tensor:
         """The frozen reference policy's log-probs of micro-batch ``sl``'s targets, dense like ``mask``."""
         input_ids = batch.input_ids[sl]
-        with torch.no_grad():
-            ref_hidden = self.hidden_states(self.reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
-            ref_lp, _ = self.token_logprobs_at(self.reference, ref_hidden, input_ids, targets_at)
+        with torch.no_grad(), self._reference_model() as reference:
+            ref_hidden = self.hidden_states(reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+            ref_lp, _ = self.token_logprobs_at(reference, ref_hidden, input_ids, targets_at)
         return _dense(ref_lp, targets_at, mask)
 
     def _zero_loss(self, batch: RolloutBatch) -> torch.Tensor:

@@ -173,6 +173,23 @@ class ModelShape:
         """``P = L * layer + embeddings + H`` (the final norm)."""
         return self.num_layers * self.layer_parameters() + self.embedding_parameters() + self.hidden_size
 
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """``(in, out)`` features of each linear projection of one decoder layer, by its module name."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_parameters(self, rank: int, targets: list[str] | None = None) -> int:
+        """LoRA adapter parameters: ``L * sum r * (in + out)`` over the adapted projections (all of them by
+        default, as peft's ``all-linear``; else those whose name ends a target, the last part compared).
+
+        >>> ModelShape(100, 64, 256, 2, 4, 2, 16, True).lora_parameters(8)  # r (7H + 2ad + 2kd + 3I) per layer
+        22528
+        """
+        wanted = {target.rsplit(".", 1)[-1] for target in targets} if targets else None
+        per_layer = sum(i + o for name, (i, o) in self.projections().items() if wanted is None or name in wanted)
+        return self.num_layers * rank * per_layer
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache of one token: ``2 (K and V) * L * k * d * b``."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -538,11 +555,14 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     whole_or_sharded = "/N" if stage == 3 else ""  # only ZeRO-3 shards the parameters
     plan = MemoryPlan(model or m.path, num_params, num_gpus, gpu_bytes, placement="")
     add = plan.parts.append
-    add(Part("parameters", state.params, "both", f"{b}*P{whole_or_sharded}"))
-    add(Part("gradients", state.grads, "both", f"{b}*P{sharded}"))
-    add(Part("optimizer states", state.optimizer, "both",
-             f"{k_per_param}*P{sharded}" + (" (offloaded to CPU)" if t.offload_optimizer else ""),
-             cpu_bytes=state.optimizer_cpu))
+    if m.lora:
+        _plan_lora_state(plan, settings, shape)
+    else:
+        add(Part("parameters", state.params, "both", f"{b}*P{whole_or_sharded}"))
+        add(Part("gradients", state.grads, "both", f"{b}*P{sharded}"))
+        add(Part("optimizer states", state.optimizer, "both",
+                 f"{k_per_param}*P{sharded}" + (" (offloaded to CPU)" if t.offload_optimizer else ""),
+                 cpu_bytes=state.optimizer_cpu))
     if stage == 3:
         biggest = max(shape.layer_parameters(), shape.vocab_size * shape.hidden_size)
         add(Part("ZeRO-3 gathered weights", 2 * biggest * b, "train", "2*max(layer, V*H)*b"))
@@ -550,7 +570,7 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
         # ZeRO-2 keeps a reduce and an all-gather bucket; ZeRO-3 gathers per layer (counted above).
         buckets = (DEEPSPEED_REDUCE_BUCKET + (DEEPSPEED_ALLGATHER_BUCKET if stage == 2 else 0)) * b
         add(Part("ZeRO buckets", buckets, "train", "(reduce + allgather bucket)*b" if stage == 2 else "reduce bucket*b"))
-    if settings.algorithm.kl_coef > 0:
+    if settings.algorithm.kl_coef > 0 and not m.lora:  # LoRA's reference is the base, adapters disabled
         add(Part("reference model", b * num_params // (num_gpus if stage == 3 else 1), "both",
                  f"{b}*P{whole_or_sharded}"))
     # module._micro_batches never splits an episode: one longer than micro_batch_tokens is its own
@@ -578,6 +598,20 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
         _plan_engine(plan, settings, shape)
     _check(plan, settings)
     return plan
+
+
+def _plan_lora_state(plan: MemoryPlan, settings: Settings, shape: ModelShape) -> None:
+    """LoRA (``model.lora_rank``): the frozen base once, whole (the KL reference is the same weights); the
+    adapters ``P_A`` in fp32 (peft keeps them so beside a 16-bit base; ``*-true`` 16-bit precision casts them
+    too, ``a = 2``), their gradients and AdamW's two moments, nothing of the base."""
+    m, b = settings.model, param_bytes_of(settings)
+    a = 2 if settings.trainer.precision in ("bf16-true", "16-true", "bf16", "16") else 4
+    adapters = shape.lora_parameters(m.lora_rank, m.lora_target_modules)
+    add = plan.parts.append
+    add(Part("parameters", b * shape.num_parameters() + a * adapters, "both",
+             f"{b}*P (frozen base) + {a}*P_A (adapters, P_A = {_count(adapters)})"))
+    add(Part("gradients", a * adapters, "both", f"{a}*P_A"))
+    add(Part("optimizer states", 2 * a * adapters, "both", f"{2 * a}*P_A"))
 
 
 def _plan_engine(plan: MemoryPlan, settings: Settings, shape: ModelShape) -> None:

@@ -72,6 +72,35 @@ class ModelSettings(_Section):
     With `flash_attention_*` packed segments are separated by their position ids; otherwise each segment runs alone, in length buckets of padded rows."""
     value_head: bool = False
     """Add a scalar value head (turn-level critic, SPEC §3); needed by `algorithm.advantage=gae`."""
+    lora_rank: int = Field(0, ge=0)
+    """Rank of LoRA adapters (0 = off: every weight trains). Above 0 the base weights stay frozen and peft's
+    low-rank adapters train on `model.lora_target_modules` (the value head, when there is one, trains in full beside
+    them); the KL reference is the base with the adapters disabled (no second copy); weight syncs send the adapters
+    only; checkpoints hold the adapters and their optimizer state, not the base, so a resume needs the same
+    `model.path`; `<run.dir>/adapter/` is a peft adapter folder and `<run.dir>/policy/` the merged model. For now
+    with `engine.kind: torch` and without DeepSpeed strategies."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scale: each adapted layer computes W x + (lora_alpha / lora_rank) B A x."""
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training. Above 0 the trainer scores a thinned model while the engine
+    samples from the whole one, so the lag-0 mismatch (`mismatch/logprob_max`) is no longer float rounding."""
+    lora_target_modules: list[str] | None = None
+    """Layers that get adapters, by module name or its last part (`q_proj`, `model.layers.0.mlp.up_proj`); each must
+    name a layer of the model. None = every linear projection of the attention and MLP blocks, found from the model
+    (peft's `all-linear`: every Linear layer but the output layer)."""
+
+    @field_validator("lora_rank", mode="before")
+    @classmethod
+    def _lora_rank_is_a_count(cls, rank):
+        if isinstance(rank, bool) or isinstance(rank, float) and not rank.is_integer():
+            raise ValueError(f"model.lora_rank must be a whole number (0 = off), got {rank!r}")
+        return rank
+
+    @property
+    def lora(self) -> bool:
+        """Whether LoRA adapters train instead of the whole model."""
+        return self.lora_rank > 0
+
     tiny_hidden_size: int = Field(128, ge=64)
     """Hidden size of the tiny model (only with `path: tiny`)."""
     tiny_num_layers: int = Field(2, ge=1)
@@ -562,6 +591,7 @@ class Settings(BaseSettings):
                 f"({self.sandbox.request_timeout_s:g}): it is the deadline of a call, all its attempts included"
             )
         _check_engine(self)
+        _check_lora(self)
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
         return self
@@ -647,6 +677,26 @@ def _check_engine(settings: Settings) -> None:
     if not isinstance(t.devices, int) or t.devices * t.num_nodes > 1:
         raise ValueError("engine.kind=vllm_server runs with one training process (trainer.devices=1, "
                          "trainer.num_nodes=1) for now; use engine.kind=vllm for several")
+
+
+def _check_lora(settings: Settings) -> None:
+    """LoRA settings without LoRA, and what cannot take adapters yet (the model's own layers are checked by
+    :func:`lightning_agentrl.lora.check_lora` once the model path is known)."""
+    m = settings.model
+    if not m.lora:
+        for name in ("lora_alpha", "lora_dropout", "lora_target_modules"):
+            if getattr(m, name) != type(m).model_fields[name].default:
+                raise ValueError(f"model.{name} applies to model.lora_rank > 0 only (LoRA is off)")
+        return
+    if m.lora_target_modules is not None and not m.lora_target_modules:
+        raise ValueError("model.lora_target_modules is empty: name at least one layer, or null for every "
+                         "attention and MLP projection")
+    if settings.engine.kind != "torch":
+        raise ValueError(f"model.lora_rank: engine.kind={settings.engine.kind} cannot take LoRA adapters yet "
+                         "(use engine.kind=torch, or model.lora_rank=0)")
+    if settings.trainer.uses_deepspeed:
+        raise ValueError(f"model.lora_rank: trainer.strategy={settings.trainer.strategy} does not train LoRA adapters "
+                         "yet (use ddp or auto, or model.lora_rank=0)")
 
 
 class SettingsError(ValueError):

@@ -143,7 +143,7 @@ def prepare_cpu_deepspeed_environment() -> None:
 
 
 def gather_full_state_dict(
-    strategy_or_module: Strategy | torch.nn.Module, *, prefix: str = ""
+    strategy_or_module: Strategy | torch.nn.Module, *, prefix: str = "", trainable_only: bool = False
 ) -> dict[str, torch.Tensor]:
     """Full (unpartitioned) parameters and buffers as detached CPU tensors, named as in ``state_dict``.
 
@@ -153,17 +153,20 @@ def gather_full_state_dict(
     all-gathered one module at a time with ``deepspeed.zero.GatheredParameters`` and copied to CPU, so
     the extra accelerator memory at any moment is one layer's parameters, never a second model. A
     collective under ZeRO-3: every rank must call it. Under other strategies the tensors are already
-    whole. Call it after an optimizer step, outside the forward/backward pass.
+    whole. Call it after an optimizer step, outside the forward/backward pass. ``trainable_only``: the
+    parameters that require grad (LoRA adapters), no buffers.
     """
-    return dict(iter_full_state(strategy_or_module, prefix=prefix))
+    return dict(iter_full_state(strategy_or_module, prefix=prefix, trainable_only=trainable_only))
 
 
 def iter_full_state(
-    strategy_or_module: Strategy | torch.nn.Module, *, prefix: str = ""
+    strategy_or_module: Strategy | torch.nn.Module, *, prefix: str = "", trainable_only: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """:func:`gather_full_state_dict` as a stream of ``(name, CPU tensor)``, module by module."""
     module = _unwrap(strategy_or_module)
     wanted = set(module.state_dict().keys())  # persistent buffers and parameters, tied ones twice
+    if trainable_only:
+        wanted = {name for name, parameter in module.named_parameters() if parameter.requires_grad}
     found = False
     for module_name, sub in module.named_modules(remove_duplicate=False):
         tensors = [

@@ -150,6 +150,10 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
     from lightning_agentrl.rollout.engine import TorchEngine
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.model.dtype))
+    if settings.model.lora:  # the same adapters, unmerged: a sync loads them by name (lightning_agentrl/lora.py)
+        from lightning_agentrl.lora import apply_lora, hf_model
+
+        model = hf_model(apply_lora(model, settings.model, seed=settings.run.seed))
     return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=e.max_batch_size)
 
 
@@ -275,10 +279,12 @@ def _first_process() -> bool:
 _LAYOUT = "a resume keeps the strategy and the number of processes (ZeRO checkpoints and the rollout state are per rank)"
 _SAMPLER = ("a resume keeps the sampling distribution: the episodes restored from the checkpoint carry log-probs "
             "of the old one, and their importance weights would be wrong")
+_ADAPTERS = "a resume keeps the LoRA adapters' shapes (the checkpoint holds them and their optimizer state)"
 KEPT_ON_RESUME = {
     ("trainer", "strategy"): _LAYOUT, ("trainer", "devices"): _LAYOUT, ("trainer", "num_nodes"): _LAYOUT,
     ("engine", "temperature"): _SAMPLER, ("engine", "top_p"): _SAMPLER, ("engine", "top_k"): _SAMPLER,
     ("engine", "logprobs"): _SAMPLER,
+    ("model", "lora_rank"): _ADAPTERS, ("model", "lora_target_modules"): _ADAPTERS,
 }
 """Settings a resume may not change, each with the reason."""
 
@@ -301,6 +307,18 @@ def check_resume_keeps(settings: Settings, run_dir: Path) -> None:
                 f"{section}.{field}: the run in {run_dir} ran with {old!r}, this resume asks for {new!r}; "
                 f"{reason} (resume with {old!r}, or start a new run.dir)"
             )
+    old_path = before("model", "path")
+    if settings.model.lora and _resolved(old_path) != _resolved(settings.model.path):
+        raise SettingsError(
+            f"model.path: the run in {run_dir} trained LoRA adapters on {old_path!r}, this resume asks for "
+            f"{settings.model.path!r}; its checkpoint holds the adapters only, not the base they adapt (resume with "
+            f"{old_path!r}, or start a new run.dir)"
+        )
+
+
+def _resolved(model_path: str) -> str:
+    """A local model folder as an absolute path (a run's settings file holds it so), anything else as it is."""
+    return str(Path(model_path).resolve()) if Path(model_path).exists() else model_path
 
 
 def last_settings_file(run_dir: str | Path) -> Path | None:
@@ -325,9 +343,12 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
     settings, MLflow, trajectories and ``policy/``."""
     from transformers import AutoTokenizer
 
+    from lightning_agentrl.lora import check_lora
+
     run_dir, resume_from = prepare_run(settings)
     tasks = build_tasks(settings)
     model_path = resolve_model_path(settings)
+    check_lora(settings.model, model_path)  # the adapters fit this model's layers, before anything starts
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     codec = chat_codec(settings, tokenizer)
     sandbox = make_sandbox(settings, run_dir)
@@ -572,7 +593,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         WeightSync(service, settings.trainer.sync_weights_every),
         StepCheckpoint(run_dir / "checkpoints", settings.trainer.checkpoint_every,
                        link_last=not settings.trainer.uses_deepspeed),
-        ExportPolicy(run_dir / "policy", tokenizer),
+        ExportPolicy(run_dir / "policy", tokenizer, adapter_directory=run_dir / "adapter"),
     ]
     if settings.eval.every_n_steps is not None:
         from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation

@@ -38,7 +38,8 @@ def kill_when(command: list[str], env: dict, written: Path) -> None:
     process.wait()
 
 
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("lora", [[], ["--model.lora_rank=8"]], ids=["full", "lora"])
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_path, lora):
     tasks = tmp_path / "tasks"
     for name in ("binary_search_first", "balanced_brackets_unclosed"):
         shutil.copytree(REPO / "tasks" / "bugfix" / name, tasks / name)
@@ -46,7 +47,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_p
         sys.executable, "-m", "lightning_agentrl", "fit", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"),
         f"--env.tasks={tasks}", "--env.split=all", f"--model.cache_dir={tiny_model_path.parent}",
         "--trainer.max_steps=4", "--algorithm.entropy_coef=0.01", "--trainer.lr=1e-3",
-        "--engine.max_new_tokens=24", "--env.max_turns=2", "--trainer.threads=1",
+        "--engine.max_new_tokens=24", "--env.max_turns=2", "--trainer.threads=1", *lora,
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     straight = tmp_path / "straight"

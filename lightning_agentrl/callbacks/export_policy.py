@@ -2,7 +2,8 @@
 
 Under every strategy the folder holds full weights: under ZeRO-3 each rank holds a shard of every
 parameter, so all ranks gather (layer by layer, :func:`gather_full_state_dict`) and rank 0 writes.
-``python -m lightning_agentrl export`` does the same from any checkpoint after the fact.
+``python -m lightning_agentrl export`` does the same from any checkpoint after the fact. Under LoRA the
+folder holds the merged model, and ``adapter_directory`` peft's adapter folder beside it.
 """
 
 from __future__ import annotations
@@ -12,19 +13,28 @@ from pathlib import Path
 import lightning as L
 from typing_extensions import override
 
+from lightning_agentrl.lora import hf_model, is_lora, merged_state_dict, save_adapter
 from lightning_agentrl.strategies import gather_full_state_dict
 
 
 class ExportPolicy(L.Callback):
-    def __init__(self, directory: str | Path, tokenizer) -> None:
+    def __init__(self, directory: str | Path, tokenizer, *, adapter_directory: str | Path | None = None) -> None:
         self.directory = Path(directory)
+        self.adapter_directory = Path(adapter_directory) if adapter_directory is not None else None
         self.tokenizer = tokenizer
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        weights = gather_full_state_dict(pl_module.policy)  # a collective under ZeRO-3: every rank
+        policy = pl_module.policy
+        if is_lora(policy):  # LoRA runs no ZeRO (settings): every rank holds whole tensors
+            if trainer.is_global_zero:
+                save_policy(hf_model(policy).config, merged_state_dict(policy), self.directory, self.tokenizer)
+                if self.adapter_directory is not None:
+                    save_adapter(policy, self.adapter_directory)
+            return
+        weights = gather_full_state_dict(policy)  # a collective under ZeRO-3: every rank
         if trainer.is_global_zero:
-            save_policy(pl_module.policy.config, weights, self.directory, self.tokenizer)
+            save_policy(policy.config, weights, self.directory, self.tokenizer)
 
 
 def save_policy(config, weights: dict, directory: Path, tokenizer=None) -> None:

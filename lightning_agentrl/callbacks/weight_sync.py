@@ -1,7 +1,8 @@
 """Push the trained weights to the generation engine and bump the policy version.
 
 The policy version is the number of optimizer steps behind the weights, so after step k the
-engine serves version k and every token it samples records k.
+engine serves version k and every token it samples records k. Under LoRA only the adapters travel
+(lightning_agentrl/lora.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 import lightning as L
 from typing_extensions import override
 
-from lightning_agentrl.strategies import gather_full_state_dict
+from lightning_agentrl.lora import engine_weights
 
 
 class WeightSync(L.Callback):
@@ -32,7 +33,7 @@ class WeightSync(L.Callback):
             return  # no sync after the final step: nothing would use it
         # every rank gathers (a collective under ZeRO-3); rank 0's copy feeds the engine
         started = time.perf_counter()
-        weights = gather_full_state_dict(pl_module.policy)
+        weights = engine_weights(pl_module.policy)  # every weight, or the LoRA adapters only
         self.service.update_weights(weights.items(), version=step)
         self.seconds += time.perf_counter() - started
         self.num_syncs += 1

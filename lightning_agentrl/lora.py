@@ -1,0 +1,140 @@
+"""LoRA: train low-rank adapters beside a frozen base (``model.lora_rank > 0``), built on peft.
+
+Why: a full fine-tune holds Adam's two moments for every weight and ships every weight to the engine
+after every step; adapters of rank r on a d x k layer hold r (d + k) numbers instead of d k. Each adapted
+layer computes ``y = W x + (alpha / r) B A x`` (A [r, k], B [d, r], B = 0 at the start, so the run starts
+from the base model exactly). What this module keeps true:
+
+- Only the adapters require gradients (and the value head, outside the policy, trains in full), so the
+  optimizer holds only them and the base weights stay bitwise as loaded.
+- The KL reference is the policy with its adapters disabled (``PeftModel.disable_adapter``): the base
+  itself, with no second copy of the weights.
+- A weight sync sends the adapters only (:func:`engine_weights`). The torch engine holds its own base
+  with the same adapters injected, unmerged, and loads them by name: it then runs the trainer's own
+  arithmetic, so lag-0 log-probs agree to float rounding, and its base is never rewritten, so repeated
+  merges and unmerges cannot drift it (in bfloat16 they would). The price is the adapters' small extra
+  matmuls per decoded token.
+- A checkpoint holds the trainable tensors only; the base comes from ``model.path``, which a resume keeps.
+- ``<run.dir>/adapter/`` is peft's own folder (``PeftModel.from_pretrained`` loads it); ``<run.dir>/policy/``
+  is the merged model, merged out of place (:func:`merged_state_dict`), so training weights stay unmerged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lightning_agentrl.settings import ModelSettings, SettingsError
+
+ADAPTER = "default"  # peft's name for a model's single adapter
+
+
+def lora_config(model: ModelSettings):
+    """The peft ``LoraConfig`` of ``model.lora_*`` (``all-linear`` when no target is named)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=model.lora_rank,
+        lora_alpha=model.lora_alpha,
+        lora_dropout=model.lora_dropout,
+        target_modules=model.lora_target_modules or "all-linear",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: torch.nn.Module, settings: ModelSettings, *, seed: int = 0):
+    """``model`` (an HF causal LM) with adapters injected as a ``PeftModel``; its base is frozen. The adapters'
+    random start (A; B is 0) is drawn from ``seed`` alone, so it does not depend on how many processes run or
+    on what drew random numbers before, and the caller's random streams are left as they were."""
+    from peft import get_peft_model
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, lora_config(settings))
+    if settings.gradient_checkpointing:
+        # checkpointed blocks need an input that requires grad, or the adapters inside get no gradient
+        peft_model.enable_input_require_grads()
+    return peft_model
+
+
+def is_lora(policy: torch.nn.Module) -> bool:
+    return hasattr(policy, "peft_config")
+
+
+def hf_model(policy: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a ``PeftModel`` (adapters injected in its layers), or ``policy`` itself."""
+    return policy.base_model.model if is_lora(policy) else policy
+
+
+def engine_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a weight sync sends: every weight, or under LoRA the adapters only, named as in the HF model
+    (``model.layers.0.self_attn.q_proj.lora_A.default.weight``)."""
+    from lightning_agentrl.strategies import gather_full_state_dict
+
+    if not is_lora(policy):
+        return gather_full_state_dict(policy)
+    return gather_full_state_dict(hf_model(policy), trainable_only=True)
+
+
+def merged_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full HF weights of a ``PeftModel`` with its adapters merged, ``W + (alpha / r) B A``, computed out of
+    place: the policy keeps its frozen base and its adapters. Detached CPU tensors under HF names."""
+    from peft.tuners.lora import LoraLayer
+
+    model = hf_model(policy)
+    deltas = {
+        f"{name}.weight": module.get_delta_weight(ADAPTER)
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
+    }
+    merged = {}
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if ".lora_" in name:
+                continue
+            name = name.replace(".base_layer.", ".")
+            delta = deltas.get(name)
+            merged[name] = (tensor + delta.to(tensor.dtype) if delta is not None else tensor).detach().to("cpu", copy=True)
+    return merged
+
+
+def trainable_names(module: torch.nn.Module) -> set[str]:
+    """State-dict names of the parameters that train (what a LoRA checkpoint holds)."""
+    return {name for name, parameter in module.named_parameters() if parameter.requires_grad}
+
+
+def check_lora(model: ModelSettings, model_path: str) -> None:
+    """The adapters fit the model: every ``model.lora_target_modules`` names one of its layers (peft itself
+    only refuses a list none of which matches), peft can adapt those layers, and ``model.lora_rank`` is below
+    their smaller side. Runs on a meta-device copy built from ``config.json``: no weight is loaded."""
+    if not model.lora:
+        return
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    names = [name for name, _ in base.named_modules() if name]
+    for target in model.lora_target_modules or ():
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            raise SettingsError(f"model.lora_target_modules: {model.path} has no layer named {target!r} "
+                                f"(its layers end in: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))})")
+    try:
+        adapted = get_peft_model(base, lora_config(model))
+    except ValueError as err:  # a layer type peft cannot adapt (a norm, an activation)
+        raise SettingsError(f"model.lora_target_modules: {err}") from None
+    from peft.tuners.lora import LoraLayer
+
+    for name, layer in adapted.named_modules():
+        if isinstance(layer, LoraLayer) and model.lora_rank > min(layer.in_features, layer.out_features):
+            raise SettingsError(
+                f"model.lora_rank ({model.lora_rank}) is above the smaller side of {name.removeprefix('base_model.model.')} "
+                f"({layer.in_features} -> {layer.out_features}): the adapter would not be low-rank"
+            )
+
+
+def save_adapter(policy: torch.nn.Module, directory: Path) -> None:
+    """peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained``
+    on the base model, or ``vllm serve --lora-modules``."""
+    policy.save_pretrained(directory)

@@ -1,0 +1,277 @@
+"""LoRA through ``fit`` (``model.lora_rank > 0``): the base stays bitwise frozen while the adapters learn, the
+adapters' gradients are the merged weight's gradient projected as LoRA's chain rule says, the engine samples with
+exactly the trainer's adapters, checkpoints hold the adapters only, and ``adapter/`` and ``policy/`` are the same
+model. One run (two steps, the tiny model) serves every test of the first part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_agentrl.lora import ADAPTER, hf_model, merged_state_dict
+from lightning_agentrl.settings import SettingsError, load_settings
+from lightning_agentrl.train import check_resume_keeps, fit, resolve_model_path
+from tests.fitting import SOLVE, TeacherForcedEngine, learn_settings
+
+RANK, ALPHA = 4, 8.0
+LORA = [f"--model.lora_rank={RANK}", f"--model.lora_alpha={ALPHA}"]
+# no clipping (it would rescale the gradients compared below), a KL term (the reference is the base, adapters off)
+COMMON = ["--trainer.grad_clip=1e9", "--algorithm.kl_coef=0.1", "--trainer.checkpoint_every=1"]
+
+
+class Probe(L.Callback):
+    """The second step's batch, the adapters and their gradients just before its optimizer step, and the
+    policy at the end."""
+
+    def __init__(self) -> None:
+        self.batch = None
+        self.grads: dict[str, torch.Tensor] = {}
+        self.adapters: dict[str, torch.Tensor] = {}
+        self.final: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch = batch
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step != 1:
+            return
+        for name, parameter in hf_model(pl_module.policy).named_parameters():
+            if parameter.requires_grad:
+                self.grads[name] = parameter.grad.detach().clone()
+                self.adapters[name] = parameter.detach().clone()
+        self.merged = merged_state_dict(pl_module.policy)
+
+    def on_train_end(self, trainer, pl_module):
+        self.final = {k: v.detach().clone() for k, v in hf_model(pl_module.policy).state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    settings = learn_settings(root, *LORA, *COMMON)
+    probe, engines = Probe(), []
+
+    def wrap(engine):
+        from transformers import AutoTokenizer
+
+        from lightning_agentrl.rollout.chat import ChatCodec
+
+        engines.append(engine)
+        codec = ChatCodec(AutoTokenizer.from_pretrained(resolve_model_path(settings)))
+        return TeacherForcedEngine(engine, codec, {"e0": SOLVE})  # reward variance: the loss has a gradient
+
+    metrics = []
+
+    class Metrics(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    result = fit(settings, callbacks=[probe, Metrics()], wrap_engine=wrap)
+    return settings, result, probe, engines[0], metrics
+
+
+def _base(model_path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+
+def test_a_lora_step_leaves_the_base_bitwise_and_moves_the_adapters(lora_run):
+    settings, result, probe, _, _ = lora_run
+    assert result.global_step == 2
+    base = _base(resolve_model_path(settings)).state_dict()
+    frozen = {k.replace(".base_layer.", "."): v for k, v in probe.final.items() if ".lora_" not in k}
+    assert frozen.keys() == base.keys()
+    assert all(torch.equal(frozen[k], base[k]) for k in base)
+    lora_b = [v for k, v in probe.final.items() if ".lora_B." in k]
+    assert len(lora_b) == 7  # q, k, v, o, gate, up, down of the tiny model's one layer: found, not listed
+    assert all(v.abs().max() > 0 for v in lora_b)  # B starts at 0: every adapter learned
+
+
+def test_adapter_gradients_are_the_merged_weights_gradient_projected(lora_run):
+    """dL/dB = (alpha/r) G A^T and dL/dA = (alpha/r) B^T G, with G = dL/dW of the merged model (no adapters at
+    all) on the same batch, computed by a second module outside the run."""
+    from lightning_agentrl.module import AgentRLModule
+
+    settings, _, probe, _, _ = lora_run
+    full = load_settings(overrides={**settings.model_dump(mode="json"),
+                                    "model": {**settings.model.model_dump(mode="json"), "lora_rank": 0,
+                                              "lora_alpha": 16.0}})
+    module = AgentRLModule(full, resolve_model_path(settings))
+    module.configure_model()
+    module.policy.load_state_dict(probe.merged, strict=True)
+    module.offline_policy_version = 1
+    module.accumulate_gradients(probe.batch)
+    scale = ALPHA / RANK
+    checked = 0
+    for name, parameter in module.policy.named_parameters():
+        a_name = name.replace(".weight", f".lora_A.{ADAPTER}.weight")
+        if a_name not in probe.grads:
+            continue
+        b_name = a_name.replace(".lora_A.", ".lora_B.")
+        G, A, B = parameter.grad, probe.adapters[a_name], probe.adapters[b_name]
+        assert G.abs().max() > 0
+        torch.testing.assert_close(probe.grads[b_name], scale * G @ A.T, rtol=1e-3, atol=1e-7)
+        torch.testing.assert_close(probe.grads[a_name], scale * B.T @ G, rtol=1e-3, atol=1e-7)
+        assert probe.grads[a_name].abs().max() > 0  # B moved at step 1: A's gradient is not trivially 0
+        checked += 1
+    assert checked == 7
+
+
+def test_the_engine_samples_with_the_trainers_adapters(lora_run):
+    _, _, probe, engine, metrics = lora_run
+    engine_state = engine.model.state_dict()
+    # the last sync (after step 1) is what step 2 started from
+    assert all(torch.equal(engine_state[name], value) for name, value in probe.adapters.items())
+    assert metrics[1]["mismatch/logprob_max"] < 1e-4  # lag-0 tokens sampled under the synced adapters
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(lora_run):
+    _, result, probe, _, _ = lora_run
+    state = torch.load(result.checkpoint, map_location="cpu", weights_only=True)
+    keys = set(state["state_dict"])
+    assert keys and all(".lora_" in k for k in keys)
+    assert len(keys) == len(probe.grads) == 14
+    (optimizer,) = state["optimizer_states"]
+    assert len(optimizer["state"]) == 14  # Adam's moments of the adapters, nothing of the base
+
+
+def test_the_adapter_folder_loads_with_peft_and_equals_the_merged_policy(lora_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_agentrl.export import export_policy
+
+    settings, result, _, _, _ = lora_run
+    run_dir = result.run_dir
+    assert (run_dir / "adapter" / "adapter_config.json").exists()
+    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7, 64]])
+    adapted = PeftModel.from_pretrained(_base(resolve_model_path(settings)), run_dir / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "policy", dtype=torch.float32).eval()
+    base = _base(resolve_model_path(settings)).eval()
+    with torch.no_grad():
+        adapted_logits, merged_logits, base_logits = adapted(ids).logits, merged(ids).logits, base(ids).logits
+    torch.testing.assert_close(adapted_logits, merged_logits, rtol=1e-5, atol=1e-5)
+    assert (adapted_logits - base_logits).abs().max() > 1e-3  # the adapters change the model
+    # export from the checkpoint writes either, the same
+    export_policy(result.checkpoint, tmp_path / "merged")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    export_policy(result.checkpoint, tmp_path / "adapter", adapter=True)
+    reloaded = PeftModel.from_pretrained(_base(resolve_model_path(settings)), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, merged_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(reloaded(ids).logits, merged_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
+    from lightning_agentrl.module import AgentRLModule
+
+    settings, result, _, _, _ = lora_run
+    other = tmp_path / "other_model"
+    other.mkdir()
+    resumed = load_settings(overrides={**settings.model_dump(mode="json"), "run": {
+        **settings.run.model_dump(mode="json"), "resume": "last"}, "model": {
+        **settings.model.model_dump(mode="json"), "path": str(other)}})
+    with pytest.raises(SettingsError, match=r"model\.path: .* trained LoRA adapters on"):
+        check_resume_keeps(resumed, result.run_dir)
+    # and the checkpoint itself says so, should the settings file be gone
+    module = AgentRLModule(settings, str(other))
+    state = torch.load(result.checkpoint, map_location="cpu", weights_only=True)
+    with pytest.raises(SettingsError, match=r"model\.path: the checkpoint's LoRA adapters were trained on"):
+        module.on_load_checkpoint(state)
+
+
+# -- errors, each naming its setting, before any work ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--model.lora_rank=-1"], "model.lora_rank"),
+        (["--model.lora_rank=1.5"], "model.lora_rank must be a whole number"),
+        (["--model.lora_rank=true"], "model.lora_rank must be a whole number"),
+        (["--model.lora_alpha=32"], "model.lora_alpha applies to model.lora_rank > 0 only"),
+        (["--model.lora_target_modules=[q_proj]"], "model.lora_target_modules applies to model.lora_rank > 0"),
+        (["--model.lora_rank=4", "--model.lora_target_modules=[]"], "model.lora_target_modules is empty"),
+        (["--model.lora_rank=4", "--engine.kind=vllm"], "model.lora_rank: engine.kind=vllm cannot take LoRA"),
+        (["--model.lora_rank=4", "--engine.kind=vllm_server"], "model.lora_rank: engine.kind=vllm_server cannot"),
+        (["--model.lora_rank=4", "--trainer.strategy=deepspeed_stage_2"], "model.lora_rank: trainer.strategy="),
+    ],
+)
+def test_lora_settings_that_cannot_run_are_refused(overrides, message):
+    with pytest.raises(SettingsError, match=None) as err:
+        load_settings(overrides=overrides)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--model.lora_target_modules=[q_proj,qproj]"], "model.lora_target_modules: tiny has no layer named 'qproj'"),
+        (["--model.lora_target_modules=[input_layernorm]"], "model.lora_target_modules: "),
+        (["--model.lora_rank=65"], "model.lora_rank (65) is above the smaller side of"),
+    ],
+)
+def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, overrides, message):
+    settings = learn_settings(tmp_path, "--model.lora_rank=4", *overrides)
+    with pytest.raises(SettingsError) as err:
+        fit(settings)
+    assert message in str(err.value)
+    assert not (Path(settings.run.dir) / "checkpoints").exists()
+
+
+# -- two processes, resume --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_lora_with_two_processes_trains_like_one_and_resumes(tmp_path):
+    """DDP over 2 processes: the first step equals one process on the whole batch (loss and gradient norm of
+    the adapters), the engine's log-probs after a sync equal the trainer's, and a resume from the run folder
+    alone continues."""
+    import shutil
+
+    from tests.test_scale_out import REPO, TASKS, fit, metric, ok
+
+    for name in TASKS:
+        shutil.copytree(REPO / "tasks" / "bugfix" / name, tmp_path / "tasks" / name)
+    ok(fit(tmp_path, "one", *LORA))
+    ok(fit(tmp_path, "two", "--trainer.devices=2", "--trainer.strategy=ddp", *LORA))
+    ok(fit(tmp_path, "two", "--resume", "last", "--trainer.max_steps=3", config=False))
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert metric(two, "loss/total")[0] == pytest.approx(metric(one, "loss/total")[0], abs=1e-5)
+    assert metric(two, "policy/grad_norm")[0] == pytest.approx(metric(one, "policy/grad_norm")[0], rel=1e-4)
+    assert metric(one, "policy/grad_norm")[0] > 0
+    assert sorted(metric(two, "loss/total")) == [0, 1, 2]
+    assert max(metric(two, "mismatch/logprob_max").values()) < 1e-4
+    assert (two / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_the_memory_plan_counts_the_base_once_and_the_adapters_with_their_states(tiny_model_path):
+    import json
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_agentrl.lora import lora_config
+    from lightning_agentrl.plan import GiB, ModelShape, memory_plan
+
+    settings = load_settings(overrides=[*LORA, "--algorithm.kl_coef=0.1"])
+    shape = ModelShape.from_config(json.loads((tiny_model_path / "config.json").read_text()))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora_config(settings.model))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)  # what peft really adds
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert shape.lora_parameters(RANK) == adapters and shape.num_parameters() == base
+    plan = memory_plan(settings, shape, num_gpus=1, gpu_bytes=80 * GiB)
+    gpu = {p.name: p.gpu_bytes for p in plan.parts}
+    assert gpu["parameters"] == 4 * base + 4 * adapters
+    assert gpu["gradients"] == 4 * adapters
+    assert gpu["optimizer states"] == 8 * adapters
+    assert "reference model" not in gpu  # the base with the adapters disabled
+    only_q = load_settings(overrides=[*LORA, "--model.lora_target_modules=[q_proj]"])
+    q = memory_plan(only_q, shape, num_gpus=1, gpu_bytes=80 * GiB)
+    assert q.part("gradients").gpu_bytes == 4 * shape.num_layers * RANK * sum(shape.projections()["q_proj"])
