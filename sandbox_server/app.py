@@ -145,18 +145,42 @@ class Sandbox:
         return self.last_used + self.ttl_s - time.monotonic()
 
 
+_SMALL_ANSWER_BYTES = 512  # what a create or fork answer (a SandboxInfo) is counted as
+
+
+@dataclass
+class _Kept:
+    """One keyed request: its fingerprint and, until its answer is dropped, the shared future."""
+
+    deadline: float
+    fingerprint: str
+    scope: str  # the sandbox whose budget holds the answer ("" for create)
+    future: asyncio.Future | None  # None: the answer was dropped (budget); a retry gets 410
+    num_bytes: int = 0
+
+
 class IdempotencyCache:
     """Results of keyed requests, so a retried exec/create/fork returns the first result instead of
     running again. An in-flight request is shared: the retry awaits the same task. A key comes with
     the fingerprint of its request: the same key on a different request is refused (422
-    ``idempotency_key_reused``), never answered with the first request's result."""
+    ``idempotency_key_reused``), never answered with the first request's result.
 
-    def __init__(self, ttl_s: float, max_entries: int = 100_000) -> None:
+    Answers are bounded in bytes: per sandbox (``max_bytes_per_scope``, the oldest of that sandbox
+    go first) and in total (``max_bytes``, taken from the sandbox holding the most). A dropped
+    answer leaves its key and fingerprint: a retry of it is answered 410 ``answer_dropped`` and never
+    runs again. A sandbox's entries go with it (:meth:`drop_scope`)."""
+
+    def __init__(self, ttl_s: float, max_bytes_per_scope: int, max_bytes: int, max_entries: int = 100_000) -> None:
         self.ttl_s = ttl_s
+        self.max_bytes_per_scope = max_bytes_per_scope
+        self.max_bytes = max_bytes
         self.max_entries = max_entries
-        self._entries: dict[str, tuple[float, str, asyncio.Future]] = {}
+        self.num_bytes = 0
+        self._entries: dict[str, _Kept] = {}  # insertion order = age
+        self._scopes: dict[str, dict[str, None]] = {}  # scope -> its keys holding an answer, oldest first
+        self._scope_bytes: Counter[str] = Counter()
 
-    async def run(self, key: str | None, request: BaseModel, factory) -> Any:
+    async def run(self, key: str | None, scope: str, request: BaseModel, factory) -> Any:
         if key is None:
             return await factory()
         fingerprint = _fingerprint(request)
@@ -165,27 +189,76 @@ class IdempotencyCache:
         entry = self._entries.get(key)
         if entry is None:
             future = asyncio.ensure_future(factory())
-            self._entries[key] = (now + self.ttl_s, fingerprint, future)
-            future.add_done_callback(lambda f: self._forget_failure(key, f))
-        elif entry[1] != fingerprint:
+            self._entries[key] = _Kept(now + self.ttl_s, fingerprint, scope, future)
+            future.add_done_callback(lambda f: self._settle(key, f))
+        elif entry.fingerprint != fingerprint:
             operation, _, user_key = key.split(":", 2)
             raise ApiError(422, "idempotency_key_reused", f"idempotency key {user_key[:200]!r} was already used "
                            f"for a different {operation} request; use a new key for a new request")
+        elif entry.future is None:
+            operation, _, user_key = key.split(":", 2)
+            raise ApiError(410, "answer_dropped", f"the {operation} request with idempotency key {user_key[:200]!r} "
+                           "ran, but its answer was not kept (the server's answer budget, idempotency_max_bytes*, "
+                           "was full); it is not run again")
         else:
-            future = entry[2]
+            future = entry.future
         # shield: a client that disconnects must not cancel the command; its retry will collect it.
         return await asyncio.shield(future)
 
-    def _forget_failure(self, key: str, future: asyncio.Future) -> None:
+    def _settle(self, key: str, future: asyncio.Future) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.future is not future:
+            return  # dropped with its sandbox meanwhile
         if future.cancelled() or future.exception() is not None:
-            self._entries.pop(key, None)
+            del self._entries[key]
+            return
+        result = future.result()
+        entry.num_bytes = len(result) if isinstance(result, bytes) else _SMALL_ANSWER_BYTES
+        self._scopes.setdefault(entry.scope, {})[key] = None
+        self._scope_bytes[entry.scope] += entry.num_bytes
+        self.num_bytes += entry.num_bytes
+        while self._scope_bytes[entry.scope] > self.max_bytes_per_scope:
+            self._drop_oldest(entry.scope)
+        while self.num_bytes > self.max_bytes:
+            self._drop_oldest(max(self._scope_bytes, key=self._scope_bytes.__getitem__))
+
+    def _drop_oldest(self, scope: str) -> None:
+        """Forget the answer of the scope's oldest kept request; its key stays, answered 410."""
+        keys = self._scopes[scope]
+        key = next(iter(keys))
+        del keys[key]
+        self._release(self._entries[key])
+
+    def drop_scope(self, scope: str) -> None:
+        """Forget every request of a deleted sandbox (its retries then meet 404 ``sandbox_not_found``)."""
+        for key in [k for k, entry in self._entries.items() if entry.scope == scope]:
+            self._forget(key)
+        self._scopes.pop(scope, None)
+
+    def _forget(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        if key in self._scopes.get(entry.scope, {}):
+            del self._scopes[entry.scope][key]
+            self._release(entry)
+
+    def _release(self, entry: _Kept) -> None:
+        self._scope_bytes[entry.scope] -= entry.num_bytes
+        self.num_bytes -= entry.num_bytes
+        if self._scope_bytes[entry.scope] <= 0:
+            del self._scope_bytes[entry.scope]
+        entry.future, entry.num_bytes = None, 0
 
     def _expire(self, now: float) -> None:
-        stale = [k for k, (deadline, _, fut) in self._entries.items() if deadline < now and fut.done()]
-        for k in stale:
-            del self._entries[k]
+        stale = []
+        for key, entry in self._entries.items():  # oldest first: stop at the first one still fresh
+            if entry.deadline >= now:
+                break
+            if entry.future is None or entry.future.done():
+                stale.append(key)
+        for key in stale:
+            self._forget(key)
         while len(self._entries) > self.max_entries:
-            self._entries.pop(next(iter(self._entries)))
+            self._forget(next(iter(self._entries)))
 
 
 class Metrics:
@@ -276,7 +349,8 @@ class SandboxManager:
         self.root, self._locks, self.isolation, self.cgroups, self.disk_quota = _prepare_host(options)
         self.sandboxes: dict[str, Sandbox] = {}
         self._free_slots = list(range(options.max_sandboxes - 1, -1, -1))  # pop() hands out slot 0 first
-        self.idempotency = IdempotencyCache(options.idempotency_ttl_s)
+        self.idempotency = IdempotencyCache(options.idempotency_ttl_s, options.idempotency_max_bytes_per_sandbox,
+                                            options.idempotency_max_bytes)
         self.metrics = Metrics()
 
     # ---- lifecycle
@@ -337,6 +411,7 @@ class SandboxManager:
             task.cancel()
         if box.tasks:
             await asyncio.wait(box.tasks, timeout=10)
+        self.idempotency.drop_scope(box.id)
         await self._discard(box)
         self.metrics.inc("deleted_total", reason=reason)
 
@@ -360,7 +435,7 @@ class SandboxManager:
     # ---- operations
     async def create(self, body: CreateRequest, header_key: str | None) -> SandboxInfo:
         key = _scoped("create", "", body.idempotency_key or header_key)
-        return await self.idempotency.run(key, body, functools.partial(self._create, body))
+        return await self.idempotency.run(key, "", body, functools.partial(self._create, body))
 
     async def _create(self, body: CreateRequest) -> SandboxInfo:
         ttl_s = self.ttl(body.ttl_s)
@@ -375,7 +450,7 @@ class SandboxManager:
     async def fork(self, sandbox_id: str, body: ForkRequest, header_key: str | None) -> SandboxInfo:
         source = self.get(sandbox_id)
         key = _scoped("fork", sandbox_id, body.idempotency_key or header_key)
-        return await self.idempotency.run(key, body, functools.partial(self._fork, source, body))
+        return await self.idempotency.run(key, sandbox_id, body, functools.partial(self._fork, source, body))
 
     async def _fork(self, source: Sandbox, body: ForkRequest) -> SandboxInfo:
         ttl_s = self.ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
@@ -399,7 +474,7 @@ class SandboxManager:
         command = _prepare_exec(body, self.options.max_timeout_s)
         key = _scoped("exec", sandbox_id, body.idempotency_key or header_key)
         try:
-            return await self.idempotency.run(key, body, functools.partial(self._exec, box, command))
+            return await self.idempotency.run(key, sandbox_id, body, functools.partial(self._exec, box, command))
         except asyncio.CancelledError:
             if sandbox_id not in self.sandboxes:
                 raise ApiError(404, "sandbox_not_found", f"sandbox {sandbox_id} was deleted during exec") from None
@@ -458,7 +533,8 @@ class SandboxManager:
 
     def metrics_text(self) -> str:
         return self.metrics.render({"active": len(self.sandboxes), "max": self.options.max_sandboxes,
-                                    "running_execs": sum(len(b.tasks) for b in self.sandboxes.values())})
+                                    "running_execs": sum(len(b.tasks) for b in self.sandboxes.values()),
+                                    "idempotency_bytes": self.idempotency.num_bytes})
 
 
 # /v1/health's limits (total_memory_bytes: what the cgroups enforce, the option's 0 resolved)

@@ -117,6 +117,15 @@ class ServerOptions(BaseModel):
     idempotency_ttl_s: PositiveFloat = 600.0
     """How long results of keyed requests (exec, create, fork) are kept to answer retries."""
 
+    idempotency_max_bytes_per_sandbox: PositiveInt = 32 << 20
+    """Bytes of kept answers per sandbox (its oldest go first); at least one exec answer's worst case
+    (``12 x output_limit_bytes`` + 4 KiB: two outputs of NULs, 6 bytes each as JSON). A retry whose
+    answer was dropped gets 410 ``answer_dropped`` and does not run again."""
+
+    idempotency_max_bytes: PositiveInt = 256 << 20
+    """Bytes of kept answers of all sandboxes together (taken first from the sandbox holding the most);
+    at least ``idempotency_max_bytes_per_sandbox``."""
+
     capacity_retry_after_s: int = 2
     """Retry-After (seconds) sent with 429 when the server is full."""
 
@@ -133,9 +142,27 @@ class ServerOptions(BaseModel):
             raise ValueError(f"default_ttl_s ({self.default_ttl_s}) exceeds max_ttl_s ({self.max_ttl_s})")
         return self
 
+    @model_validator(mode="after")
+    def _answer_budget_holds_an_answer(self) -> ServerOptions:
+        largest = largest_exec_answer_bytes(self.output_limit_bytes)
+        if self.idempotency_max_bytes_per_sandbox < largest:
+            raise ValueError(f"idempotency_max_bytes_per_sandbox ({self.idempotency_max_bytes_per_sandbox}) cannot "
+                             f"keep one exec answer of output_limit_bytes={self.output_limit_bytes} (up to {largest} "
+                             "bytes): raise it or lower output_limit_bytes")
+        if self.idempotency_max_bytes < self.idempotency_max_bytes_per_sandbox:
+            raise ValueError(f"idempotency_max_bytes ({self.idempotency_max_bytes}) is below "
+                             f"idempotency_max_bytes_per_sandbox ({self.idempotency_max_bytes_per_sandbox})")
+        return self
+
     @classmethod
     def field_names(cls) -> list[str]:
         return list(cls.model_fields)
+
+
+def largest_exec_answer_bytes(output_limit_bytes: int) -> int:
+    """The longest exec answer: stdout and stderr of ``output_limit_bytes`` each, every byte a control
+    character that JSON writes as a 6-byte escape (``\\u0000``), plus the other fields."""
+    return 12 * output_limit_bytes + 4096
 
 
 def describe(error: ValidationError) -> str:

@@ -195,3 +195,37 @@ def test_a_launched_server_ignores_the_callers_sandbox_server_variables(monkeypa
         health = server.health()
     assert health["sandboxes"]["max"] == 3
     assert health["limits"]["output_limit_bytes"] != 10
+
+
+def _kept_answer_bytes(url: str, headers: dict) -> float:
+    metrics = httpx2.get(f"{url}/v1/metrics", headers=headers).text
+    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("sandbox_idempotency_bytes")))
+
+
+def test_kept_answers_are_bounded_per_sandbox_and_in_total_and_go_with_their_sandbox():
+    """Each exec answer is kept for retries, but within a byte budget: per sandbox (its oldest answer
+    goes first), in total, and not past the sandbox's deletion. A retry whose answer was dropped is a
+    typed 410 and does not run the command again."""
+    from sandbox_server.options import largest_exec_answer_bytes
+
+    limit = 32 << 10
+    per_box = largest_exec_answer_bytes(limit)  # room for one worst-case answer
+    flood = f"echo run >> runs.txt; head -c {limit} /dev/zero; head -c {limit} /dev/zero >&2"
+    with start_local_server(output_limit_bytes=limit, idempotency_max_bytes_per_sandbox=per_box,
+                            idempotency_max_bytes=per_box * 3 // 2) as server:
+        headers = {"Authorization": f"Bearer {server.token}"}
+        http = httpx2.Client(base_url=server.url, headers=headers, timeout=60)
+        boxes = [http.post("/v1/sandboxes", json={}).json()["id"] for _ in range(2)]
+        first, second = ({"command": flood, "idempotency_key": uuid.uuid4().hex} for _ in range(2))
+        answers = [http.post(f"/v1/sandboxes/{boxes[0]}/exec", json=body) for body in (first, second)]
+        assert all(len(a.content) > per_box // 2 for a in answers)  # NULs: 6 bytes each in JSON
+        assert _kept_answer_bytes(server.url, headers) <= per_box
+        dropped = http.post(f"/v1/sandboxes/{boxes[0]}/exec", json=first)
+        assert (dropped.status_code, dropped.json()["error"]["code"]) == (410, "answer_dropped")
+        assert http.post(f"/v1/sandboxes/{boxes[0]}/exec", json=second).content == answers[1].content
+        assert http.get(f"/v1/sandboxes/{boxes[0]}/file", params={"path": "runs.txt"}).json()["content"] == "run\nrun\n"
+        http.post(f"/v1/sandboxes/{boxes[1]}/exec", json={"command": flood, "idempotency_key": "k"})
+        assert _kept_answer_bytes(server.url, headers) <= per_box * 3 // 2
+        for sid in boxes:
+            http.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+        assert _kept_answer_bytes(server.url, headers) == 0
