@@ -24,6 +24,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -51,6 +52,9 @@ from sandbox_server.workspace import (
 )
 
 log = logging.getLogger("sandbox_server")
+# Copies and ownership walks of whole workspaces (create, fork): apart from the default executor that
+# serves single-file calls, so a slow snapshot never stalls other sandboxes' reads and writes.
+_TREE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sandbox-tree")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -83,6 +87,9 @@ class CreateRequest(StrictRequest):
 
 class ForkRequest(StrictRequest):
     ttl_s: float | None = None
+    timeout_s: float | None = Field(
+        default=None, description="how long the client waits: a copy not done by then (or by the server's "
+        "fork_timeout_s, the smaller) is discarded and answered 422 snapshot_too_slow")
     idempotency_key: str | None = Field(default=None, max_length=200)
 
 
@@ -386,18 +393,22 @@ class SandboxManager:
     async def _discard(self, box: Sandbox) -> None:
         """Undo _open_box: processes, cgroup, mount, folder, slot."""
         try:
-            await asyncio.to_thread(_remove_box_dirs, box, self.disk_quota, self.cgroups)
+            await asyncio.get_running_loop().run_in_executor(
+                _TREE_POOL, _remove_box_dirs, box, self.disk_quota, self.cgroups)
         finally:
             self._free_slots.append(box.slot)
 
-    async def _fill_and_register(self, box: Sandbox, fill) -> None:
+    async def _fill_and_register(self, box: Sandbox, fill, deadline: float | None = None) -> None:
         """Run ``fill`` (a blocking function writing the workspace), hand the tree to the sandbox's uid
-        and make it live; on any failure the box is discarded."""
+        and make it live; on any failure the box is discarded. Whole-tree work runs on a pool of its
+        own: a slow copy never delays another sandbox's file calls."""
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(fill)
+            await loop.run_in_executor(_TREE_POOL, fill)
             owner = self.isolation.owner(box.slot)
             if owner is not None:
-                await asyncio.to_thread(chown_tree, box.root, owner)
+                await loop.run_in_executor(_TREE_POOL, functools.partial(chown_tree, box.root, owner,
+                                                                         deadline=deadline))
             self.sandboxes[box.id] = box
             self.metrics.inc("created_total")
         except BaseException:
@@ -454,9 +465,16 @@ class SandboxManager:
 
     async def _fork(self, source: Sandbox, body: ForkRequest) -> SandboxInfo:
         ttl_s = self.ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
+        wait_s = self.options.fork_timeout_s
+        if body.timeout_s is not None:
+            if body.timeout_s <= 0:
+                raise ApiError(400, "invalid_request", f"timeout_s must be positive, got {body.timeout_s}")
+            wait_s = min(wait_s, body.timeout_s)
+        deadline = time.monotonic() + wait_s  # past it the client has gone: never register a fork then
         box = await self._open_box(source.network, ttl_s)
-        await self._fill_and_register(box, functools.partial(copy_tree, source.workspace, box.workspace,
-                                                             owner=None, max_files=self.options.max_files))
+        await self._fill_and_register(box, functools.partial(copy_tree, source.workspace, box.workspace, owner=None,
+                                                             max_files=self.options.max_files, deadline=deadline),
+                                      deadline)
         self.metrics.inc("forked_total")
         return _info(box, box.ttl_s)
 

@@ -82,6 +82,11 @@ class ServerOptions(BaseModel):
     max_files: PositiveInt = 20000
     """Most files a snapshot may hold or list_files returns."""
 
+    fork_timeout_s: PositiveFloat = 25.0
+    """Longest a fork may take (a client may ask for less with the request's ``timeout_s``): past it the
+    copy is discarded and answered 422 ``snapshot_too_slow``, so no fork is made after its client gave
+    up. Below the trainer client's 30 s per attempt."""
+
     cpu_time_s: PositiveInt = 600
     """RLIMIT_CPU per process (seconds of CPU time)."""
 

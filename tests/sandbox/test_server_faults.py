@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from sandbox_client import SandboxCapacityError, SandboxClient, SandboxInfraError
+from sandbox_client import SandboxCapacityError, SandboxClient, SandboxInfraError, SandboxRequestError
 from sandbox_server.launch import start_local_server
 
 
@@ -229,3 +229,31 @@ def test_kept_answers_are_bounded_per_sandbox_and_in_total_and_go_with_their_san
         for sid in boxes:
             http.delete(f"/v1/sandboxes/{sid}").raise_for_status()
         assert _kept_answer_bytes(server.url, headers) == 0
+
+
+def test_a_workspace_too_slow_to_fork_is_refused_typed_leaves_nothing_and_scores_zero(tmp_path):
+    """A fork not done within fork_timeout_s (or the client's wait, if shorter) is discarded and answered
+    422 snapshot_too_slow: no fork is made after its client gave up, and scoring gives the submission 0
+    with the reason (the agent made its workspace that slow), not an infrastructure error."""
+    from sandbox_client import score_submission
+
+    make_tree = "import os\nfor i in range(600):\n    os.makedirs(f'w/{i}/' + '/'.join('abcdefghij'))\n"
+    with start_local_server(fork_timeout_s=0.02, root_dir=str(tmp_path / "boxes")) as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                agent = await client.create({"utils.py": "def f():\n    return 1\n"})
+                await client.exec(agent, ["python", "-c", make_tree], timeout_s=60)
+                with pytest.raises(SandboxRequestError) as refused:
+                    await client.fork(agent)
+                score = await score_submission(client, task_files={"utils.py": ""}, agent_sandbox_id=agent,
+                                               hidden_files={"hidden/test_h.py": "def test_h():\n    pass\n"},
+                                               test_command="python -m pytest -q hidden", timeout_s=30)
+                live = (await client.health())["sandboxes"]["active"], len(_sandbox_dirs(tmp_path / "boxes"))
+                await client.delete(agent)
+                return refused.value, score, live
+
+        refused, score, live = asyncio.run(main())
+        assert (refused.status, refused.code) == (422, "snapshot_too_slow")
+        assert live == (1, 1)  # the agent's sandbox only: neither refused copy (the test's, scoring's) is left
+        assert score.reward == 0.0 and "snapshot_too_slow" in score.output, score

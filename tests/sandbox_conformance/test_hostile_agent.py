@@ -523,3 +523,44 @@ def test_an_unknown_request_field_is_refused_naming_it(endpoint, sandbox, path, 
         _raw(endpoint, "DELETE", f"/v1/sandboxes/{response.json()['id']}")
     _assert_error(response, 422, "invalid_request")
     assert ("ttl" if "ttl" in body else "timeout") in response.json()["error"]["message"], response.text
+
+
+# ---- forks: linear in the workspace, never stalling the neighbours --------------------------------
+_DEEP_AND_WIDE = ("import os; p = '/'.join(['d'] * 250); os.makedirs(p); "
+                  "[os.mkdir(f'{p}/{i}') for i in range(10000)]")
+
+
+def test_a_deep_chain_of_many_folders_forks_quickly_while_neighbours_keep_their_pace(run):
+    """250 nested folders with 10,000 empty folders at the bottom (0.4 s to make): a fork whose cost
+    grows with depth x folders took 31 s and stalled other sandboxes' file calls. Forks are linear in
+    the entries; three at once leave a neighbour's file calls answered within a second or two."""
+    import asyncio
+    import time
+
+    async def body(client):
+        agent = await client.create({})
+        neighbour = await client.create({"n.txt": "n"})
+        children: list[str] = []
+        try:
+            await client.exec(agent, ["python", "-c", _DEEP_AND_WIDE], timeout_s=60)
+            start = time.monotonic()
+            children.append(await client.fork(agent))
+            single = time.monotonic() - start
+            forks = [asyncio.create_task(client.fork(agent)) for _ in range(3)]
+            slowest_call = 0.0
+            while not all(f.done() for f in forks):
+                begin = time.monotonic()
+                await client.write_file(neighbour, "n.txt", "m")
+                assert await client.read_file(neighbour, "n.txt") == "m"
+                slowest_call = max(slowest_call, time.monotonic() - begin)
+            children += [f.result() for f in forks]
+            files = await client.exec(children[-1], "find d -type d | wc -l", timeout_s=60)
+            return single, slowest_call, int(files.stdout)
+        finally:
+            for sid in [agent, neighbour, *children]:
+                await client.delete(sid)
+
+    single, slowest_call, num_folders = run(body, timeout_s=120)
+    assert num_folders == 250 + 10000  # the copy is whole
+    assert single < 10, f"one fork took {single:.1f} s"
+    assert slowest_call < 3, f"a neighbour's write and read took {slowest_call:.1f} s during three forks"
