@@ -258,3 +258,18 @@ def test_sandboxes_together_cannot_use_more_than_the_total_memory_limit():
         pytest.skip("no writable cgroups on this host: the server reports memory_all_sandboxes as not enforced")
     assert alone.stdout.strip() == "survived", alone  # one sandbox alone fits both limits
     assert sum(r.stdout.strip() == "survived" for r in results) <= 1, results
+
+
+def test_bwrap_commands_run_under_the_seccomp_filter():
+    """The reference server under bubblewrap always applies its filter (libseccomp is an install step):
+    the conformance test of the refused calls then runs instead of skipping. docs/sandbox.md lists
+    every refused call."""
+    from sandbox_server.seccomp import REFUSED_SYSCALLS
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "sandbox.md").read_text()
+    assert [name for name in REFUSED_SYSCALLS if f"`{name}`" not in docs] == []
+    with start_local_server(isolation="auto") as server:
+        isolation = server.health()["isolation"]
+    if isolation["backend"] != "bwrap":
+        pytest.skip("no bubblewrap on this host")
+    assert "seccomp filter refusing" in isolation["enforced"]["seccomp"], isolation
