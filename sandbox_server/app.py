@@ -38,7 +38,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sandbox_client.models import ExecResult
 from sandbox_server import PROTOCOL_VERSION
 from sandbox_server.isolation import Isolation, pair_spec_arg, refused_env_name
-from sandbox_server.limits import Cgroups, claim_root, claim_uids, default_root, mount_tmpfs, unmount
+from sandbox_server.limits import (
+    Cgroups,
+    claim_root,
+    claim_uids,
+    default_root,
+    mount_tmpfs,
+    total_processes,
+    unmount,
+)
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
     WorkspaceError,
@@ -546,6 +554,7 @@ class SandboxManager:
         options = self.options
         limits = {name: getattr(options, name) for name in _HEALTH_LIMITS}
         limits["total_memory_bytes"] = self.cgroups.total_memory_bytes if self.cgroups is not None else None
+        limits["total_processes"] = self.cgroups.total_pids if self.cgroups is not None else None
         return {"status": "ok", "protocol": PROTOCOL_VERSION, "isolation": dataclasses.asdict(self.isolation.report),
                 "sandboxes": {"active": len(self.sandboxes), "max": options.max_sandboxes}, "limits": limits}
 
@@ -583,8 +592,9 @@ def _prepare_host(options: ServerOptions) -> tuple[Path, list[int], Isolation, C
         root.chmod(0o711)  # the sandbox uids may traverse, not list
         probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
         probe_dir.chmod(0o755)
+        num_processes = total_processes(options.max_sandboxes, options.max_processes, options.total_processes)
         cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes,
-                                              options.total_memory_bytes)
+                                              options.total_memory_bytes, num_processes)
         disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
         try:
             isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)

@@ -321,6 +321,8 @@ class Isolation:
             "memory_per_sandbox": f"{cgroup} memory limit {options.memory_bytes} bytes" if cgroup else None,
             "memory_all_sandboxes": (f"{cgroup} memory limit {self.cgroups.total_memory_bytes} bytes on the parent "
                                      "group of every sandbox" if self.cgroups is not None else None),
+            "processes_all_sandboxes": (f"{cgroup} pids.max={self.cgroups.total_pids} on the parent group of every "
+                                        "sandbox" if self.cgroups is not None and self.cgroups.total_pids else None),
             "sandboxes": f"at most {options.max_sandboxes} at once (scoring sandboxes included)",
             "disk_per_sandbox": f"tmpfs of {options.disk_bytes} bytes on the sandbox folder" if self.disk_quota else None,
             "tmp_per_command": (f"private tmpfs /tmp of {options.tmp_bytes} bytes" if self.backend == "bwrap"

@@ -97,6 +97,12 @@ class ServerOptions(BaseModel):
     """Processes per sandbox: cgroup ``pids.max`` where cgroups are writable, and RLIMIT_NPROC of the
     sandbox's own uid (server as root)."""
 
+    total_processes: int = Field(default=0, ge=0)
+    """Processes of all sandboxes together (``pids.max`` of the parent cgroup of every sandbox's group),
+    so the sandboxes cannot take every pid of the host. 0: the smaller of ``max_sandboxes x
+    max_processes`` and half of ``kernel.pid_max``. Must be below ``kernel.pid_max`` and at least
+    ``max_processes`` (checked at start)."""
+
     memory_bytes: PositiveInt = 2 << 30
     """Memory per sandbox (cgroup ``memory.limit_in_bytes`` / ``memory.max``, swap included), over all
     of its processes and the tmpfs pages they write."""

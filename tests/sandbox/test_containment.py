@@ -273,3 +273,31 @@ def test_bwrap_commands_run_under_the_seccomp_filter():
     if isolation["backend"] != "bwrap":
         pytest.skip("no bubblewrap on this host")
     assert "seccomp filter refusing" in isolation["enforced"]["seccomp"], isolation
+
+
+_FORK_AND_HOLD = ("import os, time\nheld = 0\nfor _ in range(30):\n    try:\n        if os.fork() == 0:\n"
+                  "            time.sleep(4)\n            os._exit(0)\n        held += 1\n    except OSError:\n"
+                  "        break\nprint(held, flush=True)\ntime.sleep(4)\n")
+
+
+def test_sandboxes_together_cannot_hold_more_processes_than_the_total_limit():
+    """Each sandbox may hold 30 processes, all of them together 40: two sandboxes forking at once get
+    40 between them, not 60. A total at or above kernel.pid_max is refused at start, naming it."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    with pytest.raises(RuntimeError, match=rf"total_processes \({pid_max}\) must be below this host's kernel.pid_max"):
+        start_local_server(total_processes=pid_max)
+    with start_local_server(max_processes=30, total_processes=40) as server:
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                health = await client.health()
+                boxes = [await client.create({"hold.py": _FORK_AND_HOLD}) for _ in range(2)]
+                results = await asyncio.gather(*(client.exec(b, ["python", "hold.py"], timeout_s=30) for b in boxes))
+                for box in boxes:
+                    await client.delete(box)
+                return health, [int(r.stdout.split()[0]) for r in results]
+
+        health, held = asyncio.run(main())
+    if health["isolation"]["enforced"]["processes_all_sandboxes"] is None:
+        pytest.skip("no writable cgroups on this host: the server reports processes_all_sandboxes as not enforced")
+    assert health["limits"]["total_processes"] == 40
+    assert 20 <= sum(held) <= 40 - 2, held  # each exec's own python counts too
