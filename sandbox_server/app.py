@@ -53,6 +53,7 @@ from sandbox_server.workspace import (
     check_relative,
     chown_tree,
     copy_tree,
+    copy_tree_charged,
     list_files,
     read_bytes,
     remove_tree,
@@ -480,9 +481,14 @@ class SandboxManager:
             wait_s = min(wait_s, body.timeout_s)
         deadline = time.monotonic() + wait_s  # past it the client has gone: never register a fork then
         box = await self._open_box(source.network, ttl_s)
-        await self._fill_and_register(box, functools.partial(copy_tree, source.workspace, box.workspace, owner=None,
-                                                             max_files=self.options.max_files, deadline=deadline),
-                                      deadline)
+        if self.cgroups is not None:  # the copy's pages count against the new sandbox's memory limit
+            fill = functools.partial(copy_tree_charged, source.workspace, box.workspace,
+                                     self.cgroups.procs_files(box.id), owner=None, max_files=self.options.max_files,
+                                     deadline=deadline)
+        else:
+            fill = functools.partial(copy_tree, source.workspace, box.workspace, owner=None,
+                                     max_files=self.options.max_files, deadline=deadline)
+        await self._fill_and_register(box, fill, deadline)
         self.metrics.inc("forked_total")
         return _info(box, box.ttl_s)
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path, PurePosixPath
 
@@ -280,6 +282,51 @@ def copy_tree(src: Path, dst: Path, *, owner: int | None, max_depth: int = 256, 
         os.chown(dst, owner, owner, follow_symlinks=False)
 
 
+def copy_tree_charged(src: Path, dst: Path, cgroup_procs: list[str], *, owner: int | None, max_files: int,
+                      deadline: float) -> None:
+    """:func:`copy_tree` in a child process that first joins ``cgroup_procs`` (the new sandbox's groups):
+    the pages of the copy are charged to that sandbox's memory limit (and the limit on all sandboxes),
+    not to the server. The child runs this module's own source (``-I -S``: nothing of the host's
+    environment or site-packages). Past the sandbox's memory limit (the child is OOM-killed): 413
+    ``snapshot_too_large``; past ``deadline``: 422 ``snapshot_too_slow``."""
+    spec = {"src": str(src), "dst": str(dst), "procs": cgroup_procs, "owner": owner, "max_files": max_files,
+            "deadline": deadline}
+    argv = [sys.executable, "-I", "-S", "-c", _SOURCE + "\n_copy_child()\n", json.dumps(spec)]
+    try:
+        done = subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, env={},
+                              timeout=max(deadline - time.monotonic(), 0) + 5)
+    except subprocess.TimeoutExpired:
+        raise WorkspaceError("snapshot_too_slow", 422, "the workspace took longer than the time allowed to copy") from None
+    if done.returncode == 0:
+        return
+    if done.returncode == _REFUSED_EXIT:
+        refusal = json.loads(done.stdout)
+        raise WorkspaceError(refusal["code"], refusal["status"], refusal["message"])
+    if done.returncode < 0:  # killed: the copy's pages went past the sandbox's memory limit
+        raise WorkspaceError("snapshot_too_large", 413, "copying the workspace went past the sandbox's memory limit")
+    raise OSError(f"workspace copy failed (exit {done.returncode}): {done.stderr.decode(errors='replace')[-500:]}")
+
+
+_REFUSED_EXIT = 3  # the child's exit code for a WorkspaceError (its JSON on stdout)
+
+
+def _copy_child() -> None:
+    """Entry point of :func:`copy_tree_charged`'s child: join the cgroups, copy, report a refusal."""
+    spec = json.loads(sys.argv[1])
+    for path in spec["procs"]:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
+    try:
+        copy_tree(Path(spec["src"]), Path(spec["dst"]), owner=spec["owner"], max_files=spec["max_files"],
+                  deadline=spec["deadline"])  # CLOCK_MONOTONIC is the same in every process
+    except WorkspaceError as exc:
+        print(json.dumps({"code": exc.code, "status": exc.status, "message": exc.message}))
+        sys.exit(_REFUSED_EXIT)
+
+
 def _name(rel: str) -> str:
     return rel.rpartition("/")[2]
 
@@ -312,3 +359,6 @@ def remove_tree(path: Path) -> None:
     if os.path.lexists(path):
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False,
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+_SOURCE = Path(__file__).read_text(encoding="utf-8") if "__file__" in globals() else ""

@@ -301,3 +301,29 @@ def test_sandboxes_together_cannot_hold_more_processes_than_the_total_limit():
         pytest.skip("no writable cgroups on this host: the server reports processes_all_sandboxes as not enforced")
     assert health["limits"]["total_processes"] == 40
     assert 20 <= sum(held) <= 40 - 2, held  # each exec's own python counts too
+
+
+def test_a_forks_copy_is_charged_to_the_forks_own_memory_limit(tmp_path):
+    """The pages of a fork's copy (tmpfs: memory) count against the new sandbox's memory limit and the
+    limit of all sandboxes together, not against the server: each fork of a 250 MiB workspace added
+    252 MiB to the server's own group."""
+    import hashlib
+
+    root = tmp_path / "boxes"
+    with start_local_server(root_dir=str(root)) as server:
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                health = await client.health()
+                agent = await client.create({})
+                await client.exec(agent, "head -c 24000000 /dev/urandom > blob")
+                child = await client.fork(agent)
+                group = Path("/sys/fs/cgroup/memory") / f"agentrl-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]}"
+                usage = int((group / child / "memory.usage_in_bytes").read_text()) if group.exists() else None
+                for sid in (agent, child):
+                    await client.delete(sid)
+                return health, usage
+
+        health, usage = asyncio.run(main())
+    if health["isolation"]["enforced"]["memory_per_sandbox"] is None or usage is None:
+        pytest.skip("no cgroup v1 memory hierarchy written by this server")
+    assert usage >= 24_000_000, usage
