@@ -304,10 +304,11 @@ class Metrics:
 class GuardMiddleware:
     """Bearer auth on every path (hmac.compare_digest) and a hard cap on request bodies (413)."""
 
-    def __init__(self, app, token: str, max_body: int) -> None:
+    def __init__(self, app, token: str, max_body: int, body_timeout_s: float = 60.0) -> None:
         self.app = app
         self._expected = f"Bearer {token}".encode()
         self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -326,8 +327,15 @@ class GuardMiddleware:
         # is a 413 before any parsing; the app then gets it back in one message.
         chunks: list[bytes] = []
         received = 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                response = _error(408, "request_timeout", f"the request body did not arrive within "
+                                  f"{self.body_timeout_s:g} s", {"Connection": "close"})
+                return await response(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client went away
             chunk = message.get("body", b"")
@@ -629,7 +637,8 @@ def create_app(options: ServerOptions) -> FastAPI:
         app.add_exception_handler(error, handler)
     app.include_router(router)
     # The guard wraps everything, the OpenAPI schema included.
-    app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes)
+    app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes,
+                       body_timeout_s=options.body_timeout_s)
     return app
 
 

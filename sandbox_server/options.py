@@ -137,6 +137,19 @@ class ServerOptions(BaseModel):
     """Bytes of kept answers of all sandboxes together (taken first from the sandbox holding the most);
     at least ``idempotency_max_bytes_per_sandbox``."""
 
+    header_timeout_s: PositiveFloat = 10.0
+    """A connection whose request headers are not complete this long after it opened (or after its
+    last answer) is closed: half-sent requests, which cannot be authenticated yet, do not pile up."""
+
+    body_timeout_s: PositiveFloat = 60.0
+    """Longest a request's body may take to arrive once its headers did; past it: 408
+    ``request_timeout`` and the connection is closed."""
+
+    max_connections_per_client: PositiveInt = 1024
+    """Open connections one client address may hold; more are closed at once (a sandbox with
+    ``network: true`` shares the host's loopback address with the trainer: keep it well above the
+    trainer's own connections)."""
+
     capacity_retry_after_s: int = 2
     """Retry-After (seconds) sent with 429 when the server is full."""
 

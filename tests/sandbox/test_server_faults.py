@@ -257,3 +257,51 @@ def test_a_workspace_too_slow_to_fork_is_refused_typed_leaves_nothing_and_scores
         assert (refused.status, refused.code) == (422, "snapshot_too_slow")
         assert live == (1, 1)  # the agent's sandbox only: neither refused copy (the test's, scoring's) is left
         assert score.reward == 0.0 and "snapshot_too_slow" in score.output, score
+
+
+def _closed_by_server(socks: list, wait_s: float) -> int:
+    """How many of ``socks`` the server closed within ``wait_s`` (all watched at once)."""
+    import selectors
+
+    closed, deadline = set(), time.monotonic() + wait_s
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ)
+        while len(closed) < len(socks) and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                try:
+                    data = key.fileobj.recv(1 << 16)
+                except (ConnectionResetError, BrokenPipeError):
+                    data = b""
+                if data == b"":
+                    closed.add(key.fileobj)
+                    selector.unregister(key.fileobj)
+    return len(closed)
+
+
+def test_half_sent_requests_are_bounded_per_client_and_in_time():
+    """A client cannot hold connections open with requests the server cannot yet authenticate: past
+    max_connections_per_client they are closed at once, a request whose headers are not complete
+    within header_timeout_s is closed, a body not complete within body_timeout_s is a 408."""
+    import socket
+
+    with start_local_server(header_timeout_s=1.0, body_timeout_s=1.0, max_connections_per_client=10) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        half_sent = []
+        for _ in range(15):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+            half_sent.append(sock)
+        assert _closed_by_server(half_sent, 0.5) == 5  # past the cap: closed at once
+        assert _closed_by_server(half_sent, 3.0) == 15  # the header deadline closed the rest
+        assert server.health()["status"] == "ok"  # the server answers again once they are gone
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(f"PUT /v1/sandboxes/{'0' * 32}/file HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         f"{server.token}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{".encode())
+            sock.settimeout(5)
+            started = time.monotonic()
+            answer = sock.recv(1 << 16)
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
+            assert time.monotonic() - started < 4
+        for sock in half_sent:
+            sock.close()
