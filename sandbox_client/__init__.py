@@ -3,6 +3,7 @@
 from sandbox_client.client import SandboxClient
 from sandbox_client.errors import (
     CommandTimeout,
+    SandboxAnswerDropped,
     SandboxAuthError,
     SandboxCapacityError,
     SandboxError,
@@ -15,6 +16,7 @@ from sandbox_client.scoring import ScoreResult, score_submission
 
 __all__ = [
     "CommandTimeout",
+    "SandboxAnswerDropped",
     "ExecResult",
     "SandboxAuthError",
     "SandboxCapacityError",

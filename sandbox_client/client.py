@@ -37,6 +37,7 @@ from sandbox_client.errors import (
 from sandbox_client.models import ExecResult
 
 _MAX_RETRY_AFTER_S = 30.0
+_FORK_MARGIN_S = 2.0  # of an attempt's time, left for a refused fork's answer to arrive
 
 
 class SandboxClient:
@@ -209,7 +210,11 @@ class SandboxClient:
         return (await self._answer("GET", f"/v1/sandboxes/{sandbox_id}/files", "files"))["files"]
 
     async def fork(self, sandbox_id: str) -> str:
-        body = {"idempotency_key": uuid.uuid4().hex}
+        """A copy of the sandbox. The server is told how long this client waits for one attempt (less a
+        margin for the answer's way back): a copy not done by then is discarded and refused with 422
+        ``snapshot_too_slow`` (:class:`SandboxRequestError`: the agent's workspace is too slow to copy),
+        never left behind for the TTL."""
+        body = {"idempotency_key": uuid.uuid4().hex, "timeout_s": max(self.timeout_s - _FORK_MARGIN_S, self.timeout_s / 2)}
         return (await self._answer("POST", f"/v1/sandboxes/{sandbox_id}/fork", "id", ok=201, json=body))["id"]
 
     async def delete(self, sandbox_id: str) -> None:

@@ -40,6 +40,11 @@ class SandboxCapacityError(SandboxInfraError):
     """The service stayed full (429) through every retry."""
 
 
+class SandboxAnswerDropped(SandboxInfraError):
+    """A retried request (its first answer was lost in transit) ran once, but the service no longer
+    keeps its answer (410 ``answer_dropped``: the answer budget was full); it was not run again."""
+
+
 class SandboxAuthError(SandboxInfraError):
     """The token was refused (401/403): a configuration fault."""
 
@@ -62,6 +67,8 @@ def error_for(status: int, code: str | None, text: str) -> SandboxError:
         return SandboxAuthError(text, status=status, code=code)
     if status == 404 and code in ("sandbox_not_found", None):
         return SandboxNotFound(text, status=status, code=code)
+    if status == 410 and code == "answer_dropped":
+        return SandboxAnswerDropped(text, status=status, code=code)
     if status == 429:
         return SandboxCapacityError(text, status=status, code=code)
     if status >= 500 or code == "idempotency_key_reused":  # this client's keys are fresh per call: not the agent's doing

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from sandbox_server.app import create_app
+    from sandbox_server.connections import bounded_protocol
 
     command, options = parse(argv)
     logging.basicConfig(level=command.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, RuntimeError) as exc:
         sys.exit(f"error: {exc}")
     # Access logs carry method, path and status only; headers (and so the token) are never logged.
-    uvicorn.run(app, host=command.host, port=command.port, log_level=command.log_level, timeout_graceful_shutdown=5)
+    protocol = bounded_protocol(options.header_timeout_s, options.max_connections_per_client)
+    uvicorn.run(app, host=command.host, port=command.port, log_level=command.log_level, timeout_graceful_shutdown=5,
+                http=protocol)
 
 
 if __name__ == "__main__":

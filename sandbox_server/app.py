@@ -24,6 +24,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,13 +38,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sandbox_client.models import ExecResult
 from sandbox_server import PROTOCOL_VERSION
 from sandbox_server.isolation import Isolation, pair_spec_arg, refused_env_name
-from sandbox_server.limits import Cgroups, claim_root, claim_uids, default_root, mount_tmpfs, unmount
+from sandbox_server.limits import (
+    Cgroups,
+    claim_root,
+    claim_uids,
+    default_root,
+    mount_tmpfs,
+    total_processes,
+    unmount,
+)
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
     WorkspaceError,
     check_relative,
     chown_tree,
     copy_tree,
+    copy_tree_charged,
     list_files,
     read_bytes,
     remove_tree,
@@ -51,6 +61,9 @@ from sandbox_server.workspace import (
 )
 
 log = logging.getLogger("sandbox_server")
+# Copies and ownership walks of whole workspaces (create, fork): apart from the default executor that
+# serves single-file calls, so a slow snapshot never stalls other sandboxes' reads and writes.
+_TREE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sandbox-tree")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -83,6 +96,9 @@ class CreateRequest(StrictRequest):
 
 class ForkRequest(StrictRequest):
     ttl_s: float | None = None
+    timeout_s: float | None = Field(
+        default=None, description="how long the client waits: a copy not done by then (or by the server's "
+        "fork_timeout_s, the smaller) is discarded and answered 422 snapshot_too_slow")
     idempotency_key: str | None = Field(default=None, max_length=200)
 
 
@@ -145,18 +161,42 @@ class Sandbox:
         return self.last_used + self.ttl_s - time.monotonic()
 
 
+_SMALL_ANSWER_BYTES = 512  # what a create or fork answer (a SandboxInfo) is counted as
+
+
+@dataclass
+class _Kept:
+    """One keyed request: its fingerprint and, until its answer is dropped, the shared future."""
+
+    deadline: float
+    fingerprint: str
+    scope: str  # the sandbox whose budget holds the answer ("" for create)
+    future: asyncio.Future | None  # None: the answer was dropped (budget); a retry gets 410
+    num_bytes: int = 0
+
+
 class IdempotencyCache:
     """Results of keyed requests, so a retried exec/create/fork returns the first result instead of
     running again. An in-flight request is shared: the retry awaits the same task. A key comes with
     the fingerprint of its request: the same key on a different request is refused (422
-    ``idempotency_key_reused``), never answered with the first request's result."""
+    ``idempotency_key_reused``), never answered with the first request's result.
 
-    def __init__(self, ttl_s: float, max_entries: int = 100_000) -> None:
+    Answers are bounded in bytes: per sandbox (``max_bytes_per_scope``, the oldest of that sandbox
+    go first) and in total (``max_bytes``, taken from the sandbox holding the most). A dropped
+    answer leaves its key and fingerprint: a retry of it is answered 410 ``answer_dropped`` and never
+    runs again. A sandbox's entries go with it (:meth:`drop_scope`)."""
+
+    def __init__(self, ttl_s: float, max_bytes_per_scope: int, max_bytes: int, max_entries: int = 100_000) -> None:
         self.ttl_s = ttl_s
+        self.max_bytes_per_scope = max_bytes_per_scope
+        self.max_bytes = max_bytes
         self.max_entries = max_entries
-        self._entries: dict[str, tuple[float, str, asyncio.Future]] = {}
+        self.num_bytes = 0
+        self._entries: dict[str, _Kept] = {}  # insertion order = age
+        self._scopes: dict[str, dict[str, None]] = {}  # scope -> its keys holding an answer, oldest first
+        self._scope_bytes: Counter[str] = Counter()
 
-    async def run(self, key: str | None, request: BaseModel, factory) -> Any:
+    async def run(self, key: str | None, scope: str, request: BaseModel, factory) -> Any:
         if key is None:
             return await factory()
         fingerprint = _fingerprint(request)
@@ -165,27 +205,76 @@ class IdempotencyCache:
         entry = self._entries.get(key)
         if entry is None:
             future = asyncio.ensure_future(factory())
-            self._entries[key] = (now + self.ttl_s, fingerprint, future)
-            future.add_done_callback(lambda f: self._forget_failure(key, f))
-        elif entry[1] != fingerprint:
+            self._entries[key] = _Kept(now + self.ttl_s, fingerprint, scope, future)
+            future.add_done_callback(lambda f: self._settle(key, f))
+        elif entry.fingerprint != fingerprint:
             operation, _, user_key = key.split(":", 2)
             raise ApiError(422, "idempotency_key_reused", f"idempotency key {user_key[:200]!r} was already used "
                            f"for a different {operation} request; use a new key for a new request")
+        elif entry.future is None:
+            operation, _, user_key = key.split(":", 2)
+            raise ApiError(410, "answer_dropped", f"the {operation} request with idempotency key {user_key[:200]!r} "
+                           "ran, but its answer was not kept (the server's answer budget, idempotency_max_bytes*, "
+                           "was full); it is not run again")
         else:
-            future = entry[2]
+            future = entry.future
         # shield: a client that disconnects must not cancel the command; its retry will collect it.
         return await asyncio.shield(future)
 
-    def _forget_failure(self, key: str, future: asyncio.Future) -> None:
+    def _settle(self, key: str, future: asyncio.Future) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.future is not future:
+            return  # dropped with its sandbox meanwhile
         if future.cancelled() or future.exception() is not None:
-            self._entries.pop(key, None)
+            del self._entries[key]
+            return
+        result = future.result()
+        entry.num_bytes = len(result) if isinstance(result, bytes) else _SMALL_ANSWER_BYTES
+        self._scopes.setdefault(entry.scope, {})[key] = None
+        self._scope_bytes[entry.scope] += entry.num_bytes
+        self.num_bytes += entry.num_bytes
+        while self._scope_bytes[entry.scope] > self.max_bytes_per_scope:
+            self._drop_oldest(entry.scope)
+        while self.num_bytes > self.max_bytes:
+            self._drop_oldest(max(self._scope_bytes, key=self._scope_bytes.__getitem__))
+
+    def _drop_oldest(self, scope: str) -> None:
+        """Forget the answer of the scope's oldest kept request; its key stays, answered 410."""
+        keys = self._scopes[scope]
+        key = next(iter(keys))
+        del keys[key]
+        self._release(self._entries[key])
+
+    def drop_scope(self, scope: str) -> None:
+        """Forget every request of a deleted sandbox (its retries then meet 404 ``sandbox_not_found``)."""
+        for key in [k for k, entry in self._entries.items() if entry.scope == scope]:
+            self._forget(key)
+        self._scopes.pop(scope, None)
+
+    def _forget(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        if key in self._scopes.get(entry.scope, {}):
+            del self._scopes[entry.scope][key]
+            self._release(entry)
+
+    def _release(self, entry: _Kept) -> None:
+        self._scope_bytes[entry.scope] -= entry.num_bytes
+        self.num_bytes -= entry.num_bytes
+        if self._scope_bytes[entry.scope] <= 0:
+            del self._scope_bytes[entry.scope]
+        entry.future, entry.num_bytes = None, 0
 
     def _expire(self, now: float) -> None:
-        stale = [k for k, (deadline, _, fut) in self._entries.items() if deadline < now and fut.done()]
-        for k in stale:
-            del self._entries[k]
+        stale = []
+        for key, entry in self._entries.items():  # oldest first: stop at the first one still fresh
+            if entry.deadline >= now:
+                break
+            if entry.future is None or entry.future.done():
+                stale.append(key)
+        for key in stale:
+            self._forget(key)
         while len(self._entries) > self.max_entries:
-            self._entries.pop(next(iter(self._entries)))
+            self._forget(next(iter(self._entries)))
 
 
 class Metrics:
@@ -215,10 +304,11 @@ class Metrics:
 class GuardMiddleware:
     """Bearer auth on every path (hmac.compare_digest) and a hard cap on request bodies (413)."""
 
-    def __init__(self, app, token: str, max_body: int) -> None:
+    def __init__(self, app, token: str, max_body: int, body_timeout_s: float = 60.0) -> None:
         self.app = app
         self._expected = f"Bearer {token}".encode()
         self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -237,8 +327,15 @@ class GuardMiddleware:
         # is a 413 before any parsing; the app then gets it back in one message.
         chunks: list[bytes] = []
         received = 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                response = _error(408, "request_timeout", f"the request body did not arrive within "
+                                  f"{self.body_timeout_s:g} s", {"Connection": "close"})
+                return await response(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client went away
             chunk = message.get("body", b"")
@@ -276,7 +373,8 @@ class SandboxManager:
         self.root, self._locks, self.isolation, self.cgroups, self.disk_quota = _prepare_host(options)
         self.sandboxes: dict[str, Sandbox] = {}
         self._free_slots = list(range(options.max_sandboxes - 1, -1, -1))  # pop() hands out slot 0 first
-        self.idempotency = IdempotencyCache(options.idempotency_ttl_s)
+        self.idempotency = IdempotencyCache(options.idempotency_ttl_s, options.idempotency_max_bytes_per_sandbox,
+                                            options.idempotency_max_bytes)
         self.metrics = Metrics()
 
     # ---- lifecycle
@@ -312,18 +410,22 @@ class SandboxManager:
     async def _discard(self, box: Sandbox) -> None:
         """Undo _open_box: processes, cgroup, mount, folder, slot."""
         try:
-            await asyncio.to_thread(_remove_box_dirs, box, self.disk_quota, self.cgroups)
+            await asyncio.get_running_loop().run_in_executor(
+                _TREE_POOL, _remove_box_dirs, box, self.disk_quota, self.cgroups)
         finally:
             self._free_slots.append(box.slot)
 
-    async def _fill_and_register(self, box: Sandbox, fill) -> None:
+    async def _fill_and_register(self, box: Sandbox, fill, deadline: float | None = None) -> None:
         """Run ``fill`` (a blocking function writing the workspace), hand the tree to the sandbox's uid
-        and make it live; on any failure the box is discarded."""
+        and make it live; on any failure the box is discarded. Whole-tree work runs on a pool of its
+        own: a slow copy never delays another sandbox's file calls."""
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(fill)
+            await loop.run_in_executor(_TREE_POOL, fill)
             owner = self.isolation.owner(box.slot)
             if owner is not None:
-                await asyncio.to_thread(chown_tree, box.root, owner)
+                await loop.run_in_executor(_TREE_POOL, functools.partial(chown_tree, box.root, owner,
+                                                                         deadline=deadline))
             self.sandboxes[box.id] = box
             self.metrics.inc("created_total")
         except BaseException:
@@ -337,6 +439,7 @@ class SandboxManager:
             task.cancel()
         if box.tasks:
             await asyncio.wait(box.tasks, timeout=10)
+        self.idempotency.drop_scope(box.id)
         await self._discard(box)
         self.metrics.inc("deleted_total", reason=reason)
 
@@ -360,7 +463,7 @@ class SandboxManager:
     # ---- operations
     async def create(self, body: CreateRequest, header_key: str | None) -> SandboxInfo:
         key = _scoped("create", "", body.idempotency_key or header_key)
-        return await self.idempotency.run(key, body, functools.partial(self._create, body))
+        return await self.idempotency.run(key, "", body, functools.partial(self._create, body))
 
     async def _create(self, body: CreateRequest) -> SandboxInfo:
         ttl_s = self.ttl(body.ttl_s)
@@ -375,13 +478,25 @@ class SandboxManager:
     async def fork(self, sandbox_id: str, body: ForkRequest, header_key: str | None) -> SandboxInfo:
         source = self.get(sandbox_id)
         key = _scoped("fork", sandbox_id, body.idempotency_key or header_key)
-        return await self.idempotency.run(key, body, functools.partial(self._fork, source, body))
+        return await self.idempotency.run(key, sandbox_id, body, functools.partial(self._fork, source, body))
 
     async def _fork(self, source: Sandbox, body: ForkRequest) -> SandboxInfo:
         ttl_s = self.ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
+        wait_s = self.options.fork_timeout_s
+        if body.timeout_s is not None:
+            if body.timeout_s <= 0:
+                raise ApiError(400, "invalid_request", f"timeout_s must be positive, got {body.timeout_s}")
+            wait_s = min(wait_s, body.timeout_s)
+        deadline = time.monotonic() + wait_s  # past it the client has gone: never register a fork then
         box = await self._open_box(source.network, ttl_s)
-        await self._fill_and_register(box, functools.partial(copy_tree, source.workspace, box.workspace,
-                                                             owner=None, max_files=self.options.max_files))
+        if self.cgroups is not None:  # the copy's pages count against the new sandbox's memory limit
+            fill = functools.partial(copy_tree_charged, source.workspace, box.workspace,
+                                     self.cgroups.procs_files(box.id), owner=None, max_files=self.options.max_files,
+                                     deadline=deadline)
+        else:
+            fill = functools.partial(copy_tree, source.workspace, box.workspace, owner=None,
+                                     max_files=self.options.max_files, deadline=deadline)
+        await self._fill_and_register(box, fill, deadline)
         self.metrics.inc("forked_total")
         return _info(box, box.ttl_s)
 
@@ -399,7 +514,7 @@ class SandboxManager:
         command = _prepare_exec(body, self.options.max_timeout_s)
         key = _scoped("exec", sandbox_id, body.idempotency_key or header_key)
         try:
-            return await self.idempotency.run(key, body, functools.partial(self._exec, box, command))
+            return await self.idempotency.run(key, sandbox_id, body, functools.partial(self._exec, box, command))
         except asyncio.CancelledError:
             if sandbox_id not in self.sandboxes:
                 raise ApiError(404, "sandbox_not_found", f"sandbox {sandbox_id} was deleted during exec") from None
@@ -453,12 +568,14 @@ class SandboxManager:
         options = self.options
         limits = {name: getattr(options, name) for name in _HEALTH_LIMITS}
         limits["total_memory_bytes"] = self.cgroups.total_memory_bytes if self.cgroups is not None else None
+        limits["total_processes"] = self.cgroups.total_pids if self.cgroups is not None else None
         return {"status": "ok", "protocol": PROTOCOL_VERSION, "isolation": dataclasses.asdict(self.isolation.report),
                 "sandboxes": {"active": len(self.sandboxes), "max": options.max_sandboxes}, "limits": limits}
 
     def metrics_text(self) -> str:
         return self.metrics.render({"active": len(self.sandboxes), "max": self.options.max_sandboxes,
-                                    "running_execs": sum(len(b.tasks) for b in self.sandboxes.values())})
+                                    "running_execs": sum(len(b.tasks) for b in self.sandboxes.values()),
+                                    "idempotency_bytes": self.idempotency.num_bytes})
 
 
 # /v1/health's limits (total_memory_bytes: what the cgroups enforce, the option's 0 resolved)
@@ -489,8 +606,9 @@ def _prepare_host(options: ServerOptions) -> tuple[Path, list[int], Isolation, C
         root.chmod(0o711)  # the sandbox uids may traverse, not list
         probe_dir = Path(tempfile.mkdtemp(dir=root, prefix="probe-"))
         probe_dir.chmod(0o755)
+        num_processes = total_processes(options.max_sandboxes, options.max_processes, options.total_processes)
         cgroups, cgroup_note = Cgroups.detect(root, options.max_processes, options.memory_bytes,
-                                              options.total_memory_bytes)
+                                              options.total_memory_bytes, num_processes)
         disk_quota = os.geteuid() == 0 and _can_mount_tmpfs(probe_dir)
         try:
             isolation = Isolation(options, probe_dir, cgroups, cgroup_note, disk_quota)
@@ -519,7 +637,8 @@ def create_app(options: ServerOptions) -> FastAPI:
         app.add_exception_handler(error, handler)
     app.include_router(router)
     # The guard wraps everything, the OpenAPI schema included.
-    app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes)
+    app.add_middleware(GuardMiddleware, token=options.token, max_body=options.max_request_bytes,
+                       body_timeout_s=options.body_timeout_s)
     return app
 
 

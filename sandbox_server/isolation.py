@@ -48,6 +48,7 @@ from pathlib import Path
 
 from sandbox_server.limits import Cgroups, join_cgroups
 from sandbox_server.options import ServerOptions
+from sandbox_server.seccomp import build_filter, write_memfd
 
 SANDBOX_WORKDIR = "/workspace"
 _MARKER_VAR = "SANDBOX_EXEC_MARKER"
@@ -72,6 +73,7 @@ _DRAIN_GRACE_S = 0.5
 _SPAWN_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sandbox-spawn")
 _PAIR_LAUNCH_SOURCE = (Path(__file__).resolve().parent / "pair_launch.py").read_text(encoding="utf-8")
 _ARGS_FD_SLOT = "<args-fd>"  # placeholder (compared by identity) for the memfd number
+_SECCOMP_FD_SLOT = "<seccomp-fd>"  # the same, in bwrap's options, for the seccomp program's memfd
 _PR_SET_PDEATHSIG = 1
 try:
     _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
@@ -206,6 +208,7 @@ class Isolation:
         self.uid: int | None = None  # uid the command runs as; None = the server's own
         self._bwrap_mode = ""  # "setpriv" (root, real uid drop) or "userns" (uid mapped in a user namespace)
         self._process_netns = False
+        self._seccomp, self._seccomp_how = build_filter() if options.isolation != "process" else (None, "")
         want_uid = options.sandbox_uid if options.sandbox_uid >= 0 and self._is_root else None
         if options.isolation in ("auto", "bwrap"):
             reason = self._probe_bwrap(probe_dir, want_uid)
@@ -224,6 +227,10 @@ class Isolation:
             elif self._is_root is False:
                 notes.append("server is not root: commands run as the server's uid")
             self._process_netns = self._is_root and self._probe_unshare(probe_dir)
+        if self.backend != "bwrap":
+            self._seccomp = None  # bwrap applies it; the process backend has no filter
+        elif self._seccomp is None:
+            notes.append(f"no seccomp filter: {self._seccomp_how}")
         if cgroup_note and cgroups is None:
             notes.append(f"no per-sandbox process and memory limits: {cgroup_note}")
         if self.host_uid() == 0 and not options.allow_root_commands:
@@ -255,7 +262,7 @@ class Isolation:
     def _probe(self, argv: list[str], cwd: Path, uid: int | None) -> bool:
         launch = self.launch(cwd, argv, self.base_env(cwd), network=False, uid=self.uid)
         try:
-            with _args_file(launch.bwrap_args) as fds:
+            with _args_file(launch.bwrap_args, self._seccomp) as fds:
                 done = subprocess.run(launch.host_argv(fds), cwd=cwd, env=launch.env,
                                       capture_output=True, timeout=30, pass_fds=fds,
                                       preexec_fn=_child_setup(self.limits, uid), start_new_session=True)
@@ -314,6 +321,8 @@ class Isolation:
             "memory_per_sandbox": f"{cgroup} memory limit {options.memory_bytes} bytes" if cgroup else None,
             "memory_all_sandboxes": (f"{cgroup} memory limit {self.cgroups.total_memory_bytes} bytes on the parent "
                                      "group of every sandbox" if self.cgroups is not None else None),
+            "processes_all_sandboxes": (f"{cgroup} pids.max={self.cgroups.total_pids} on the parent group of every "
+                                        "sandbox" if self.cgroups is not None and self.cgroups.total_pids else None),
             "sandboxes": f"at most {options.max_sandboxes} at once (scoring sandboxes included)",
             "disk_per_sandbox": f"tmpfs of {options.disk_bytes} bytes on the sandbox folder" if self.disk_quota else None,
             "tmp_per_command": (f"private tmpfs /tmp of {options.tmp_bytes} bytes" if self.backend == "bwrap"
@@ -324,6 +333,7 @@ class Isolation:
             "address_space_per_process": f"RLIMIT_AS={options.address_space_bytes}",
             "cpu_time_per_process": f"RLIMIT_CPU={options.cpu_time_s}",
             "file_size": f"RLIMIT_FSIZE={options.file_size_bytes}",
+            "seccomp": self._seccomp_how if self._seccomp is not None else None,
         }
         return enforced
 
@@ -421,6 +431,8 @@ class Isolation:
             cmd.append("--unshare-net")
         cmd += self._host_mounts()
         cmd += ["--bind", str(workspace), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+        if self._seccomp is not None:
+            cmd += ["--seccomp", _SECCOMP_FD_SLOT]
         if uid is None and self._bwrap_mode == "setpriv":  # the pair launcher switches uids itself
             return cmd, argv
         if uid is not None and self._bwrap_mode == "setpriv":
@@ -570,7 +582,7 @@ class Isolation:
         block_read, block_write = os.pipe()
         args = [*launch.bwrap_args, "--info-fd", str(info_write), "--block-fd", str(block_read)]
         try:
-            with _args_file(args) as fds:
+            with _args_file(args, self._seccomp) as fds:
                 proc = subprocess.Popen(launch.host_argv(fds), cwd=workspace, env=launch.env,
                                         start_new_session=True, stdin=stdin_mode, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, pass_fds=(*fds, info_write, block_read))
@@ -604,18 +616,24 @@ class Isolation:
 
 
 @contextlib.contextmanager
-def _args_file(args: list[str] | None):
-    """Yields () or (fd,) of a memfd holding ``args`` NUL-terminated, for ``bwrap --args FD``."""
+def _args_file(args: list[str] | None, seccomp: bytes | None = None):
+    """Yields () or (fd, ...) of a memfd holding ``args`` NUL-terminated, for ``bwrap --args FD``,
+    then, with ``seccomp``, a memfd of that program whose number replaces ``_SECCOMP_FD_SLOT``."""
     if args is None:
         yield ()
         return
-    fd = os.memfd_create("bwrap-args")
+    fds: list[int] = []
     try:
-        os.write(fd, b"".join(arg.encode() + b"\0" for arg in args))
-        os.lseek(fd, 0, os.SEEK_SET)
-        yield (fd,)
+        if seccomp is not None:
+            fds.append(write_memfd(seccomp))
+            args = [str(fds[0]) if arg is _SECCOMP_FD_SLOT else arg for arg in args]
+        fds.insert(0, os.memfd_create("bwrap-args"))
+        os.write(fds[0], b"".join(arg.encode() + b"\0" for arg in args))
+        os.lseek(fds[0], 0, os.SEEK_SET)
+        yield tuple(fds)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def kill_marked_processes(marker: str) -> int:

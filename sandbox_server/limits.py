@@ -45,8 +45,9 @@ class Cgroups:
     before exec (the whole tree then stays inside)."""
 
     def __init__(self, version: int, parents: dict[str, Path], pids_max: int, memory_bytes: int,
-                 total_memory_bytes: int = 0) -> None:
+                 total_memory_bytes: int = 0, total_pids: int = 0) -> None:
         self.version = version
+        self.total_pids = total_pids  # 0: no limit on all sandboxes' processes together
         self.total_memory_bytes = total_memory_bytes or host_memory_bytes() * 3 // 4
         self.parents = parents  # controller ("pids", "memory"; "unified" on v2) -> parent directory
         self.pids_max = pids_max
@@ -54,14 +55,14 @@ class Cgroups:
 
     @classmethod
     def detect(cls, root_dir: Path, pids_max: int, memory_bytes: int,
-               total_memory_bytes: int = 0) -> tuple[Cgroups | None, str]:
+               total_memory_bytes: int = 0, total_pids: int = 0) -> tuple[Cgroups | None, str]:
         """(cgroups, how) or (None, why not). Removes the groups a killed server left under the same root."""
         tag = "agentrl-" + hashlib.sha256(str(root_dir).encode()).hexdigest()[:12]
         v1 = {c: _CGROUP_ROOT / c for c in ("pids", "memory")}
         if all((p / "cgroup.procs").exists() for p in v1.values()):
-            made = cls(1, {c: p / tag for c, p in v1.items()}, pids_max, memory_bytes, total_memory_bytes)
+            made = cls(1, {c: p / tag for c, p in v1.items()}, pids_max, memory_bytes, total_memory_bytes, total_pids)
         elif "pids" in _read(_CGROUP_ROOT / "cgroup.controllers").split():
-            made = cls(2, {"unified": _CGROUP_ROOT / tag}, pids_max, memory_bytes, total_memory_bytes)
+            made = cls(2, {"unified": _CGROUP_ROOT / tag}, pids_max, memory_bytes, total_memory_bytes, total_pids)
         else:
             return None, "no cgroup v1 pids/memory hierarchy and no cgroup v2 pids controller"
         try:
@@ -84,6 +85,8 @@ class Cgroups:
             _write(self.parents["unified"] / "memory.max", str(self.total_memory_bytes))
         else:  # children count against the parent's limit (memory.use_hierarchy, 1 on every kernel >= 5)
             _write(self.parents["memory"] / "memory.limit_in_bytes", str(self.total_memory_bytes))
+        if self.total_pids:  # pids.max is hierarchical on v1 and v2
+            _write(self.parents["pids" if self.version == 1 else "unified"] / "pids.max", str(self.total_pids))
 
     def _dirs(self, name: str) -> list[Path]:
         return [parent / name for parent in self.parents.values()]
@@ -130,6 +133,21 @@ class Cgroups:
                     return
             time.sleep(0.02)
         log.warning("cgroup %s still busy; left behind", directory)
+
+
+def total_processes(max_sandboxes: int, max_processes: int, requested: int = 0) -> int:
+    """The limit on all sandboxes' processes together: ``requested``, or (0) the smaller of what the
+    sandboxes may hold and half of ``kernel.pid_max`` (the host and the server need pids too).
+    ``ValueError`` naming the option when it cannot fit below ``kernel.pid_max``."""
+    pid_max = int(_read(Path("/proc/sys/kernel/pid_max")) or 4_194_304)
+    total = requested or min(max_sandboxes * max_processes, pid_max // 2)
+    if total >= pid_max:
+        raise ValueError(f"total_processes ({total}) must be below this host's kernel.pid_max ({pid_max}): "
+                         "the sandboxes together would take every pid the host has")
+    if max_processes > total:
+        raise ValueError(f"max_processes ({max_processes}) exceeds total_processes ({total}"
+                         f"{'' if requested else ', half of kernel.pid_max'}): lower it or raise total_processes")
+    return total
 
 
 def host_memory_bytes() -> int:

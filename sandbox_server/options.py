@@ -82,6 +82,11 @@ class ServerOptions(BaseModel):
     max_files: PositiveInt = 20000
     """Most files a snapshot may hold or list_files returns."""
 
+    fork_timeout_s: PositiveFloat = 25.0
+    """Longest a fork may take (a client may ask for less with the request's ``timeout_s``): past it the
+    copy is discarded and answered 422 ``snapshot_too_slow``, so no fork is made after its client gave
+    up. Below the trainer client's 30 s per attempt."""
+
     cpu_time_s: PositiveInt = 600
     """RLIMIT_CPU per process (seconds of CPU time)."""
 
@@ -91,6 +96,12 @@ class ServerOptions(BaseModel):
     max_processes: PositiveInt = 512
     """Processes per sandbox: cgroup ``pids.max`` where cgroups are writable, and RLIMIT_NPROC of the
     sandbox's own uid (server as root)."""
+
+    total_processes: int = Field(default=0, ge=0)
+    """Processes of all sandboxes together (``pids.max`` of the parent cgroup of every sandbox's group),
+    so the sandboxes cannot take every pid of the host. 0: the smaller of ``max_sandboxes x
+    max_processes`` and half of ``kernel.pid_max``. Must be below ``kernel.pid_max`` and at least
+    ``max_processes`` (checked at start)."""
 
     memory_bytes: PositiveInt = 2 << 30
     """Memory per sandbox (cgroup ``memory.limit_in_bytes`` / ``memory.max``, swap included), over all
@@ -117,6 +128,28 @@ class ServerOptions(BaseModel):
     idempotency_ttl_s: PositiveFloat = 600.0
     """How long results of keyed requests (exec, create, fork) are kept to answer retries."""
 
+    idempotency_max_bytes_per_sandbox: PositiveInt = 32 << 20
+    """Bytes of kept answers per sandbox (its oldest go first); at least one exec answer's worst case
+    (``12 x output_limit_bytes`` + 4 KiB: two outputs of NULs, 6 bytes each as JSON). A retry whose
+    answer was dropped gets 410 ``answer_dropped`` and does not run again."""
+
+    idempotency_max_bytes: PositiveInt = 256 << 20
+    """Bytes of kept answers of all sandboxes together (taken first from the sandbox holding the most);
+    at least ``idempotency_max_bytes_per_sandbox``."""
+
+    header_timeout_s: PositiveFloat = 10.0
+    """A connection whose request headers are not complete this long after it opened (or after its
+    last answer) is closed: half-sent requests, which cannot be authenticated yet, do not pile up."""
+
+    body_timeout_s: PositiveFloat = 60.0
+    """Longest a request's body may take to arrive once its headers did; past it: 408
+    ``request_timeout`` and the connection is closed."""
+
+    max_connections_per_client: PositiveInt = 1024
+    """Open connections one client address may hold; more are closed at once (a sandbox with
+    ``network: true`` shares the host's loopback address with the trainer: keep it well above the
+    trainer's own connections)."""
+
     capacity_retry_after_s: int = 2
     """Retry-After (seconds) sent with 429 when the server is full."""
 
@@ -133,9 +166,27 @@ class ServerOptions(BaseModel):
             raise ValueError(f"default_ttl_s ({self.default_ttl_s}) exceeds max_ttl_s ({self.max_ttl_s})")
         return self
 
+    @model_validator(mode="after")
+    def _answer_budget_holds_an_answer(self) -> ServerOptions:
+        largest = largest_exec_answer_bytes(self.output_limit_bytes)
+        if self.idempotency_max_bytes_per_sandbox < largest:
+            raise ValueError(f"idempotency_max_bytes_per_sandbox ({self.idempotency_max_bytes_per_sandbox}) cannot "
+                             f"keep one exec answer of output_limit_bytes={self.output_limit_bytes} (up to {largest} "
+                             "bytes): raise it or lower output_limit_bytes")
+        if self.idempotency_max_bytes < self.idempotency_max_bytes_per_sandbox:
+            raise ValueError(f"idempotency_max_bytes ({self.idempotency_max_bytes}) is below "
+                             f"idempotency_max_bytes_per_sandbox ({self.idempotency_max_bytes_per_sandbox})")
+        return self
+
     @classmethod
     def field_names(cls) -> list[str]:
         return list(cls.model_fields)
+
+
+def largest_exec_answer_bytes(output_limit_bytes: int) -> int:
+    """The longest exec answer: stdout and stderr of ``output_limit_bytes`` each, every byte a control
+    character that JSON writes as a 6-byte escape (``\\u0000``), plus the other fields."""
+    return 12 * output_limit_bytes + 4096
 
 
 def describe(error: ValidationError) -> str:

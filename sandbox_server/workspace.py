@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import stat
 import subprocess
+import sys
+import time
 from pathlib import Path, PurePosixPath
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -167,41 +170,54 @@ def _open_chain(root_fd: int, parts: tuple[str, ...], *, create: bool = False, o
         raise
 
 
-def _walk(root: Path, max_depth: int):
-    """Yield (relative POSIX path, lstat, parent dir fd, name) for everything under ``root``, depth
-    first, sorted, without recursion and without long paths (each directory is opened fd by fd from
-    the root), never following symlinks; the entries of one directory come one after another. More
-    than ``max_depth`` levels: 400 ``tree_too_deep``. The parent fd is valid for that step only."""
-    root_fd = os.open(root, _DIR_FLAGS)
-    stack: list[tuple[str, ...]] = [()]
+def _walk(root: Path, max_depth: int, deadline: float | None = None):
+    """Yield (relative POSIX path, lstat, parent dir fd, depth) for everything under ``root``, depth
+    first (a directory, what it holds, then its next sibling), names sorted, never following symlinks.
+    Each directory is opened from its parent's fd (O_NOFOLLOW), so the cost is linear in the entries
+    whatever the depth, with no long paths; the fds held are the current path's. ``depth`` counts the
+    folders above the entry (0: directly in ``root``). The parent fd is valid for that step only.
+    More than ``max_depth`` levels: 400 ``tree_too_deep``; past ``deadline`` (monotonic): 422
+    ``snapshot_too_slow``."""
+    stack: list[tuple[int, list[str], str]] = []  # (fd, names left, prefix) of each open folder
     try:
+        _push(stack, os.open(root, _DIR_FLAGS), "")
+        num_entries = 0
         while stack:
-            parts = stack.pop()
+            fd, names, prefix = stack[-1]
+            if not names:
+                os.close(stack.pop()[0])
+                continue
+            name = names.pop()
+            num_entries += 1
+            if deadline is not None and num_entries % 256 == 0 and time.monotonic() > deadline:
+                raise WorkspaceError("snapshot_too_slow", 422, f"the workspace took longer than the time allowed to "
+                                     f"copy ({num_entries} entries so far)")
             try:
-                fd = _open_chain(root_fd, parts)
+                info = os.lstat(name, dir_fd=fd)
             except OSError:
-                continue  # removed or swapped for a link meanwhile
-            try:
-                with os.scandir(fd) as entries:
-                    names = sorted(entry.name for entry in entries)
-                prefix = "".join(part + "/" for part in parts)
-                children = []
-                for name in names:
-                    try:
-                        info = os.lstat(name, dir_fd=fd)
-                    except OSError:
-                        continue  # vanished meanwhile
-                    yield prefix + name, info, fd, name
-                    if stat.S_ISDIR(info.st_mode):
-                        if len(parts) + 1 >= max_depth:
-                            raise WorkspaceError("tree_too_deep", 400,
-                                                 f"the workspace nests directories deeper than {max_depth} levels")
-                        children.append((*parts, name))
-                stack.extend(reversed(children))
-            finally:
-                os.close(fd)
+                continue  # vanished meanwhile
+            depth = len(stack) - 1
+            yield prefix + name, info, fd, depth
+            if stat.S_ISDIR(info.st_mode):
+                if depth + 1 >= max_depth:
+                    raise WorkspaceError("tree_too_deep", 400,
+                                         f"the workspace nests directories deeper than {max_depth} levels")
+                with contextlib.suppress(OSError):  # removed or swapped for a link meanwhile
+                    _push(stack, os.open(name, _DIR_FLAGS, dir_fd=fd), prefix + name + "/")
     finally:
-        os.close(root_fd)
+        for fd, _, _ in stack:
+            os.close(fd)
+
+
+def _push(stack: list[tuple[int, list[str], str]], fd: int, prefix: str) -> None:
+    """Open folder ``fd`` for the walk: its names, sorted last-first so ``pop`` takes them in order."""
+    try:
+        with os.scandir(fd) as entries:
+            names = sorted((entry.name for entry in entries), reverse=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    stack.append((fd, names, prefix))
 
 
 def list_files(root: Path, max_files: int, max_depth: int = 256) -> list[str]:
@@ -222,29 +238,28 @@ def list_files(root: Path, max_files: int, max_depth: int = 256) -> list[str]:
     return sorted(found)
 
 
-def chown_tree(root: Path, owner: int, max_depth: int = 256) -> None:
+def chown_tree(root: Path, owner: int, max_depth: int = 256, deadline: float | None = None) -> None:
     os.chown(root, owner, owner, follow_symlinks=False)
-    for _, _, parent_fd, name in _walk(root, max_depth):
-        os.chown(name, owner, owner, dir_fd=parent_fd, follow_symlinks=False)
+    for rel, _, parent_fd, _ in _walk(root, max_depth, deadline):
+        os.chown(_name(rel), owner, owner, dir_fd=parent_fd, follow_symlinks=False)
 
 
-def copy_tree(src: Path, dst: Path, *, owner: int | None, max_depth: int = 256, max_files: int = 1 << 20) -> None:
+def copy_tree(src: Path, dst: Path, *, owner: int | None, max_depth: int = 256, max_files: int = 1 << 20,
+              deadline: float | None = None) -> None:
     """Copy a workspace into the existing directory ``dst``: directories, regular files (mode kept) and
-    symlinks (as links, never followed). FIFOs, sockets and devices are skipped: opening a FIFO to
-    copy it would block. Too deep: 400 ``tree_too_deep``; too many files: 413."""
-    dst_root = os.open(dst, _DIR_FLAGS)
-    target_rel, target_dir = "", os.dup(dst_root)  # the copy's directory for the current source directory
+    symlinks (as links, never followed), linear in the entries whatever the depth. FIFOs, sockets and
+    devices are skipped: opening a FIFO to copy it would block. Too deep: 400 ``tree_too_deep``; too
+    many files: 413; past ``deadline`` (monotonic): 422 ``snapshot_too_slow``."""
+    targets = [os.open(dst, _DIR_FLAGS)]  # the copy's folders along the current path
     num_files = 0
     try:
-        for rel, info, parent_fd, name in _walk(src, max_depth):
-            parent_rel = rel.rpartition("/")[0]
-            if parent_rel != target_rel:
-                os.close(target_dir)
-                target_rel, target_dir = parent_rel, -1
-                target_dir = _open_chain(dst_root, tuple(parent_rel.split("/")) if parent_rel else ())
-            mode = info.st_mode
+        for rel, info, parent_fd, depth in _walk(src, max_depth, deadline):
+            while len(targets) > depth + 1:  # the walk left those folders
+                os.close(targets.pop())
+            target_dir, name, mode = targets[-1], _name(rel), info.st_mode
             if stat.S_ISDIR(mode):
                 os.mkdir(name, stat.S_IMODE(mode) | 0o700, dir_fd=target_dir)
+                targets.append(os.open(name, _DIR_FLAGS, dir_fd=target_dir))
             elif stat.S_ISLNK(mode):
                 os.symlink(os.readlink(name, dir_fd=parent_fd), name, dir_fd=target_dir)
             elif stat.S_ISREG(mode):
@@ -261,11 +276,59 @@ def copy_tree(src: Path, dst: Path, *, owner: int | None, max_depth: int = 256, 
             raise WorkspaceError("disk_quota_exceeded", 413, "no space left to copy the workspace") from exc
         raise
     finally:
-        if target_dir >= 0:
-            os.close(target_dir)
-        os.close(dst_root)
+        for fd in targets:
+            os.close(fd)
     if owner is not None:
         os.chown(dst, owner, owner, follow_symlinks=False)
+
+
+def copy_tree_charged(src: Path, dst: Path, cgroup_procs: list[str], *, owner: int | None, max_files: int,
+                      deadline: float) -> None:
+    """:func:`copy_tree` in a child process that first joins ``cgroup_procs`` (the new sandbox's groups):
+    the pages of the copy are charged to that sandbox's memory limit (and the limit on all sandboxes),
+    not to the server. The child runs this module's own source (``-I -S``: nothing of the host's
+    environment or site-packages). Past the sandbox's memory limit (the child is OOM-killed): 413
+    ``snapshot_too_large``; past ``deadline``: 422 ``snapshot_too_slow``."""
+    spec = {"src": str(src), "dst": str(dst), "procs": cgroup_procs, "owner": owner, "max_files": max_files,
+            "deadline": deadline}
+    argv = [sys.executable, "-I", "-S", "-c", _SOURCE + "\n_copy_child()\n", json.dumps(spec)]
+    try:
+        done = subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, env={},
+                              timeout=max(deadline - time.monotonic(), 0) + 5)
+    except subprocess.TimeoutExpired:
+        raise WorkspaceError("snapshot_too_slow", 422, "the workspace took longer than the time allowed to copy") from None
+    if done.returncode == 0:
+        return
+    if done.returncode == _REFUSED_EXIT:
+        refusal = json.loads(done.stdout)
+        raise WorkspaceError(refusal["code"], refusal["status"], refusal["message"])
+    if done.returncode < 0:  # killed: the copy's pages went past the sandbox's memory limit
+        raise WorkspaceError("snapshot_too_large", 413, "copying the workspace went past the sandbox's memory limit")
+    raise OSError(f"workspace copy failed (exit {done.returncode}): {done.stderr.decode(errors='replace')[-500:]}")
+
+
+_REFUSED_EXIT = 3  # the child's exit code for a WorkspaceError (its JSON on stdout)
+
+
+def _copy_child() -> None:
+    """Entry point of :func:`copy_tree_charged`'s child: join the cgroups, copy, report a refusal."""
+    spec = json.loads(sys.argv[1])
+    for path in spec["procs"]:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
+    try:
+        copy_tree(Path(spec["src"]), Path(spec["dst"]), owner=spec["owner"], max_files=spec["max_files"],
+                  deadline=spec["deadline"])  # CLOCK_MONOTONIC is the same in every process
+    except WorkspaceError as exc:
+        print(json.dumps({"code": exc.code, "status": exc.status, "message": exc.message}))
+        sys.exit(_REFUSED_EXIT)
+
+
+def _name(rel: str) -> str:
+    return rel.rpartition("/")[2]
 
 
 def _copy_file(src_dir: int, dst_dir: int, name: str, mode: int) -> None:
@@ -296,3 +359,6 @@ def remove_tree(path: Path) -> None:
     if os.path.lexists(path):
         subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=False,
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+_SOURCE = Path(__file__).read_text(encoding="utf-8") if "__file__" in globals() else ""

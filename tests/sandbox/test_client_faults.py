@@ -10,6 +10,7 @@ import pytest
 
 from sandbox_client import (
     CommandTimeout,
+    SandboxAnswerDropped,
     SandboxAuthError,
     SandboxCapacityError,
     SandboxClient,
@@ -101,6 +102,7 @@ def test_persistent_faults_become_infra_errors_after_bounded_retries():
     (_error(413, "payload_too_large"), SandboxRequestError),
     (_error(401, "unauthorized"), SandboxAuthError),
     (_error(422, "idempotency_key_reused"), SandboxInfraError),
+    (_error(410, "answer_dropped"), SandboxAnswerDropped),
 ])
 def test_client_errors_are_classified_without_retry(response, error):
     seen: list[httpx2.Request] = []

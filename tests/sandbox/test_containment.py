@@ -258,3 +258,72 @@ def test_sandboxes_together_cannot_use_more_than_the_total_memory_limit():
         pytest.skip("no writable cgroups on this host: the server reports memory_all_sandboxes as not enforced")
     assert alone.stdout.strip() == "survived", alone  # one sandbox alone fits both limits
     assert sum(r.stdout.strip() == "survived" for r in results) <= 1, results
+
+
+def test_bwrap_commands_run_under_the_seccomp_filter():
+    """The reference server under bubblewrap always applies its filter (libseccomp is an install step):
+    the conformance test of the refused calls then runs instead of skipping. docs/sandbox.md lists
+    every refused call."""
+    from sandbox_server.seccomp import REFUSED_SYSCALLS
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "sandbox.md").read_text()
+    assert [name for name in REFUSED_SYSCALLS if f"`{name}`" not in docs] == []
+    with start_local_server(isolation="auto") as server:
+        isolation = server.health()["isolation"]
+    if isolation["backend"] != "bwrap":
+        pytest.skip("no bubblewrap on this host")
+    assert "seccomp filter refusing" in isolation["enforced"]["seccomp"], isolation
+
+
+_FORK_AND_HOLD = ("import os, time\nheld = 0\nfor _ in range(30):\n    try:\n        if os.fork() == 0:\n"
+                  "            time.sleep(4)\n            os._exit(0)\n        held += 1\n    except OSError:\n"
+                  "        break\nprint(held, flush=True)\ntime.sleep(4)\n")
+
+
+def test_sandboxes_together_cannot_hold_more_processes_than_the_total_limit():
+    """Each sandbox may hold 30 processes, all of them together 40: two sandboxes forking at once get
+    40 between them, not 60. A total at or above kernel.pid_max is refused at start, naming it."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    with pytest.raises(RuntimeError, match=rf"total_processes \({pid_max}\) must be below this host's kernel.pid_max"):
+        start_local_server(total_processes=pid_max)
+    with start_local_server(max_processes=30, total_processes=40) as server:
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                health = await client.health()
+                boxes = [await client.create({"hold.py": _FORK_AND_HOLD}) for _ in range(2)]
+                results = await asyncio.gather(*(client.exec(b, ["python", "hold.py"], timeout_s=30) for b in boxes))
+                for box in boxes:
+                    await client.delete(box)
+                return health, [int(r.stdout.split()[0]) for r in results]
+
+        health, held = asyncio.run(main())
+    if health["isolation"]["enforced"]["processes_all_sandboxes"] is None:
+        pytest.skip("no writable cgroups on this host: the server reports processes_all_sandboxes as not enforced")
+    assert health["limits"]["total_processes"] == 40
+    assert 20 <= sum(held) <= 40 - 2, held  # each exec's own python counts too
+
+
+def test_a_forks_copy_is_charged_to_the_forks_own_memory_limit(tmp_path):
+    """The pages of a fork's copy (tmpfs: memory) count against the new sandbox's memory limit and the
+    limit of all sandboxes together, not against the server: each fork of a 250 MiB workspace added
+    252 MiB to the server's own group."""
+    import hashlib
+
+    root = tmp_path / "boxes"
+    with start_local_server(root_dir=str(root)) as server:
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                health = await client.health()
+                agent = await client.create({})
+                await client.exec(agent, "head -c 24000000 /dev/urandom > blob")
+                child = await client.fork(agent)
+                group = Path("/sys/fs/cgroup/memory") / f"agentrl-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]}"
+                usage = int((group / child / "memory.usage_in_bytes").read_text()) if group.exists() else None
+                for sid in (agent, child):
+                    await client.delete(sid)
+                return health, usage
+
+        health, usage = asyncio.run(main())
+    if health["isolation"]["enforced"]["memory_per_sandbox"] is None or usage is None:
+        pytest.skip("no cgroup v1 memory hierarchy written by this server")
+    assert usage >= 24_000_000, usage

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from sandbox_client import SandboxCapacityError, SandboxClient, SandboxInfraError
+from sandbox_client import SandboxCapacityError, SandboxClient, SandboxInfraError, SandboxRequestError
 from sandbox_server.launch import start_local_server
 
 
@@ -195,3 +195,113 @@ def test_a_launched_server_ignores_the_callers_sandbox_server_variables(monkeypa
         health = server.health()
     assert health["sandboxes"]["max"] == 3
     assert health["limits"]["output_limit_bytes"] != 10
+
+
+def _kept_answer_bytes(url: str, headers: dict) -> float:
+    metrics = httpx2.get(f"{url}/v1/metrics", headers=headers).text
+    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("sandbox_idempotency_bytes")))
+
+
+def test_kept_answers_are_bounded_per_sandbox_and_in_total_and_go_with_their_sandbox():
+    """Each exec answer is kept for retries, but within a byte budget: per sandbox (its oldest answer
+    goes first), in total, and not past the sandbox's deletion. A retry whose answer was dropped is a
+    typed 410 and does not run the command again."""
+    from sandbox_server.options import largest_exec_answer_bytes
+
+    limit = 32 << 10
+    per_box = largest_exec_answer_bytes(limit)  # room for one worst-case answer
+    flood = f"echo run >> runs.txt; head -c {limit} /dev/zero; head -c {limit} /dev/zero >&2"
+    with start_local_server(output_limit_bytes=limit, idempotency_max_bytes_per_sandbox=per_box,
+                            idempotency_max_bytes=per_box * 3 // 2) as server:
+        headers = {"Authorization": f"Bearer {server.token}"}
+        http = httpx2.Client(base_url=server.url, headers=headers, timeout=60)
+        boxes = [http.post("/v1/sandboxes", json={}).json()["id"] for _ in range(2)]
+        first, second = ({"command": flood, "idempotency_key": uuid.uuid4().hex} for _ in range(2))
+        answers = [http.post(f"/v1/sandboxes/{boxes[0]}/exec", json=body) for body in (first, second)]
+        assert all(len(a.content) > per_box // 2 for a in answers)  # NULs: 6 bytes each in JSON
+        assert _kept_answer_bytes(server.url, headers) <= per_box
+        dropped = http.post(f"/v1/sandboxes/{boxes[0]}/exec", json=first)
+        assert (dropped.status_code, dropped.json()["error"]["code"]) == (410, "answer_dropped")
+        assert http.post(f"/v1/sandboxes/{boxes[0]}/exec", json=second).content == answers[1].content
+        assert http.get(f"/v1/sandboxes/{boxes[0]}/file", params={"path": "runs.txt"}).json()["content"] == "run\nrun\n"
+        http.post(f"/v1/sandboxes/{boxes[1]}/exec", json={"command": flood, "idempotency_key": "k"})
+        assert _kept_answer_bytes(server.url, headers) <= per_box * 3 // 2
+        for sid in boxes:
+            http.delete(f"/v1/sandboxes/{sid}").raise_for_status()
+        assert _kept_answer_bytes(server.url, headers) == 0
+
+
+def test_a_workspace_too_slow_to_fork_is_refused_typed_leaves_nothing_and_scores_zero(tmp_path):
+    """A fork not done within fork_timeout_s (or the client's wait, if shorter) is discarded and answered
+    422 snapshot_too_slow: no fork is made after its client gave up, and scoring gives the submission 0
+    with the reason (the agent made its workspace that slow), not an infrastructure error."""
+    from sandbox_client import score_submission
+
+    make_tree = "import os\nfor i in range(600):\n    os.makedirs(f'w/{i}/' + '/'.join('abcdefghij'))\n"
+    with start_local_server(fork_timeout_s=0.02, root_dir=str(tmp_path / "boxes")) as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                agent = await client.create({"utils.py": "def f():\n    return 1\n"})
+                await client.exec(agent, ["python", "-c", make_tree], timeout_s=60)
+                with pytest.raises(SandboxRequestError) as refused:
+                    await client.fork(agent)
+                score = await score_submission(client, task_files={"utils.py": ""}, agent_sandbox_id=agent,
+                                               hidden_files={"hidden/test_h.py": "def test_h():\n    pass\n"},
+                                               test_command="python -m pytest -q hidden", timeout_s=30)
+                live = (await client.health())["sandboxes"]["active"], len(_sandbox_dirs(tmp_path / "boxes"))
+                await client.delete(agent)
+                return refused.value, score, live
+
+        refused, score, live = asyncio.run(main())
+        assert (refused.status, refused.code) == (422, "snapshot_too_slow")
+        assert live == (1, 1)  # the agent's sandbox only: neither refused copy (the test's, scoring's) is left
+        assert score.reward == 0.0 and "snapshot_too_slow" in score.output, score
+
+
+def _closed_by_server(socks: list, wait_s: float) -> int:
+    """How many of ``socks`` the server closed within ``wait_s`` (all watched at once)."""
+    import selectors
+
+    closed, deadline = set(), time.monotonic() + wait_s
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ)
+        while len(closed) < len(socks) and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                try:
+                    data = key.fileobj.recv(1 << 16)
+                except (ConnectionResetError, BrokenPipeError):
+                    data = b""
+                if data == b"":
+                    closed.add(key.fileobj)
+                    selector.unregister(key.fileobj)
+    return len(closed)
+
+
+def test_half_sent_requests_are_bounded_per_client_and_in_time():
+    """A client cannot hold connections open with requests the server cannot yet authenticate: past
+    max_connections_per_client they are closed at once, a request whose headers are not complete
+    within header_timeout_s is closed, a body not complete within body_timeout_s is a 408."""
+    import socket
+
+    with start_local_server(header_timeout_s=1.0, body_timeout_s=1.0, max_connections_per_client=10) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        half_sent = []
+        for _ in range(15):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+            half_sent.append(sock)
+        assert _closed_by_server(half_sent, 0.5) == 5  # past the cap: closed at once
+        assert _closed_by_server(half_sent, 3.0) == 15  # the header deadline closed the rest
+        assert server.health()["status"] == "ok"  # the server answers again once they are gone
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(f"PUT /v1/sandboxes/{'0' * 32}/file HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         f"{server.token}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{".encode())
+            sock.settimeout(5)
+            started = time.monotonic()
+            answer = sock.recv(1 << 16)
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
+            assert time.monotonic() - started < 4
+        for sock in half_sent:
+            sock.close()
