@@ -46,7 +46,8 @@ def preflight(settings: Settings, *, network: bool = True) -> None:
     """Run every start-up check; the first failure raises :class:`PreflightError`."""
     check_tasks(settings)
     check_infra_wait(settings)
-    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"))
+    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"),
+                     cache_dir=settings.model.cache_dir)
     check_chat_template(settings)
     if settings.env.sub_agent is not None:
         check_sub_agent_path(settings.env.sub_agent.model_path, network=network)
@@ -89,11 +90,15 @@ def check_tasks(settings: Settings) -> None:
             raise PreflightError(f"{setting}: no {split} tasks in {root}")
 
 
-def check_model_path(path: str, *, network: bool = True, safetensors: bool = False) -> None:
-    """``tiny`` (built from its config by ``models/tiny.py``), a complete model folder (:func:`model_folder_problem`),
-    or a hub id (in the local cache, or on a reachable hub). ``safetensors``: the weights must be safetensors
-    (the vLLM engine reads their headers)."""
+def check_model_path(path: str, *, network: bool = True, safetensors: bool = False,
+                     cache_dir: str | Path = ".cache/lightning_agentrl") -> None:
+    """``tiny`` (built from its config by ``models/tiny.py``), a named model or a GGUF file (``models/gguf_convert.py``:
+    its header is read), a complete model folder (:func:`model_folder_problem`), or a hub id (in the local cache, or
+    on a reachable hub). ``safetensors``: the weights must be safetensors (the vLLM engine reads their headers)."""
     if path == "tiny":
+        return
+    if _is_gguf_source(path):
+        gguf_model_folder(path, cache_dir)  # reads the file's header unless it is converted already
         return
     folder = Path(path).expanduser()
     if folder.exists():
@@ -110,6 +115,28 @@ def check_model_path(path: str, *, network: bool = True, safetensors: bool = Fal
     if _in_hub_cache(path) or not network:
         return
     _check_on_hub(path)
+
+
+def _is_gguf_source(path: str) -> bool:
+    from lightning_agentrl.models.gguf_convert import GGUFError, is_gguf_source
+
+    try:
+        return is_gguf_source(path)
+    except GGUFError as err:
+        raise PreflightError(f"model.path: {err}") from None
+
+
+def gguf_model_folder(path: str, cache_dir: str | Path) -> Path | None:
+    """A GGUF ``model.path``'s converted folder if it has one yet; None otherwise, or for another kind of path.
+    A GGUF file that cannot be converted raises :class:`PreflightError`."""
+    from lightning_agentrl.models.gguf_convert import GGUFError, check_source
+
+    if not _is_gguf_source(path):
+        return None
+    try:
+        return check_source(path, cache_dir)
+    except GGUFError as err:
+        raise PreflightError(f"model.path: {err}") from None
 
 
 def check_sub_agent_path(path: str, *, network: bool = True) -> None:
@@ -158,7 +185,7 @@ def model_folder_problem(folder: Path, *, safetensors: bool = False) -> str | No
 def check_chat_template(settings: Settings) -> None:
     """A local model's chat template can hold the episode's conversation (observation role, end of
     turn, tools as ``env.tool_format`` asks); a hub model's is checked once loaded, still before training."""
-    folder = Path(settings.model.path).expanduser()
+    folder = gguf_model_folder(settings.model.path, settings.model.cache_dir) or Path(settings.model.path).expanduser()
     if settings.model.path == "tiny" or not (folder / "tokenizer_config.json").is_file():
         return
     from transformers import AutoTokenizer
