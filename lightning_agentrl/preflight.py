@@ -42,21 +42,23 @@ class PreflightError(SettingsError):
     """An input or service named by the settings is missing or down. The message starts with the setting."""
 
 
-def preflight(settings: Settings, *, network: bool = True) -> None:
-    """Run every start-up check; the first failure raises :class:`PreflightError`."""
+def preflight(settings: Settings, *, network: bool = True):
+    """Run every start-up check; the first failure raises :class:`PreflightError`. Returns the local model's
+    :class:`~lightning_agentrl.rollout.chat.ChatCodec` (None for the tiny model, a hub id or an unconverted GGUF)."""
     check_tasks(settings)
     check_infra_wait(settings)
     check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"),
                      cache_dir=settings.model.cache_dir)
-    check_chat_template(settings)
+    codec = check_chat_template(settings)
     if settings.env.sub_agent is not None:
         check_sub_agent_path(settings.env.sub_agent.model_path, network=network)
     if not network:
-        return
+        return codec
     if env_uses_sandbox(settings):  # only the environments that run actions there need the service
         check_sandbox(settings.sandbox, judge_policy(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
+    return codec
 
 
 # -- local -----------------------------------------------------------------------------------------
@@ -182,12 +184,13 @@ def model_folder_problem(folder: Path, *, safetensors: bool = False) -> str | No
     return None
 
 
-def check_chat_template(settings: Settings) -> None:
+def check_chat_template(settings: Settings):
     """A local model's chat template can hold the episode's conversation (observation role, end of
-    turn, tools as ``env.tool_format`` asks); a hub model's is checked once loaded, still before training."""
+    turn, tools as ``env.tool_format`` asks); a hub model's is checked once loaded, still before training.
+    Returns the codec, or None where there is no local tokenizer yet."""
     folder = gguf_model_folder(settings.model.path, settings.model.cache_dir) or Path(settings.model.path).expanduser()
     if settings.model.path == "tiny" or not (folder / "tokenizer_config.json").is_file():
-        return
+        return None
     from transformers import AutoTokenizer
 
     from lightning_agentrl.train import chat_codec
@@ -198,9 +201,40 @@ def check_chat_template(settings: Settings) -> None:
         raise PreflightError(f"model.path: the tokenizer in {folder} does not load: {type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}") from None
     try:
-        chat_codec(settings, tokenizer)
+        return chat_codec(settings, tokenizer)
     except SettingsError as err:
         raise PreflightError(str(err)) from None
+
+
+CALL_FORMAT_MARKS = ("{tools}", "<tool_call>", '"name"', "[TOOL_CALLS]")
+"""What in a custom ``env.system_prompt`` tells the model how to call its tools (the tool list, or a call format)."""
+
+
+def describe_model(settings: Settings, codec) -> tuple[list[str], list[str]]:
+    """What ``validate`` says about the model: lines (the observation role chosen, the end-of-turn token, how
+    the tools reach the model) and warnings (a custom system prompt that tells the model no call format)."""
+    from lightning_agentrl.train import native_tools
+
+    if codec is None:
+        when = "when the run builds it" if settings.model.path == "tiny" else "when the model is loaded or converted"
+        lines = [f"chat template of {settings.model.path}: checked {when}"]
+        in_text = settings.env.tool_format != "template"  # the template may render tools=; not known yet
+    else:
+        in_text = not native_tools(settings, codec)
+        tools = ("text: the system prompt's {tools} (env.tool_format=" + settings.env.tool_format + ")" if in_text
+                 else "template: the chat template's own tools= rendering")
+        end = codec.tokenizer.decode([codec.end_of_turn_id])
+        lines = [f"observation role: {codec.observation_role}"
+                 f"{'' if settings.env.observation_role else ' (the first the template renders)'}",
+                 f"end of turn: {end!r} (id {codec.end_of_turn_id}); generation also stops on "
+                 f"{[codec.tokenizer.decode([i]) for i in codec.stop_token_ids]}",
+                 f"tools: {tools}"]
+    prompt = settings.env.system_prompt
+    warnings_ = []
+    if prompt is not None and in_text and not any(mark in prompt for mark in CALL_FORMAT_MARKS):
+        warnings_.append("env.system_prompt has neither {tools} nor a call format (<tool_call>{\"name\": ..., "
+                         "\"arguments\": {...}}</tool_call>): the model is not told how to call its tools")
+    return lines, warnings_
 
 
 def _looks_like_a_path(path: str) -> bool:

@@ -6,7 +6,7 @@ What would fail if the wiring broke: the checkpoint's model path (the converted 
 name and for the GGUF given by path), a non-zero gradient norm in MLflow (one scripted episode solves its task,
 the other is sampled, so the group has reward variance), the token check's count of checked turns on the
 model's own ChatML template, the exported policy's logits, and the episodes ``evaluate`` played.
-Shapes are tiny (8 new tokens, a one-line system prompt, 2 episodes, 1 step): the 135M model is slow on CPU.
+Shapes are tiny (34 new tokens, a one-line system prompt, 2 episodes, 1 step): the 135M model is slow on CPU.
 Bad GGUF input is one ``error: model.path:`` line, before any other work.
 """
 
@@ -28,8 +28,9 @@ SMOL = "smollm2-135m-instruct"
 CACHE = REPO / ".cache" / "lightning_agentrl"
 QUICK = [
     "--trainer.max_steps=1", "--rollout.group_size=2", "--rollout.groups_per_step=1", "--rollout.max_in_flight=2",
-    "--engine.max_new_tokens=8", "--tracking.enabled=true", "--trainer.checkpoint_every=1",
-    "--env.system_prompt=Tools: read_file(path), write_file(path, content), run(command), submit().",
+    "--engine.max_new_tokens=34",  # the scripted run call: 32 tokens and its end of turn
+    "--tracking.enabled=true", "--trainer.checkpoint_every=1",
+    "--env.system_prompt=The tools are read_file(path), write_file(path, content), run(command) and submit().",
 ]
 
 
@@ -81,7 +82,7 @@ def test_named_model_trains_one_step_on_its_own_chat_template(smol_run, smol_fil
     tokenizer = AutoTokenizer.from_pretrained(trained_model_path(result))
     segment = log.batches[0].trajectories[0].segments[0]
     opening = tokenizer.decode(segment.token_ids[: segment.turns[0].action_start])
-    assert opening.startswith("<|im_start|>system\nTools: read_file(path)") and opening.endswith("<|im_start|>assistant\n")
+    assert opening.startswith("<|im_start|>system\nThe tools are read_file(path)") and opening.endswith("<|im_start|>assistant\n")
     assert tokenizer.decode(segment.token_ids[segment.turns[0].action_end - 1]) == "<|im_end|>"
 
 
@@ -124,13 +125,22 @@ def test_evaluate_plays_the_trained_policy(smol_run, tmp_path):
 
 @pytest.mark.slow
 def test_a_gguf_given_by_path_takes_the_same_route(smol_run, smol_file, tmp_path):
+    """A folder holding the GGUF converts to the named model's folder (same content, same hash: no second
+    conversion), and the product plays episodes from it: `evaluate` on the path."""
+    import json
+
+    from lightning_agentrl.train import resolve_model_path
+
     folder = tmp_path / "downloaded"
     folder.mkdir()
-    (folder / "model.gguf").symlink_to(smol_file)  # a folder holding one GGUF, converted to the same place
-    result, _ = smol_fit(tmp_path, str(folder))
-    assert result.global_step == 1
-    assert trained_model_path(result) == trained_model_path(smol_run[0])
-    assert metric(result, "policy/grad_norm")[0] > 0
+    (folder / "model.gguf").symlink_to(smol_file)
+    settings = learn_settings(tmp_path, f"--model.path={folder}", *QUICK)
+    assert Path(resolve_model_path(settings)) == trained_model_path(smol_run[0])
+    out = tmp_path / "evaluation"
+    assert main(["evaluate", str(folder / "model.gguf"), "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"),
+                 "--split", "all", "--samples", "1", "--out", str(out), f"--env.tasks={tmp_path / 'tasks'}",
+                 "--env.max_turns=1", "--engine.max_new_tokens=8", "--trainer.threads=1"]) == 0
+    assert json.loads((out / "evaluation.json").read_text())["episodes"] == 2
 
 
 def write_gguf(path: Path, architecture: str = "llama", quantization=None) -> Path:
@@ -206,3 +216,41 @@ def test_converted_folder_is_reused_and_saved_tied(smol_file):
         names = set(weights.keys())
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     assert "quantization_config" not in (folder / "config.json").read_text()
+
+
+def test_validate_says_how_the_model_is_prompted(smol_file, capsys):
+    """The observation role, the end of turn and the tool format of SmolLM2's ChatML template (it renders no
+    tools=, so the tools are text); a custom system prompt that tells no call format is warned about."""
+    from lightning_agentrl.models.gguf_convert import converted_model
+
+    converted_model(SMOL, CACHE)
+    config = str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml")
+    argv = ["validate", "--config", config, "--offline", f"--model.path={SMOL}", f"--model.cache_dir={CACHE}"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "# observation role: tool (the first the template renders)\n" in out
+    assert "# end of turn: '<|im_end|>' (id 2)" in out
+    assert "# tools: text: the system prompt's {tools} (env.tool_format=auto)\n" in out
+    assert err == ""  # the built-in system prompt lists the tools with example calls
+    assert main([*argv, "--env.system_prompt=Fix the bug. Use the tools."]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: env.system_prompt has neither {tools} nor a call format")
+    assert main([*argv, "--env.system_prompt=Fix the bug.\n{tools}"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_every_built_in_tool_example_is_a_call_the_parser_accepts():
+    """The built-in tool text shows calls a model can copy as they are: valid JSON, accepted by the parser,
+    in the Hermes form and in SmolLM2's list form."""
+    import json
+
+    from lightning_agentrl.envs.keydoor import KEYDOOR_TOOLS
+    from lightning_agentrl.envs.tools import CALL_PATTERN, CODING_TOOLS, parse_tool_call
+
+    for tools in (CODING_TOOLS, KEYDOOR_TOOLS):
+        for tool in tools:
+            (example,) = CALL_PATTERN.findall(tool.render())
+            call = json.loads(example)
+            assert parse_tool_call(tool.render(), tools).name == tool.name
+            assert parse_tool_call(f"<tool_call>[{example}]</tool_call>", tools).arguments == call["arguments"]
+            assert all(value for value in call["arguments"].values())  # an example value, not a blank
