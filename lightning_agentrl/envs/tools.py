@@ -5,11 +5,14 @@ An action is free text that contains one call. Three families' formats are read:
     I will read the file first.
     <tool_call>{"name": "read_file", "arguments": {"path": "utils.py"}}</tool_call>
 
+    <tool_call>[{"name": "read_file", "arguments": {"path": "utils.py"}}]</tool_call>
+
     {"name": "read_file", "parameters": {"path": "utils.py"}}
 
     [TOOL_CALLS] [{"name": "read_file", "arguments": {"path": "utils.py"}}]
 
-The first is the Hermes/Qwen convention (also what the built-in tool text teaches); the second is
+The first is the Hermes/Qwen convention (also what the built-in tool text teaches), with the list
+form SmolLM2 was trained on (its function-calling data wraps a list of calls in the tags); the second is
 Llama 3's JSON call (``parameters`` for ``arguments``, maybe after ``<|python_tag|>``); the third is
 Mistral's. A ``<tool_call>`` tag wins; without one, the first JSON object in the text with a
 ``name`` is the call. Only the first call of an action is executed. A malformed call is not an
@@ -31,6 +34,7 @@ class ToolSpec:
     name: str
     description: str
     parameters: dict[str, str] = field(default_factory=dict)  # argument name -> description
+    example: dict[str, str] = field(default_factory=dict)  # argument name -> a value, for the copyable example
 
     def schema(self) -> dict:
         """The tool as a JSON schema in the OpenAI function format that chat templates' ``tools=`` take."""
@@ -41,17 +45,28 @@ class ToolSpec:
         }}
 
     def render(self) -> str:
-        args = ", ".join(f'"{k}": <{v}>' for k, v in self.parameters.items())
-        return f'- {self.name}: {self.description}\n  <tool_call>{{"name": "{self.name}", "arguments": {{{args}}}}}</tool_call>'
+        """The tool for a system prompt: its arguments, then an example call that is valid JSON as written (a
+        small model copies the example it is shown; a placeholder such as ``<relative path>`` is not JSON).
+
+        >>> print(ToolSpec("move", "walk one square", {"direction": "north or south"}, {"direction": "north"}).render())
+        - move(direction: north or south): walk one square
+          <tool_call>{"name": "move", "arguments": {"direction": "north"}}</tool_call>
+        """
+        arguments = {k: self.example.get(k, "") for k in self.parameters}
+        signature = ", ".join(f"{k}: {v}" for k, v in self.parameters.items())
+        call = json.dumps({"name": self.name, "arguments": arguments})
+        return f"- {self.name}({signature}): {self.description}\n  <tool_call>{call}</tool_call>"
 
 
 CODING_TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec("read_file", "show a file of the workspace", {"path": "relative path"}),
+    ToolSpec("read_file", "show a file of the workspace", {"path": "relative path"}, {"path": "utils.py"}),
     ToolSpec(
-        "write_file", "replace a file's whole content", {"path": "relative path", "content": "new text"}
+        "write_file", "replace a file's whole content", {"path": "relative path", "content": "new text"},
+        {"path": "utils.py", "content": "def add(a, b):\n    return a + b\n"},
     ),
     ToolSpec(
-        "run", "run a shell command in the workspace, e.g. the visible tests", {"command": "shell command"}
+        "run", "run a shell command in the workspace, e.g. the visible tests", {"command": "shell command"},
+        {"command": "python -m pytest -q"},
     ),
     ToolSpec("submit", "finish; hidden tests decide the reward", {}),
 )
@@ -73,6 +88,8 @@ def parse_tool_call(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> To
     >>> parse_tool_call('x <tool_call>{"name": "submit", "arguments": {}}</tool_call>')
     ToolCall(name='submit', arguments={})
     >>> parse_tool_call('<|python_tag|>{"name": "read_file", "parameters": {"path": "a.py"}}')
+    ToolCall(name='read_file', arguments={'path': 'a.py'})
+    >>> parse_tool_call('<tool_call>[{"name": "read_file", "arguments": {"path": "a.py"}}]</tool_call>')
     ToolCall(name='read_file', arguments={'path': 'a.py'})
     """
     payload = _call_payload(text)
@@ -106,7 +123,9 @@ def _call_payload(text: str):
     match = CALL_PATTERN.search(text)
     if match is not None:
         try:
-            return json.loads(match.group(1))
+            payload = json.loads(match.group(1))
+            # SmolLM2's form: a list of calls in the tags; the first is the call
+            return payload[0] if isinstance(payload, list) and payload else payload
         except json.JSONDecodeError as err:
             raise ToolCallError(f"the tool call is not valid JSON: {err.msg} at char {err.pos}") from None
         except RecursionError:  # a sampled reply can nest deeper than the parser's stack
