@@ -5,8 +5,9 @@ epochs, and a step takes seconds to minutes). :class:`RolloutProgressBar` keeps 
 shows ``step k/N``, the episodes finished and in flight, the tokens per second of the last step and its mean
 reward. :func:`quiet_libraries` silences what every run printed without a use: Lightning's litlogger tip,
 a ``LeafSpec`` deprecation inside Lightning, DeepSpeed's "Setting accelerator to CPU" on stdout, the
-progress bars of transformers' weight loading and saving, MLflow's database set-up lines, and vLLM's info lines (its warnings stay;
-``VLLM_LOGGING_LEVEL=INFO`` brings them back).
+progress bars of transformers' weight loading and saving and MLflow's database set-up lines.
+:func:`quiet_vllm` does the same for the in-process vLLM engine's info lines and warnings (its errors stay;
+``VLLM_LOGGING_LEVEL=INFO`` brings the rest back); servers the run starts keep theirs, in their log files.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ def quiet_libraries() -> None:
 
     if not torch.cuda.is_available():  # on GPUs DeepSpeed must detect CUDA itself
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial MLflow database tables"
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -41,6 +41,17 @@ def quiet_libraries() -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
+
+
+def quiet_vllm() -> None:
+    """The in-process vLLM engine (and its engine-core and worker processes, which read the environment) logs
+    errors only, unless ``VLLM_LOGGING_LEVEL`` says otherwise: its info lines and warnings (about 50 lines at
+    start-up, on CPU mostly about kernels that are not there) say nothing a user can act on."""
+    import sys
+
+    level = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if "vllm" in sys.modules:  # imported already (a check): its logger was set up with the old level
+        logging.getLogger("vllm").setLevel(level)
 
 
 class RolloutProgressBar(RichProgressBar):
@@ -88,4 +99,4 @@ class RolloutProgressBar(RichProgressBar):
         return items
 
 
-__all__ = ["RolloutProgressBar", "quiet_libraries"]
+__all__ = ["RolloutProgressBar", "quiet_libraries", "quiet_vllm"]

@@ -89,10 +89,12 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
             max_model_len=settings.env.max_context_tokens + 1,
         )
     if e.kind == "vllm":
+        from lightning_agentrl.console import quiet_vllm
         from lightning_agentrl.plan import on_gpu
         from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 
         gpu = on_gpu(settings)  # the KV cache: a byte size on CPU, a share of the GPU on GPUs
+        quiet_vllm()
         return VLLMEngine(
             model_path,
             num_replicas=e.num_replicas,
