@@ -286,7 +286,7 @@ def _fit(settings) -> int:
     console.print(f"  checkpoint: {result.checkpoint}")
     console.print(f"  policy:     {result.policy_dir}")
     if result.tracking_uri:
-        console.print(f"  MLflow:     {result.tracking_uri} (run {result.mlflow_run_id})")
+        console.print(f"  MLflow:     {result.tracking_uri} (run {result.mlflow_run_id})", soft_wrap=True)
         # quoted for the shell (a run.dir with spaces), unwrapped and without markup: a line to paste
         command = f"mlflow ui --backend-store-uri {shlex.quote(result.tracking_uri)} --host 127.0.0.1"
         console.print(f"              {command}", soft_wrap=True, markup=False, highlight=False)

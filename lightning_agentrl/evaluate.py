@@ -67,6 +67,9 @@ def evaluate_policy(path: str | Path, *, split: str = "test", samples: int = 4, 
     server logs); without, a temporary folder holds the logs."""
     if samples < 1:
         raise SettingsError(f"--samples must be >= 1, got {samples}")
+    from lightning_agentrl.console import quiet_libraries
+
+    quiet_libraries()
     with tempfile.TemporaryDirectory(prefix="agentrl-evaluate-") as scratch:
         folder = Path(out) if out is not None else Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)

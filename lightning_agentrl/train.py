@@ -137,10 +137,12 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
             max_model_len=settings.env.max_context_tokens + 1,
         )
     if e.kind == "vllm":
+        from lightning_agentrl.console import quiet_vllm
         from lightning_agentrl.plan import on_gpu
         from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 
         gpu = on_gpu(settings)  # the KV cache: a byte size on CPU, a share of the GPU on GPUs
+        quiet_vllm()
         return VLLMEngine(
             model_path,
             num_replicas=e.num_replicas,
@@ -403,9 +405,11 @@ def prepare_run(settings: Settings) -> tuple[Path, Path | None]:
     import lightning as L
     import torch
 
+    from lightning_agentrl.console import quiet_libraries
     from lightning_agentrl.plan import check_memory_plan
     from lightning_agentrl.preflight import preflight
 
+    quiet_libraries()
     for pattern in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     check_memory_plan(settings)  # GPUs only: refuse, before anything loads, a run that cannot fit
@@ -582,6 +586,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
     from lightning_agentrl.callbacks.compact_filter import INFRASTRUCTURE, TRUNCATIONS
     from lightning_agentrl.callbacks.stage_timings import StageTimings
     from lightning_agentrl.checkpoint_io import StepCheckpoint
+    from lightning_agentrl.console import RolloutProgressBar
     from lightning_agentrl.envs.registry import load_env_tasks
 
     r = settings.rollout
@@ -602,6 +607,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         StepCheckpoint(run_dir / "checkpoints", settings.trainer.checkpoint_every,
                        link_last=not settings.trainer.uses_deepspeed),
         ExportPolicy(run_dir / "policy", tokenizer, adapter_directory=run_dir / "adapter"),
+        RolloutProgressBar(service),
     ]
     if settings.eval.every_n_steps is not None:
         from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation

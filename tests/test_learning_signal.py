@@ -86,3 +86,14 @@ def test_steps_without_signal_stop_the_run_with_exit_3_and_a_short_run_says_it_i
     closing = [line for line in capsys.readouterr().err.splitlines() if line.startswith("done: ")]
     assert closing == [f"done: 1 optimizer steps in {tmp_path / 'b'}, no learning signal in 1 of 1 steps (every "
                        "advantage 0: see the warning above)"], closing
+
+
+def test_the_limit_is_a_positive_count_or_null():
+    import pytest
+
+    from lightning_agentrl.settings import SettingsError, load_settings
+
+    assert load_settings(None, ["--rollout.max_steps_without_signal=null"]).rollout.max_steps_without_signal is None
+    assert load_settings(None, []).rollout.max_steps_without_signal == 10
+    with pytest.raises(SettingsError, match="rollout.max_steps_without_signal"):
+        load_settings(None, ["--rollout.max_steps_without_signal=0"])

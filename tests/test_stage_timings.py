@@ -77,3 +77,35 @@ def test_stage_timings_are_logged_at_the_step_of_the_other_metrics_of_their_batc
         assert steps(key) == [0, 1], key
     optimizer_s = [m.value for m in client.get_metric_history(result.mlflow_run_id, "time/optimizer_s")]
     assert all(v > 0 for v in optimizer_s)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_under_zero2_the_optimizer_step_is_timed(tmp_path):
+    """DeepSpeed steps its own optimizer (no torch step hooks): ``time/optimizer_s`` is measured around it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.fitting import REPO
+    from tests.test_keydoor import MAP
+
+    tasks = tmp_path / "maze.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"m{i}", "map": MAP}) + "\n" for i in range(2)))
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_agentrl", "fit", "--config", "tests/fixtures/tiny_bugfix.yaml",
+         "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.split=all", f"--run.dir={run}",
+         "--trainer.strategy=deepspeed_stage_2", "--trainer.accelerator=cpu", "--trainer.threads=1",
+         "--trainer.max_steps=1", "--algorithm.entropy_coef=0.01", "--engine.max_new_tokens=16", "--env.max_turns=2",
+         "--model.tiny_hidden_size=64", "--model.tiny_num_layers=1"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
+    run_id = (run / "mlflow_run_id.txt").read_text().strip()
+    (optimizer_s,) = client.get_metric_history(run_id, "time/optimizer_s")
+    assert optimizer_s.step == 0 and optimizer_s.value > 0

@@ -38,7 +38,7 @@ def no_signal_facts(trajectories: list[Trajectory]) -> str:
     >>> episode = Trajectory(episode_id="e", task_id="t", group_id=0, termination="max_turns",
     ...                      segments=[Segment(turns=[turn, turn])])
     >>> no_signal_facts([episode, episode])
-    'every episode earned reward 0; 4 of 4 actions held no valid tool call; no episode submitted (max_turns 2)'
+    'every episode earned reward 0; 4 of 4 actions held no valid tool call; no episode submitted (endings: 2 max_turns)'
     """
     rewards = sorted({t.reward for t in trajectories})
     facts = [f"every episode earned reward {rewards[0]:g}" if len(rewards) == 1 else
@@ -48,9 +48,9 @@ def no_signal_facts(trajectories: list[Trajectory]) -> str:
     if invalid:
         facts.append(f"{invalid} of {len(actions)} actions held no valid tool call")
     reasons = Counter(t.termination.value for t in trajectories if t.termination is not None)
-    ended = " ".join(f"{reason} {count}" for reason, count in reasons.most_common())
+    ended = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
     submitted = reasons.get(TerminationReason.SUBMITTED.value, 0)
-    facts.append(f"no episode submitted ({ended})" if not submitted else f"episodes ended as: {ended}")
+    facts.append(f"no episode submitted (endings: {ended})" if not submitted else f"endings: {ended}")
     return "; ".join(facts)
 
 
