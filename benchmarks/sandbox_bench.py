@@ -73,7 +73,7 @@ class DirectRunner:
         info_read, info_write = os.pipe()
         block_read, block_write = os.pipe()
         args = [*launch.bwrap_args, "--info-fd", str(info_write), "--block-fd", str(block_read)]
-        with _args_file(args) as fds:
+        with _args_file(args, launch.seccomp) as fds:
             proc = subprocess.Popen(launch.host_argv(fds), cwd=workspace, env=launch.env, start_new_session=True,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     pass_fds=(*fds, info_write, block_read))

@@ -49,6 +49,7 @@ from sandbox_server.limits import (
 )
 from sandbox_server.options import ServerOptions
 from sandbox_server.workspace import (
+    ChargedWriter,
     WorkspaceError,
     check_relative,
     chown_tree,
@@ -376,6 +377,7 @@ class SandboxManager:
         self.idempotency = IdempotencyCache(options.idempotency_ttl_s, options.idempotency_max_bytes_per_sandbox,
                                             options.idempotency_max_bytes)
         self.metrics = Metrics()
+        self._writer = ChargedWriter()
 
     # ---- lifecycle
     def get(self, sandbox_id: str) -> Sandbox:
@@ -457,6 +459,7 @@ class SandboxManager:
             for box in list(self.sandboxes.values()):
                 await self._destroy(box, "shutdown")
         finally:
+            self._writer.close()
             for lock in self._locks:
                 os.close(lock)
 
@@ -560,8 +563,13 @@ class SandboxManager:
             data = _base64(body.content, "content")
         else:
             data = _text(body.content, "content").encode()
-        await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=self.isolation.owner(box.slot),
-                                max_bytes=self.options.max_file_bytes)
+        owner, max_bytes = self.isolation.owner(box.slot), self.options.max_file_bytes
+        if self.cgroups is None:
+            await asyncio.to_thread(write_bytes, box.workspace, body.path, data, owner=owner, max_bytes=max_bytes)
+            return
+        # written from inside the sandbox's memory group: the pages count against its limit, not the server's
+        await asyncio.to_thread(self._writer.write, self.cgroups.memory_procs_file(box.id), box.workspace, body.path,
+                                data, owner=owner, max_bytes=max_bytes)
 
     # ---- reports
     def health(self) -> dict:

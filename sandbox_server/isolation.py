@@ -103,6 +103,7 @@ class Launch:
     argv: list[str]
     env: dict[str, str]
     bwrap_args: list[str] | None
+    seccomp: bytes | None = None  # the filter's program, for ``_args_file`` (bwrap only)
 
     def host_argv(self, fds: tuple[int, ...]) -> list[str]:
         return [str(fds[0]) if arg is _ARGS_FD_SLOT else arg for arg in self.argv]
@@ -262,7 +263,7 @@ class Isolation:
     def _probe(self, argv: list[str], cwd: Path, uid: int | None) -> bool:
         launch = self.launch(cwd, argv, self.base_env(cwd), network=False, uid=self.uid)
         try:
-            with _args_file(launch.bwrap_args, self._seccomp) as fds:
+            with _args_file(launch.bwrap_args, launch.seccomp) as fds:
                 done = subprocess.run(launch.host_argv(fds), cwd=cwd, env=launch.env,
                                       capture_output=True, timeout=30, pass_fds=fds,
                                       preexec_fn=_child_setup(self.limits, uid), start_new_session=True)
@@ -477,7 +478,7 @@ class Isolation:
         if self.backend == "bwrap":
             assert self._bwrap is not None
             options, command = self._bwrap_args(workspace, argv, env, network, uid)
-            return Launch([self._bwrap, "--args", _ARGS_FD_SLOT, "--", *command], dict(HOST_ENV), options)
+            return Launch([self._bwrap, "--args", _ARGS_FD_SLOT, "--", *command], dict(HOST_ENV), options, self._seccomp)
         if peer is not None:  # the launcher itself starts with the fixed host environment
             return Launch(argv, dict(HOST_ENV), None) if network or not self._process_netns else \
                 Launch([self._unshare or "unshare", "--net", "--", *argv], dict(HOST_ENV), None)
@@ -582,7 +583,7 @@ class Isolation:
         block_read, block_write = os.pipe()
         args = [*launch.bwrap_args, "--info-fd", str(info_write), "--block-fd", str(block_read)]
         try:
-            with _args_file(args, self._seccomp) as fds:
+            with _args_file(args, launch.seccomp) as fds:
                 proc = subprocess.Popen(launch.host_argv(fds), cwd=workspace, env=launch.env,
                                         start_new_session=True, stdin=stdin_mode, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, pass_fds=(*fds, info_write, block_read))

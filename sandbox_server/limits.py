@@ -111,6 +111,10 @@ class Cgroups:
     def procs_files(self, name: str) -> list[str]:
         return [str(d / "cgroup.procs") for d in self._dirs(name)]
 
+    def memory_procs_file(self, name: str) -> str:
+        """The ``cgroup.procs`` of the sandbox's memory group (where written pages are charged)."""
+        return str(self.parents["memory" if self.version == 1 else "unified"] / name / "cgroup.procs")
+
     def remove(self, name: str) -> None:
         for directory in self._dirs(name):
             self._kill_and_remove(directory)

@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path, PurePosixPath
 
@@ -314,17 +315,112 @@ def _copy_child() -> None:
     """Entry point of :func:`copy_tree_charged`'s child: join the cgroups, copy, report a refusal."""
     spec = json.loads(sys.argv[1])
     for path in spec["procs"]:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, str(os.getpid()).encode())
-        finally:
-            os.close(fd)
+        _join_cgroup(path)
     try:
         copy_tree(Path(spec["src"]), Path(spec["dst"]), owner=spec["owner"], max_files=spec["max_files"],
                   deadline=spec["deadline"])  # CLOCK_MONOTONIC is the same in every process
     except WorkspaceError as exc:
         print(json.dumps({"code": exc.code, "status": exc.status, "message": exc.message}))
         sys.exit(_REFUSED_EXIT)
+
+
+def _join_cgroup(procs_file: str) -> None:
+    fd = os.open(procs_file, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(os.getpid()).encode())
+    finally:
+        os.close(fd)
+
+
+def _own_memory_cgroup() -> str:
+    """This process's memory cgroup's ``cgroup.procs`` (v1 memory hierarchy, else v2)."""
+    unified = ""
+    with open("/proc/self/cgroup") as groups:
+        for line in groups:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if "memory" in controllers.split(","):
+                return f"/sys/fs/cgroup/memory{path}/cgroup.procs"
+            if controllers == "":
+                unified = f"/sys/fs/cgroup{path}/cgroup.procs"
+    return unified
+
+
+def _read_exactly(stream, size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise EOFError
+    return data
+
+
+def _writer_loop() -> None:
+    """Entry point of :class:`ChargedWriter`'s child: for each request (a 4-byte length, a JSON header,
+    the file's bytes), join the sandbox's memory cgroup, write, go back to its own group, answer."""
+    home = _own_memory_cgroup()
+    requests, answers = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            header = json.loads(_read_exactly(requests, int.from_bytes(_read_exactly(requests, 4), "big")))
+            data = _read_exactly(requests, header["size"])
+        except EOFError:
+            return
+        try:
+            _join_cgroup(header["memory_procs"])
+            write_bytes(Path(header["root"]), header["path"], data, owner=header["owner"],
+                        max_bytes=header["max_bytes"])
+            answer = {"ok": True}
+        except WorkspaceError as exc:
+            answer = {"code": exc.code, "status": exc.status, "message": exc.message}
+        except OSError as exc:
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            _join_cgroup(home)  # between writes, in no sandbox's group (a deleted one's removal kills its pids)
+        reply = json.dumps(answer).encode()
+        answers.write(len(reply).to_bytes(4, "big") + reply)
+        answers.flush()
+
+
+class ChargedWriter:
+    """Writes files for the server from a helper process that joins the target sandbox's memory cgroup
+    for each write: ``write_file``'s pages count against that sandbox's memory limit (and the limit of
+    all sandboxes), not the server's. One helper, one write at a time; restarted when it died (the
+    sandbox's memory limit killed it mid-write: 413 ``disk_quota_exceeded``, the write did not fit)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+
+    def write(self, memory_procs: str, root: Path, path: str, data: bytes, *, owner: int | None,
+              max_bytes: int) -> None:
+        if len(data) > max_bytes:  # refused before it travels
+            write_bytes(root, path, data, owner=owner, max_bytes=max_bytes)
+        header = json.dumps({"memory_procs": memory_procs, "root": str(root), "path": path, "owner": owner,
+                             "max_bytes": max_bytes, "size": len(data)}).encode()
+        with self._lock:
+            proc = self._start()
+            try:
+                proc.stdin.write(len(header).to_bytes(4, "big") + header + data)
+                proc.stdin.flush()
+                answer = json.loads(_read_exactly(proc.stdout, int.from_bytes(_read_exactly(proc.stdout, 4), "big")))
+            except (OSError, EOFError, ValueError):
+                self.close()
+                raise WorkspaceError("disk_quota_exceeded", 413, f"writing {path!r} went past the sandbox's "
+                                     "memory limit") from None
+        if "code" in answer:
+            raise WorkspaceError(answer["code"], answer["status"], answer["message"])
+        if "error" in answer:
+            raise OSError(answer["error"])
+
+    def _start(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _SOURCE + "\n_writer_loop()\n"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={})
+        return self._proc
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
 
 
 def _name(rel: str) -> str:

@@ -303,10 +303,10 @@ def test_sandboxes_together_cannot_hold_more_processes_than_the_total_limit():
     assert 20 <= sum(held) <= 40 - 2, held  # each exec's own python counts too
 
 
-def test_a_forks_copy_is_charged_to_the_forks_own_memory_limit(tmp_path):
-    """The pages of a fork's copy (tmpfs: memory) count against the new sandbox's memory limit and the
-    limit of all sandboxes together, not against the server: each fork of a 250 MiB workspace added
-    252 MiB to the server's own group."""
+def test_pages_the_server_writes_for_a_sandbox_are_charged_to_that_sandbox(tmp_path):
+    """The pages of a fork's copy and of write_file (tmpfs: memory) count against the sandbox's own
+    memory limit and the limit of all sandboxes together, not against the server: each fork of a
+    250 MiB workspace added 252 MiB to the server's own group."""
     import hashlib
 
     root = tmp_path / "boxes"
@@ -314,16 +314,19 @@ def test_a_forks_copy_is_charged_to_the_forks_own_memory_limit(tmp_path):
         async def main():
             async with SandboxClient(server.url, server.token) as client:
                 health = await client.health()
+                group = Path("/sys/fs/cgroup/memory") / f"agentrl-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]}"
                 agent = await client.create({})
+                await client.write_file(agent, "written.bin", os.urandom(8_000_000))
+                written = int((group / agent / "memory.usage_in_bytes").read_text()) if group.exists() else None
                 await client.exec(agent, "head -c 24000000 /dev/urandom > blob")
                 child = await client.fork(agent)
-                group = Path("/sys/fs/cgroup/memory") / f"agentrl-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]}"
-                usage = int((group / child / "memory.usage_in_bytes").read_text()) if group.exists() else None
+                copied = int((group / child / "memory.usage_in_bytes").read_text()) if group.exists() else None
                 for sid in (agent, child):
                     await client.delete(sid)
-                return health, usage
+                return health, written, copied
 
-        health, usage = asyncio.run(main())
-    if health["isolation"]["enforced"]["memory_per_sandbox"] is None or usage is None:
+        health, written, copied = asyncio.run(main())
+    if health["isolation"]["enforced"]["memory_per_sandbox"] is None or written is None:
         pytest.skip("no cgroup v1 memory hierarchy written by this server")
-    assert usage >= 24_000_000, usage
+    assert written >= 8_000_000, written
+    assert copied >= 32_000_000, copied

@@ -305,3 +305,37 @@ def test_half_sent_requests_are_bounded_per_client_and_in_time():
             assert time.monotonic() - started < 4
         for sock in half_sent:
             sock.close()
+
+
+def test_a_retry_whose_answer_was_dropped_raises_the_typed_error_and_does_not_run_again():
+    """The client's side of the answer budget: an exec whose answer was lost in transit and, before its
+    retry, pushed out of the sandbox's budget by a later exec's answer raises SandboxAnswerDropped (an
+    infrastructure error) and ran once."""
+    from sandbox_client import SandboxAnswerDropped
+    from sandbox_server.options import largest_exec_answer_bytes
+
+    limit = 32 << 10
+    nuls = f"head -c {limit} /dev/zero; head -c {limit} /dev/zero >&2"
+    with start_local_server(output_limit_bytes=limit,
+                            idempotency_max_bytes_per_sandbox=largest_exec_answer_bytes(limit)) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+
+        async def main():
+            proxy = DropFirstResponses(port, num_drops=0)
+            await proxy.start()
+            async with SandboxClient(f"http://127.0.0.1:{proxy.port}", server.token, backoff_s=4.0) as client:
+                sid = await client.create({})
+                proxy.num_drops = 1  # the first answer: the first exec's
+                first = asyncio.create_task(client.exec(sid, f"echo a >> runs.txt; {nuls}"))
+                await asyncio.sleep(0.5)
+                await client.exec(sid, nuls)  # its answer pushes the first one's out, before the retry
+                with pytest.raises(SandboxAnswerDropped) as dropped:
+                    await first
+                runs = await client.read_file(sid, "runs.txt")
+                await client.delete(sid)
+            await proxy.stop()
+            return dropped.value, runs
+
+        dropped, runs = asyncio.run(main())
+    assert (dropped.status, dropped.code) == (410, "answer_dropped") and isinstance(dropped, SandboxInfraError)
+    assert runs == "a\n"

@@ -618,3 +618,63 @@ def test_namespaces_keyrings_io_uring_and_tracing_are_refused_to_commands(run, h
     assert len(results) == 9, calls
     assert all(int(code) in (errno.EPERM, errno.ENOSYS) for code in results.values()), results
     assert userns.exit_code != 0 and "mounted" not in userns.stdout, userns
+
+
+# Leaves a SysV message queue, a POSIX message queue and an abstract Unix socket, then waits: the
+# kernel objects a uid or a host could share outside the filesystem.
+_LEAVE_CHANNELS = r"""
+import ctypes, os, socket, time
+libc, librt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL("librt.so.1", use_errno=True)
+libc.msgget(0x5A17, 0o1666)
+librt.mq_open(b"/agentrl-channel", os.O_CREAT | os.O_RDWR, 0o666, None)
+listener = socket.socket(socket.AF_UNIX)
+listener.bind("\0agentrl-channel")
+listener.listen()
+print("left", flush=True)
+time.sleep(float(os.environ.get("HOLD_S", "0")))
+"""
+_FIND_CHANNELS = r"""
+import ctypes, os, socket
+libc, librt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL("librt.so.1", use_errno=True)
+found = []
+if libc.msgget(0x5A17, 0) >= 0:
+    found.append("sysv")
+if librt.mq_open(b"/agentrl-channel", os.O_RDWR, 0, None) >= 0:
+    found.append("mqueue")
+try:
+    socket.socket(socket.AF_UNIX).connect("\0agentrl-channel")
+    found.append("abstract")
+except OSError:
+    pass
+print(found)
+"""
+
+
+def test_ipc_objects_and_abstract_sockets_reach_no_other_sandbox_and_no_later_command(run, health):
+    """SysV IPC and POSIX message queues live in the IPC namespace, abstract sockets in the network
+    namespace: one sandbox's never reach another sandbox, nor a later command of its own."""
+    import asyncio
+
+    if not {"ipc", "network (unless network=true)"} <= set(health["isolation"].get("namespaces", [])):
+        pytest.skip("server reports no IPC and network namespaces")
+
+    async def body(client):
+        leaver = await client.create({"leave.py": _LEAVE_CHANNELS, "find.py": _FIND_CHANNELS})
+        other = await client.create({"find.py": _FIND_CHANNELS})
+        try:
+            holding = asyncio.create_task(client.exec(leaver, "python leave.py", env={"HOLD_S": "4"}, timeout_s=30))
+            await asyncio.sleep(2)  # the objects exist now
+            elsewhere = await client.exec(other, "python find.py")
+            left = await holding
+            later = await client.exec(leaver, "python find.py")
+            same_command = await client.exec(leaver, "HOLD_S=3 python leave.py & sleep 1; python find.py", timeout_s=30)
+            return left, elsewhere, later, same_command
+        finally:
+            for sid in (leaver, other):
+                await client.delete(sid)
+
+    left, elsewhere, later, same_command = run(body)
+    assert left.stdout == "left\n", left
+    assert same_command.stdout == "left\n['sysv', 'mqueue', 'abstract']\n", same_command  # the probe sees them
+    assert elsewhere.stdout == "[]\n", elsewhere
+    assert later.stdout == "[]\n", later
