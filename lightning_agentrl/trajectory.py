@@ -36,6 +36,9 @@ class TerminationReason(StrEnum):
     SCORING_TIMEOUT = "scoring_timeout"
     """The agent submitted and the hidden tests ran past the task's scoring time limit: reward 0, decided up
     front (SPEC §4). Not a truncation: the agent finished, so no filter or bootstrap applies."""
+    UNSCORABLE_WORKSPACE = "unscorable_workspace"
+    """The agent submitted a workspace it made too large, too deep or too slow to snapshot for scoring: reward 0.
+    The agent's doing, not the service's (never ``sandbox_error``) and not a budget's (no filter or bootstrap)."""
     ENGINE_ERROR = "engine_error"  # an inference server died or was unreachable; excluded like sandbox_error
 
     @property

@@ -61,6 +61,7 @@ class ScoreResult:
     num_failed: int = 0
     snapshot: str = "fresh"  # "fork": a copy of the agent's sandbox; "fresh": task snapshot + changed files
     problems: list[str] = field(default_factory=list)  # why a run that passed tests still scored 0
+    unscorable: bool = False  # the agent's workspace could not be snapshotted (too large, deep or slow): reward 0
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ async def score_submission(client: SandboxClient, *, task_files: dict[str, str],
     scoring_id, carried, used = await _snapshot(client, agent_sandbox_id, task_files, snapshot)
     if scoring_id is None:  # the agent's workspace cannot be copied (too many files, too deep): its doing
         return ScoreResult(reward=0.0, passed=False, timed_out=False, output=carried[0], snapshot=used,
-                           problems=["workspace could not be snapshotted"])
+                           problems=["workspace could not be snapshotted"], unscorable=True)
     try:
         nonce = secrets.token_hex(16)
         runner_timeout = max(timeout_s - _RUNNER_MARGIN_S, timeout_s / 2)

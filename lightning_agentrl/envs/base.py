@@ -46,7 +46,8 @@ class StepResult:
     """What one action led to. ``reward`` is this turn's reward (``Turn.reward``, per-turn credit);
     with ``done`` it is also the episode's final reward. ``info``: ``tool`` (the tool called),
     ``error`` (the action was rejected: counts toward ``env.max_tool_errors``), ``submitted``,
-    ``scoring_timed_out`` (the episode ends with ``scoring_timeout``)."""
+    ``scoring_timed_out`` (the episode ends with ``scoring_timeout``), ``workspace_unscorable`` (the submitted
+    workspace could not be snapshotted for scoring: ``unscorable_workspace``)."""
 
     observation: str
     reward: float = 0.0

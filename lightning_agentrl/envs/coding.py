@@ -135,7 +135,8 @@ class CodingEnv(Environment):
                     timeout_s=self.scoring_timeout_s,
                     required_passed=self.task.hidden_test_count,
                 )
-                info.update(submitted=True, scoring_timed_out=self.score.timed_out)
+                info.update(submitted=True, scoring_timed_out=self.score.timed_out,
+                            workspace_unscorable=self.score.unscorable)
                 return StepResult("submitted", reward=self.score.reward, done=True, info=info)
             if call.name == "read_file":
                 text = await self.client.read_file(self.sandbox_id, call.arguments["path"])

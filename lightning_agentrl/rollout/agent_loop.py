@@ -21,6 +21,8 @@ sandbox_error    the environment's infrastructure failed (it raised
 engine_error     the engine's inference server for this episode died or was unreachable
                  (:class:`~lightning_agentrl.rollout.engine.EngineInfraError`); excluded from training
 scoring_timeout  the agent submitted, and the hidden tests ran past the scoring time limit: reward 0
+unscorable_      the agent submitted a workspace it made too large, too deep or too slow to snapshot
+workspace        for scoring: reward 0 (the agent's doing, never ``sandbox_error``)
 ===============  =================================================================================
 
 Three more things happen here:
@@ -76,7 +78,16 @@ from lightning_agentrl.trajectory import (
 from lightning_agentrl.trajectory import TokenMismatchError as TokenMismatchError  # re-exported
 from lightning_agentrl.trajectory import check_token_in_token_out as check_token_in_token_out  # re-exported
 
-SCORED = (TerminationReason.SUBMITTED, TerminationReason.SCORING_TIMEOUT)  # the last env step ran the checks
+
+def _submitted_as(info: dict) -> TerminationReason:
+    """How an episode whose last step was done ended: scored, or why its score is 0 without a test run."""
+    if info.get("workspace_unscorable"):
+        return TerminationReason.UNSCORABLE_WORKSPACE
+    return TerminationReason.SCORING_TIMEOUT if info.get("scoring_timed_out") else TerminationReason.SUBMITTED
+
+
+# the last env step ran (or tried) the checks
+SCORED = (TerminationReason.SUBMITTED, TerminationReason.SCORING_TIMEOUT, TerminationReason.UNSCORABLE_WORKSPACE)
 
 log = logging.getLogger(__name__)
 
@@ -392,8 +403,7 @@ class Episode:
         state = self.state
         if result.done:
             self.trajectory.reward = result.reward
-            scoring_timed_out = result.info.get("scoring_timed_out")
-            return self.end(TerminationReason.SCORING_TIMEOUT if scoring_timed_out else TerminationReason.SUBMITTED)
+            return self.end(_submitted_as(result.info))
         state.consecutive_errors = state.consecutive_errors + 1 if result.info.get("error") else 0
         if state.consecutive_errors >= self.budget.max_tool_errors:
             return self.end(TerminationReason.TOOL_ERROR)

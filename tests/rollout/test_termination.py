@@ -180,3 +180,18 @@ def test_the_budget_is_the_env_settings_with_their_defaults():
     assert EpisodeBudget.from_settings(env) == EpisodeBudget(max_turns=7, max_tool_errors=2)
     defaults = EnvSettings.model_fields
     assert all(getattr(EpisodeBudget(), name) == defaults[name].default for name in EpisodeBudget.__dataclass_fields__)
+
+
+def test_a_submitted_workspace_too_slow_to_snapshot_ends_unscorable_with_reward_0_not_sandbox_error(
+        codec, task, tmp_path):
+    """The agent builds a tree the server cannot copy within fork_timeout_s, then submits: the episode is the
+    agent's doing (reward 0, unscorable_workspace), never sandbox_error (excluded, counted by the breaker)."""
+    from sandbox_server.launch import start_local_server
+
+    make_tree = "python -c \"import os\nfor i in range(300):\n    os.makedirs(f'w/{i}/' + '/'.join('abcdefgh'))\""
+    engine = ScriptedEngine(codec, {"*": [call("run", command=make_tree), call("submit")]})
+    with start_local_server(fork_timeout_s=0.02, root_dir=str(tmp_path / "boxes")) as server:
+        trajectory = play(server, codec, task, engine)
+    assert trajectory.termination is TerminationReason.UNSCORABLE_WORKSPACE
+    assert trajectory.reward == 0.0
+    assert not trajectory.termination.infrastructure and not trajectory.termination.truncated

@@ -257,6 +257,7 @@ def test_a_workspace_too_slow_to_fork_is_refused_typed_leaves_nothing_and_scores
         assert (refused.status, refused.code) == (422, "snapshot_too_slow")
         assert live == (1, 1)  # the agent's sandbox only: neither refused copy (the test's, scoring's) is left
         assert score.reward == 0.0 and "snapshot_too_slow" in score.output, score
+        assert score.unscorable  # the episode ends unscorable_workspace, not sandbox_error
 
 
 def _closed_by_server(socks: list, wait_s: float) -> int:
