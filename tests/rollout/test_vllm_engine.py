@@ -130,7 +130,7 @@ def test_prepare_weight_update_checks_names_shapes_and_fills_tied_head():
         prepare_weight_update([("model.norm.weight", norm), ("model.norm.weight", norm)], expected)
 
 
-def test_cpu_kv_cache_is_sized_for_each_replicas_share_of_the_episodes_in_flight(tiny_model_path, caplog):
+def test_cpu_kv_cache_is_sized_for_each_replicas_share_of_the_episodes_in_flight(tiny_model_path, tmp_path, caplog):
     """2 layers x 2 kv heads x head dim 64 x 4 bytes x 2 (K, V) = 2048 bytes a token; 2 replicas share
     rollout.max_in_flight=16, 8 each, of 1,025 tokens: 9 blocks of 128 tokens each, plus the null block."""
     from lightning_agentrl.settings import SettingsError, load_settings
@@ -151,6 +151,10 @@ def test_cpu_kv_cache_is_sized_for_each_replicas_share_of_the_episodes_in_flight
     with pytest.raises(SettingsError, match=r"2 x 391.0 GiB of KV cache \(for 2048 episodes of 100,001 tokens each\) "
                                             r"exceed the .* GiB of memory available; lower rollout.max_in_flight"):
         cpu_kv_cache_bytes(huge, str(tiny_model_path), 2)
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": 2, "n_head": 2, "n_embd": 128}))  # GPT-2's names
+    with pytest.raises(SettingsError, match="unset, and it cannot be sized from .*: config.json has no num_hidden_layers"):
+        cpu_kv_cache_bytes(settings(), str(tmp_path), 2)
+    assert cpu_kv_cache_bytes(settings("--engine.vllm_kv_cache_bytes=4194304"), str(tmp_path), 2) == 4 << 20
 
 
 def test_checkpoint_shapes_add_lm_head_for_tied_embeddings(tmp_path):
