@@ -100,16 +100,23 @@ def cpu_kv_cache_bytes(settings: Settings, model_path: str, num_engines: int) ->
 
     e, max_model_len = settings.engine, settings.env.max_context_tokens + 1
     config = json.loads((Path(model_path) / "config.json").read_text())
-    per_token = kv_bytes_per_token(config, DTYPE_BYTES[settings.model.dtype])
+    try:
+        per_token = kv_bytes_per_token(config, DTYPE_BYTES[settings.model.dtype])
+    except ValueError as err:
+        if e.vllm_kv_cache_bytes is None:
+            raise SettingsError(f"engine.vllm_kv_cache_bytes: unset, and it cannot be sized from {model_path}: {err}; "
+                                "set it") from None
+        return e.vllm_kv_cache_bytes
     share = -(-settings.rollout.max_in_flight // num_engines)  # sticky routing balances new episodes
-    size = e.vllm_kv_cache_bytes or kv_cache_bytes_for(share, max_model_len, per_token)
+    sized = e.vllm_kv_cache_bytes is None
+    size = kv_cache_bytes_for(share, max_model_len, per_token) if sized else e.vllm_kv_cache_bytes
     holds = kv_cache_sequences(size, max_model_len, per_token)
     available = psutil.virtual_memory().available
     if num_engines * size > available:
-        raise SettingsError(f"engine.vllm_kv_cache_bytes: {num_engines} x {size / 2**30:.1f} GiB of KV cache (for "
-                            f"{share} episodes of {max_model_len:,} tokens each) exceed the {available / 2**30:.1f} "
-                            "GiB of memory available; lower rollout.max_in_flight or env.max_context_tokens, or set "
-                            "engine.vllm_kv_cache_bytes (episodes then wait for room)")
+        why = f" (for {share} episodes of {max_model_len:,} tokens each)" if sized else ""
+        raise SettingsError(f"engine.vllm_kv_cache_bytes: {num_engines} x {size / 2**30:.1f} GiB of KV cache{why} "
+                            f"exceed the {available / 2**30:.1f} GiB of memory available; lower rollout.max_in_flight "
+                            "or env.max_context_tokens, or set engine.vllm_kv_cache_bytes (episodes then wait for room)")
     if holds == 0:
         raise SettingsError(f"engine.vllm_kv_cache_bytes: {size:,} bytes hold no sequence of env.max_context_tokens + 1 "
                             f"= {max_model_len:,} tokens of this model; it needs at least "

