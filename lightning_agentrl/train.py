@@ -90,6 +90,11 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
         from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 
         gpu = on_gpu(settings)  # the KV cache: a byte size on CPU, a share of the GPU on GPUs
+        lora = None
+        if settings.model.lora:  # adapters only: each sync is a new LoRARequest (lightning_agentrl/lora.py)
+            from lightning_agentrl.lora import VLLMAdapters
+
+            lora = VLLMAdapters(settings.model, Path(settings.run.dir).resolve() / "engine_adapters", model_path)
         return VLLMEngine(
             model_path,
             num_replicas=e.num_replicas,
@@ -99,6 +104,7 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
             gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
             sleep_mode=gpu and e.sleep_while_training,
             seed=settings.run.seed,
+            lora=lora,
         )
     import torch
     from transformers import AutoModelForCausalLM
@@ -236,12 +242,13 @@ def _first_process() -> bool:
 _LAYOUT = "a resume keeps the strategy and the number of processes (ZeRO checkpoints and the rollout state are per rank)"
 _SAMPLER = ("a resume keeps the sampling distribution: the episodes restored from the checkpoint carry log-probs "
             "of the old one, and their importance weights would be wrong")
-_ADAPTERS = "a resume keeps the LoRA adapters' shapes (the checkpoint holds them and their optimizer state)"
+_ADAPTERS = ("a resume keeps the LoRA adapters' shapes and scale (the checkpoint holds them and their optimizer "
+             "state; another scale would change the model they make)")
 KEPT_ON_RESUME = {
     ("trainer", "strategy"): _LAYOUT, ("trainer", "devices"): _LAYOUT, ("trainer", "num_nodes"): _LAYOUT,
     ("engine", "temperature"): _SAMPLER, ("engine", "top_p"): _SAMPLER, ("engine", "top_k"): _SAMPLER,
     ("engine", "logprobs"): _SAMPLER,
-    ("model", "lora_rank"): _ADAPTERS, ("model", "lora_target_modules"): _ADAPTERS,
+    ("model", "lora_rank"): _ADAPTERS, ("model", "lora_target_modules"): _ADAPTERS, ("model", "lora_alpha"): _ADAPTERS,
 }
 """Settings a resume may not change, each with the reason."""
 
