@@ -111,8 +111,12 @@ def check_lora(model: ModelSettings, model_path: str) -> None:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        raise SettingsError(f"model.path: cannot read the config of {model_path} to place LoRA adapters: {err}") from None
     with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        base = AutoModelForCausalLM.from_config(config)
     names = [name for name, _ in base.named_modules() if name]
     for target in model.lora_target_modules or ():
         if not any(name == target or name.endswith(f".{target}") for name in names):
@@ -142,6 +146,16 @@ def save_adapter(policy: torch.nn.Module, directory: Path) -> None:
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), rank)
+
+
+def vllm_lora_args(rank: int) -> list[str]:
+    """``vllm serve`` arguments for adapters of ``rank``, one at a time."""
+    return ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(rank)), "--max-loras", "1"]
+
+
 class VLLMAdapters:
     """LoRA for the vLLM engine: each weight sync writes the adapters as a peft folder
     (``<folder>/v<version>``) and becomes a ``LoRARequest`` named and numbered after its policy version,
@@ -154,8 +168,7 @@ class VLLMAdapters:
 
     def engine_args(self) -> dict:
         """``AsyncEngineArgs`` fields that enable LoRA at this rank (one adapter at a time)."""
-        rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= self.model.lora_rank), self.model.lora_rank)
-        return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(self.model.lora_rank), "max_loras": 1}
 
     def write(self, named_tensors, version: int) -> Path:
         """The synced adapters (HF names, ``...q_proj.lora_A.default.weight``) as peft's files."""
@@ -186,7 +199,12 @@ class VLLMAdapters:
         return path
 
     @staticmethod
-    def request(version: int, path: Path):
+    def name(version: int) -> str:
+        """The adapter's name for vLLM: one per policy version."""
+        return f"policy-v{version}"
+
+    @classmethod
+    def request(cls, version: int, path: Path):
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version + 1, lora_path=str(path))
+        return LoRARequest(lora_name=cls.name(version), lora_int_id=version + 1, lora_path=str(path))

@@ -65,6 +65,7 @@ def start_local_servers(settings: Settings, model_path: str, run_dir: Path):
         seed=settings.run.seed,
         kv_cache_memory_bytes=None if gpu else e.vllm_kv_cache_bytes,
         gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
+        lora_rank=settings.model.lora_rank,
     )
     servers = LocalVLLMServers(args, num_servers=e.num_servers, log_dir=run_dir / "vllm_servers",
                                startup_timeout_s=e.server_start_timeout_s).start()
@@ -79,22 +80,20 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
     if e.kind == "vllm_server":
         from lightning_agentrl.rollout.vllm_server import VLLMServerEngine
 
+        weights_dir = Path(settings.run.dir).resolve() / "engine_weights"
         return VLLMServerEngine(
             urls or e.urls,
             model_path=model_path,
-            weights_dir=Path(settings.run.dir).resolve() / "engine_weights",
+            weights_dir=weights_dir,
             max_model_len=settings.env.max_context_tokens + 1,
+            lora=_vllm_adapters(settings, weights_dir, model_path),
         )
     if e.kind == "vllm":
         from lightning_agentrl.plan import on_gpu
         from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 
         gpu = on_gpu(settings)  # the KV cache: a byte size on CPU, a share of the GPU on GPUs
-        lora = None
-        if settings.model.lora:  # adapters only: each sync is a new LoRARequest (lightning_agentrl/lora.py)
-            from lightning_agentrl.lora import VLLMAdapters
-
-            lora = VLLMAdapters(settings.model, Path(settings.run.dir).resolve() / "engine_adapters", model_path)
+        lora = _vllm_adapters(settings, Path(settings.run.dir).resolve() / "engine_adapters", model_path)
         return VLLMEngine(
             model_path,
             num_replicas=e.num_replicas,
@@ -118,6 +117,16 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
 
         model = hf_model(apply_lora(model, settings.model, seed=settings.run.seed))
     return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=e.max_batch_size)
+
+
+def _vllm_adapters(settings: Settings, folder: Path, model_path: str):
+    """With ``model.lora_rank``: a vLLM engine's syncs are adapters, a new one per version, written under
+    ``folder`` (lightning_agentrl/lora.py); else None."""
+    if not settings.model.lora:
+        return None
+    from lightning_agentrl.lora import VLLMAdapters
+
+    return VLLMAdapters(settings.model, folder, model_path)
 
 
 def tracking_uri(settings: Settings, run_dir: Path) -> str:

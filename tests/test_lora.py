@@ -203,7 +203,6 @@ def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
         (["--model.lora_alpha=32"], "model.lora_alpha applies to model.lora_rank > 0 only"),
         (["--model.lora_target_modules=[q_proj]"], "model.lora_target_modules applies to model.lora_rank > 0"),
         (["--model.lora_rank=4", "--model.lora_target_modules=[]"], "model.lora_target_modules is empty"),
-        (["--model.lora_rank=4", "--engine.kind=vllm_server"], "model.lora_rank: engine.kind=vllm_server cannot"),
         (["--model.lora_rank=4", "--trainer.strategy=deepspeed_stage_2"], "model.lora_rank: trainer.strategy="),
     ],
 )
@@ -325,3 +324,42 @@ def test_with_gradient_checkpointing_the_adapters_get_the_same_gradients(tiny_mo
         assert grads[1][name] is not None, name
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-8)
     assert max(float(g.abs().max()) for g in grads[1].values()) > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_servers_load_each_version_as_a_new_adapter(tmp_path):
+    """engine.kind=vllm_server (a local `vllm serve` started by the run with --enable-lora): each sync is loaded
+    through /v1/load_lora_adapter under the version's name and requests name it; the log-probs of tokens sampled
+    after the sync equal the trainer's."""
+    pytest.importorskip("vllm")
+    from mlflow.tracking import MlflowClient
+
+    settings = learn_settings(tmp_path, *LORA, "--engine.kind=vllm_server", "--algorithm.entropy_coef=0.01",
+                              "--tracking.enabled=true")
+    engines = []
+    result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
+    assert result.global_step == 2
+    (engine,) = engines
+    assert engine._adapter == "policy-v1" and engine.num_live_servers == 1
+    assert (result.run_dir / "engine_weights" / "v1" / "adapter_model.safetensors").exists()
+    history = MlflowClient(result.tracking_uri).get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
+    assert len(history) == 2 and all(m.value < 1e-4 for m in history)
+
+
+def test_the_value_head_trains_in_full_beside_the_adapters(tiny_model_path):
+    from lightning_agentrl.lora import trainable_names
+    from lightning_agentrl.module import AgentRLModule
+    from tests.test_module import make_batch
+
+    settings = load_settings(overrides=[*LORA, "--model.value_head=true", "--algorithm.advantage=gae"])
+    module = AgentRLModule(settings, str(tiny_model_path))
+    module.configure_model()
+    names = trainable_names(module)
+    assert {"value_head.weight", "value_head.bias"} <= names
+    assert all(".lora_" in name for name in names - {"value_head.weight", "value_head.bias"})
+    optimizer = module.configure_optimizers()["optimizer"]
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(module.get_parameter(name)) for name in names}  # nothing of the frozen base
+    module.accumulate_gradients(make_batch(module.policy, [1, 0, 1, 1]))
+    assert module.value_head.weight.grad.abs().max() > 0
