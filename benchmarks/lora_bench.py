@@ -118,21 +118,24 @@ def run_variant(args: argparse.Namespace) -> dict:
     module.configure_model()
     optimizer = module.configure_optimizers()["optimizer"]
     batch = make_batch(module.policy, args)
-    seconds = []
+    seconds, cpu_seconds = [], []
     for step in range(args.steps + 1):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         module.accumulate_gradients(batch)
         torch.nn.utils.clip_grad_norm_(module.parameters(), settings.trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step:  # the first step warms up (allocations, Adam's state)
             seconds.append(time.perf_counter() - started)
+            cpu_seconds.append(time.process_time() - cpu_started)
     # Adam's moments (exp_avg, exp_avg_sq); its per-tensor step counters are scalars of no weight
     state = [t for s in optimizer.state.values() for key, t in s.items() if torch.is_tensor(t) and key != "step"]
     sync = engine_weights(module.policy)
     return {
         "variant": args.variant,
         "seconds_per_step": statistics.median(seconds),
+        # CPU time of the process (all its threads): on a shared machine wall time also counts the others' load
+        "cpu_seconds_per_step": statistics.median(cpu_seconds),
         "peak_rss_bytes": peak_rss_bytes(),
         "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state),
         "sync_bytes": sum(t.numel() * t.element_size() for t in sync.values()),
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     full, lora = runs["full"], runs["lora"]
     ratios = {
         "step_speedup": full["seconds_per_step"] / lora["seconds_per_step"],
+        "step_cpu_speedup": full["cpu_seconds_per_step"] / lora["cpu_seconds_per_step"],
         "peak_memory_ratio": full["peak_rss_bytes"] / lora["peak_rss_bytes"],
         "optimizer_ratio": full["optimizer_state_bytes"] / lora["optimizer_state_bytes"],
         "sync_ratio": full["sync_bytes"] / lora["sync_bytes"],
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"lora r={args.rank} vs full ({full['parameters'] / 1e6:.1f}M params, {full['batch_tokens']} tokens): "
-          f"step {full['seconds_per_step']:.2f}s -> {lora['seconds_per_step']:.2f}s ({ratios['step_speedup']:.2f}x), "
+          f"step {full['seconds_per_step']:.2f}s -> {lora['seconds_per_step']:.2f}s ({ratios['step_speedup']:.2f}x; CPU "
+          f"{full['cpu_seconds_per_step']:.2f}s -> {lora['cpu_seconds_per_step']:.2f}s, {ratios['step_cpu_speedup']:.2f}x), "
           f"peak {full['peak_rss_bytes'] / 2**20:.0f} -> {lora['peak_rss_bytes'] / 2**20:.0f} MiB, "
           f"optimizer {full['optimizer_state_bytes'] / 2**20:.1f} -> {lora['optimizer_state_bytes'] / 2**20:.2f} MiB "
           f"({ratios['optimizer_ratio']:.0f}x), sync {full['sync_bytes'] / 2**20:.1f} -> {lora['sync_bytes'] / 2**20:.2f} MiB "
