@@ -165,6 +165,9 @@ def test_the_adapter_folder_loads_with_peft_and_equals_the_merged_policy(lora_ru
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, merged_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(reloaded(ids).logits, merged_logits, rtol=1e-5, atol=1e-5)
+    from lightning_agentrl.__main__ import main
+
+    assert main(["export", str(result.checkpoint), str(tmp_path / "x"), "--adapter", "--dtype", "bfloat16"]) == 2
 
 
 def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
@@ -220,12 +223,18 @@ def test_lora_settings_that_cannot_run_are_refused(overrides, message):
         (["--model.lora_rank=65"], "model.lora_rank (65) is above the smaller side of"),
     ],
 )
-def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, overrides, message):
+def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, capsys, overrides, message):
     settings = learn_settings(tmp_path, "--model.lora_rank=4", *overrides)
     with pytest.raises(SettingsError) as err:
         fit(settings)
     assert message in str(err.value)
     assert not (Path(settings.run.dir) / "checkpoints").exists()
+    from lightning_agentrl.__main__ import main
+
+    same = [f"--env.tasks={settings.env.tasks}", "--env.split=all", f"--model.cache_dir={settings.model.cache_dir}",
+            "--model.tiny_hidden_size=64", "--model.tiny_num_layers=1"]
+    assert main(["validate", "--offline", "--model.lora_rank=4", *same, *overrides]) == 2  # validate says it too
+    assert capsys.readouterr().err.startswith(f"error: {message}")
 
 
 # -- two processes, resume --------------------------------------------------------------------------------------
