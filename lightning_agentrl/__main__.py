@@ -241,6 +241,11 @@ def _validate(settings, *, offline: bool) -> int:
 
     try:
         codec = preflight(settings, network=not offline)
+        if settings.model.lora:  # the adapters fit the model's layers (fit checks it at the same point)
+            from lightning_agentrl.lora import check_lora
+            from lightning_agentrl.train import resolve_model_path
+
+            check_lora(settings.model, resolve_model_path(settings))
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

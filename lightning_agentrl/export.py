@@ -80,6 +80,8 @@ def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None 
     lora = model_settings.get("lora_rank", 0) > 0
     if adapter and not lora:
         raise ValueError(f"--adapter: {checkpoint} is not of a LoRA run (model.lora_rank 0): it has no adapter")
+    if adapter and cast is not None:
+        raise ValueError("--dtype applies to the merged model; --adapter writes the adapters as trained")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if lora:
         policy = _lora_policy(model_path, model_settings, weights)

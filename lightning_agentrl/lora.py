@@ -51,11 +51,9 @@ def apply_lora(model: torch.nn.Module, settings: ModelSettings, *, seed: int = 0
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        peft_model = get_peft_model(model, lora_config(settings))
-    if settings.gradient_checkpointing:
-        # checkpointed blocks need an input that requires grad, or the adapters inside get no gradient
-        peft_model.enable_input_require_grads()
-    return peft_model
+        # model.gradient_checkpointing needs nothing more: transformers checkpoints non-reentrantly, so the
+        # adapters inside a block get gradients although its input (a frozen embedding's output) needs none
+        return get_peft_model(model, lora_config(settings))
 
 
 def is_lora(policy: torch.nn.Module) -> bool:
@@ -113,8 +111,12 @@ def check_lora(model: ModelSettings, model_path: str) -> None:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        raise SettingsError(f"model.path: cannot read the config of {model_path} to place LoRA adapters: {err}") from None
     with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        base = AutoModelForCausalLM.from_config(config)
     names = [name for name, _ in base.named_modules() if name]
     for target in model.lora_target_modules or ():
         if not any(name == target or name.endswith(f".{target}") for name in names):
@@ -138,3 +140,71 @@ def save_adapter(policy: torch.nn.Module, directory: Path) -> None:
     """peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained``
     on the base model, or ``vllm serve --lora-modules``."""
     policy.save_pretrained(directory)
+
+
+#: ``max_lora_rank`` values vLLM accepts; it holds adapters up to that rank.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), rank)
+
+
+def vllm_lora_args(rank: int) -> list[str]:
+    """``vllm serve`` arguments for adapters of ``rank``, one at a time."""
+    return ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(rank)), "--max-loras", "1"]
+
+
+class VLLMAdapters:
+    """LoRA for the vLLM engine: each weight sync writes the adapters as a peft folder
+    (``<folder>/v<version>``) and becomes a ``LoRARequest`` named and numbered after its policy version,
+    which every request of that version carries. A new name per version means vLLM loads it afresh
+    (never a cached older adapter), and its prefix cache, keyed by adapter, never serves a block
+    computed with another version. The two newest folders are kept."""
+
+    def __init__(self, model: ModelSettings, folder: Path, base_model: str) -> None:
+        self.model, self.folder, self.base_model = model, Path(folder), base_model
+
+    def engine_args(self) -> dict:
+        """``AsyncEngineArgs`` fields that enable LoRA at this rank (one adapter at a time)."""
+        return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(self.model.lora_rank), "max_loras": 1}
+
+    def write(self, named_tensors, version: int) -> Path:
+        """The synced adapters (HF names, ``...q_proj.lora_A.default.weight``) as peft's files."""
+        import json
+        import shutil
+
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for name, tensor in named_tensors:
+            if f".lora_A.{ADAPTER}." not in name and f".lora_B.{ADAPTER}." not in name:
+                raise ValueError(f"update_weights: {name!r} is not a LoRA adapter tensor (the engine takes adapters only)")
+            tensors["base_model.model." + name.replace(f".{ADAPTER}.", ".")] = tensor.detach().to("cpu").contiguous()
+        targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+        config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": self.base_model,
+            "r": self.model.lora_rank, "lora_alpha": self.model.lora_alpha, "lora_dropout": 0.0,
+            "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "use_dora": False, "modules_to_save": None,
+        }
+        path = self.folder / f"v{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        for old in self.folder.glob("v*"):
+            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    @staticmethod
+    def name(version: int) -> str:
+        """The adapter's name for vLLM: one per policy version."""
+        return f"policy-v{version}"
+
+    @classmethod
+    def request(cls, version: int, path: Path):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=cls.name(version), lora_int_id=version + 1, lora_path=str(path))

@@ -77,8 +77,9 @@ class ModelSettings(_Section):
     low-rank adapters train on `model.lora_target_modules` (the value head, when there is one, trains in full beside
     them); the KL reference is the base with the adapters disabled (no second copy); weight syncs send the adapters
     only; checkpoints hold the adapters and their optimizer state, not the base, so a resume needs the same
-    `model.path`; `<run.dir>/adapter/` is a peft adapter folder and `<run.dir>/policy/` the merged model. For now
-    with `engine.kind: torch` and without DeepSpeed strategies."""
+    `model.path`; `<run.dir>/adapter/` is a peft adapter folder and `<run.dir>/policy/` the merged model. vLLM
+    engines take each sync as a new adapter named after its policy version (servers in `engine.urls` must run with
+    `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). Not with DeepSpeed strategies yet."""
     lora_alpha: float = Field(16.0, gt=0)
     """LoRA scale: each adapted layer computes W x + (lora_alpha / lora_rank) B A x."""
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -691,9 +692,6 @@ def _check_lora(settings: Settings) -> None:
     if m.lora_target_modules is not None and not m.lora_target_modules:
         raise ValueError("model.lora_target_modules is empty: name at least one layer, or null for every "
                          "attention and MLP projection")
-    if settings.engine.kind != "torch":
-        raise ValueError(f"model.lora_rank: engine.kind={settings.engine.kind} cannot take LoRA adapters yet "
-                         "(use engine.kind=torch, or model.lora_rank=0)")
     if settings.trainer.uses_deepspeed:
         raise ValueError(f"model.lora_rank: trainer.strategy={settings.trainer.strategy} does not train LoRA adapters "
                          "yet (use ddp or auto, or model.lora_rank=0)")

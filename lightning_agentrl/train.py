@@ -77,6 +77,7 @@ def start_local_servers(settings: Settings, model_path: str, run_dir: Path):
         kv_cache_memory_bytes=None if gpu else cpu_kv_cache_bytes(settings, model_path, e.num_servers),
         gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
         cpu=not gpu,
+        lora_rank=settings.model.lora_rank,
     )
     servers = LocalVLLMServers(args, num_servers=e.num_servers, log_dir=run_dir / "vllm_servers",
                                startup_timeout_s=e.server_start_timeout_s).start()
@@ -137,11 +138,13 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
     if e.kind == "vllm_server":
         from lightning_agentrl.rollout.vllm_server import VLLMServerEngine
 
+        weights_dir = Path(settings.run.dir).resolve() / "engine_weights"
         return VLLMServerEngine(
             urls or e.urls,
             model_path=model_path,
-            weights_dir=Path(settings.run.dir).resolve() / "engine_weights",
+            weights_dir=weights_dir,
             max_model_len=settings.env.max_context_tokens + 1,
+            lora=_vllm_adapters(settings, weights_dir, model_path),
         )
     if e.kind == "vllm":
         from lightning_agentrl.console import quiet_vllm
@@ -150,6 +153,7 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
 
         gpu = on_gpu(settings)  # the KV cache: a byte size on CPU, a share of the GPU on GPUs
         quiet_vllm()
+        lora = _vllm_adapters(settings, Path(settings.run.dir).resolve() / "engine_adapters", model_path)
         return VLLMEngine(
             model_path,
             num_replicas=e.num_replicas,
@@ -159,6 +163,7 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
             gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
             sleep_mode=gpu and e.sleep_while_training,
             seed=settings.run.seed,
+            lora=lora,
         )
     import torch
     from transformers import AutoModelForCausalLM
@@ -172,6 +177,16 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
 
         model = hf_model(apply_lora(model, settings.model, seed=settings.run.seed))
     return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=e.max_batch_size)
+
+
+def _vllm_adapters(settings: Settings, folder: Path, model_path: str):
+    """With ``model.lora_rank``: a vLLM engine's syncs are adapters, a new one per version, written under
+    ``folder`` (lightning_agentrl/lora.py); else None."""
+    if not settings.model.lora:
+        return None
+    from lightning_agentrl.lora import VLLMAdapters
+
+    return VLLMAdapters(settings.model, folder, model_path)
 
 
 def tracking_uri(settings: Settings, run_dir: Path) -> str:
@@ -296,12 +311,13 @@ def _first_process() -> bool:
 _LAYOUT = "a resume keeps the strategy and the number of processes (ZeRO checkpoints and the rollout state are per rank)"
 _SAMPLER = ("a resume keeps the sampling distribution: the episodes restored from the checkpoint carry log-probs "
             "of the old one, and their importance weights would be wrong")
-_ADAPTERS = "a resume keeps the LoRA adapters' shapes (the checkpoint holds them and their optimizer state)"
+_ADAPTERS = ("a resume keeps the LoRA adapters' shapes and scale (the checkpoint holds them and their optimizer "
+             "state; another scale would change the model they make)")
 KEPT_ON_RESUME = {
     ("trainer", "strategy"): _LAYOUT, ("trainer", "devices"): _LAYOUT, ("trainer", "num_nodes"): _LAYOUT,
     ("engine", "temperature"): _SAMPLER, ("engine", "top_p"): _SAMPLER, ("engine", "top_k"): _SAMPLER,
     ("engine", "logprobs"): _SAMPLER,
-    ("model", "lora_rank"): _ADAPTERS, ("model", "lora_target_modules"): _ADAPTERS,
+    ("model", "lora_rank"): _ADAPTERS, ("model", "lora_target_modules"): _ADAPTERS, ("model", "lora_alpha"): _ADAPTERS,
 }
 """Settings a resume may not change, each with the reason."""
 

