@@ -1,0 +1,107 @@
+"""Agents written against the OpenAI API, as users write them (the `openai` package, nothing of ours), that the
+gateway tests train unchanged (``env.agent: tests.gateway_agents:<name>``).
+
+Each task says what its agent does (``mode``) and whether it streams. The tool agent asks the policy with an
+``add`` tool, runs the call it gets, sends the result back (the assistant message as the client returned it),
+reads the answer, then starts a fresh conversation (the framework dropped its history: a new segment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from openai import AsyncOpenAI, BadRequestError, OpenAI
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "string", "description": "a number"},
+                                                     "b": {"type": "string", "description": "a number"}},
+                   "required": ["a", "b"]}}}]
+
+
+def _question(task: dict) -> list[dict]:
+    return [{"role": "system", "content": "You add numbers with the add tool."},
+            {"role": "user", "content": task["question"]}]
+
+
+def _add(call) -> str:
+    arguments = json.loads(call.function.arguments)
+    return str(float(arguments["a"]) + float(arguments["b"]))
+
+
+async def _ask(client: AsyncOpenAI, messages: list[dict], stream: bool, **kwargs):
+    """One call; the assistant message, whether streamed (the SDK's own accumulator) or not."""
+    if stream:
+        async with client.chat.completions.stream(model="any", messages=messages, **kwargs) as events:
+            completion = await events.get_final_completion()
+    else:
+        completion = await client.chat.completions.create(model="any", messages=messages, **kwargs)
+    return completion.choices[0]
+
+
+async def tool_agent(task: dict, base_url: str, api_key: str) -> float:
+    """Multi-turn: a tool call round-tripped, the answer, then a fresh conversation."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages, stream = _question(task), task.get("stream", False)
+    choice = await _ask(client, messages, stream, tools=TOOLS, max_tokens=40)
+    reward = 0.0
+    if choice.message.tool_calls:
+        call = choice.message.tool_calls[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": _add(call)})
+        answer = await _ask(client, messages, stream, tools=TOOLS, max_completion_tokens=40)
+        reward = 1.0 if "5" in (answer.message.content or "") else 0.0
+    await _ask(client, [{"role": "user", "content": "Say 5."}], stream, max_tokens=8)  # history dropped
+    await client.close()
+    return reward
+
+
+async def faulty_agent(task: dict, base_url: str, api_key: str) -> float:
+    """What can go wrong with an agent, by ``task["mode"]``."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    mode = task["mode"]
+    if mode == "silent":  # never calls the model
+        return 1.0
+    if mode == "long":  # past the context budget: OpenAI's context_length_exceeded
+        await client.chat.completions.create(model="any", messages=_question(task), max_tokens=4)
+        try:
+            await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x " * 3000}])
+        except BadRequestError as err:
+            return 1.0 if err.code == "context_length_exceeded" else -1.0
+        return -1.0
+    await client.chat.completions.create(model="any", messages=_question(task), max_tokens=4)
+    if mode == "raise":
+        raise RuntimeError("the agent's own bug\nKeyError: 'answer'")
+    return float("nan")  # mode == "nan"
+
+
+def sync_agent(task: dict, base_url: str, api_key: str) -> float:
+    """A plain function with the synchronous client (run in a worker thread)."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(model="any", messages=_question(task), max_tokens=8)
+    return float(reply.usage.completion_tokens > 0)
+
+
+def main() -> None:
+    """``python -m tests.gateway_agents``: the command agent (task on stdin, OPENAI_* from the environment,
+    ``{"reward": R}`` last on stdout). Mode ``hang`` starts a child that writes its pid and sleeps, then hangs."""
+    task = json.loads(sys.stdin.read())
+    if task.get("mode") == "hang":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(task["pid_file"], "w") as f:
+            f.write(str(child.pid))
+        time.sleep(600)
+    client = OpenAI(max_retries=0)  # reads OPENAI_BASE_URL and OPENAI_API_KEY, as agents do
+    text = ""
+    for chunk in client.chat.completions.create(model="any", messages=_question(task), max_tokens=8, stream=True):
+        text += "".join(choice.delta.content or "" for choice in chunk.choices)
+    print("some log line of the agent")
+    print(json.dumps({"reward": 1.0 if text else 0.0, "pid": os.getpid()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible gateway (``env.kind: gateway``), through ``fit``, with the real `openai` client.
+
+The tool agent's first two calls are scripted (a tool call, then the answer) with the engine's own log-probs
+(:class:`~tests.fitting.TeacherForcedEngine`) in episode 0 of each group, sampled by the tiny policy in the
+others; every engine call is recorded, so each test compares the trained ids with the ids the engine sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_agentrl.rollout.chat import ChatCodec
+from lightning_agentrl.settings import SettingsError, load_settings
+from lightning_agentrl.train import fit, resolve_model_path
+from lightning_agentrl.trajectory import TerminationReason
+from tests.fitting import REPO, TINY, StepLog, TeacherForcedEngine, call
+
+ADD = call("add", a="2", b="3")
+
+
+class RecordingEngine:
+    """Every call of the wrapped engine: ``(session id, prompt ids, sampled ids)``."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def generate(self, prompt_ids, sampling, session_id):
+        generation = await self.engine.generate(prompt_ids, sampling, session_id)
+        self.calls.append((session_id, list(prompt_ids), list(generation.token_ids)))
+        return generation
+
+    async def update_weights(self, named_tensors, version):
+        await self.engine.update_weights(named_tensors, version)
+
+    async def close(self):
+        await self.engine.close()
+
+
+def gateway_settings(root: Path, tasks: list[dict], *overrides: str):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
+    return load_settings(
+        REPO / "tests" / "fixtures" / "tiny_bugfix.yaml",
+        [f"--run.dir={root / 'run'}", "--env.kind=gateway", f"--env.tasks={root / 'tasks.jsonl'}",
+         f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}", "--trainer.threads=1",
+         "--trainer.max_steps=2", "--engine.max_new_tokens=48", "--rollout.group_size=2",
+         "--rollout.groups_per_step=2", "--rollout.max_in_flight=4", "--tracking.enabled=false",
+         "--tracking.sample_trajectories=0", *TINY, *overrides],
+    )
+
+
+def gateway_fit(settings, script: dict[str, list[str]] | None = None):
+    from transformers import AutoTokenizer
+
+    log, recorded = StepLog(), []
+
+    def wrap(engine):
+        if script:
+            codec = ChatCodec(AutoTokenizer.from_pretrained(resolve_model_path(settings)))
+            engine = TeacherForcedEngine(engine, codec, script)
+        recorded.append(RecordingEngine(engine))
+        return recorded[-1]
+
+    result = fit(settings, callbacks=[log], wrap_engine=wrap)
+    return result, log, recorded[0].calls
+
+
+def assert_trains_what_was_sampled(trajectories, calls) -> None:
+    """Each turn's ids are the ids the engine sampled for that call, its context the ids the engine was given,
+    and the loss mask covers exactly the sampled ids."""
+    by_session: dict[str, list] = {}
+    for session, prompt, sampled in calls:
+        by_session.setdefault(session, []).append((prompt, sampled))
+    for trajectory in trajectories:
+        engine_calls = by_session[trajectory.episode_id]
+        turns = [(s, t) for s in trajectory.segments for t in s.turns]
+        assert len(turns) == len(engine_calls) == trajectory.info["gateway_calls"]
+        for (segment, turn), (prompt, sampled) in zip(turns, engine_calls, strict=True):
+            assert segment.token_ids[turn.action_start:turn.action_end] == sampled
+            assert segment.token_ids[:turn.action_start] == prompt
+        for segment in trajectory.segments:
+            in_action = {i for t in segment.turns for i in range(t.action_start, t.action_end)}
+            assert [i for i, m in enumerate(segment.loss_mask) if m] == sorted(in_action)
+
+
+def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_path):
+    tasks = [{"id": "plain", "question": "What is 2+3?"}, {"id": "streamed", "question": "2+3?", "stream": True}]
+    settings = gateway_settings(tmp_path, tasks, "--env.agent=tests.gateway_agents:tool_agent")
+    result, log, calls = gateway_fit(settings, {"e0": [ADD, "It is 5."]})
+    assert result.global_step == 2
+    trajectories = [t for batch in log.batches for t in batch.trajectories]
+    assert len(trajectories) == 8
+    assert_trains_what_was_sampled(trajectories, calls)
+    scripted = [t for t in trajectories if t.episode_id.endswith("-e0")]
+    assert {t.task_id for t in scripted} == {"plain", "streamed"}
+    for t in scripted:  # tool call, answer (one segment: the exact prefix held), then a fresh conversation
+        assert t.termination is TerminationReason.SUBMITTED and t.reward == 1.0
+        assert [len(s.turns) for s in t.segments] == [2, 1] and t.info["prefix_breaks"] == 1
+        assert [turn.tool for turn in t.turns] == ["add", None, None]
+        assert t.turns[-1].reward == 1.0
+        first = t.segments[0]
+        between = first.token_ids[first.turns[0].action_end:first.turns[1].action_start]
+        assert set(first.loss_mask[first.turns[0].action_end:first.turns[1].action_start]) == {0}
+        codec = ChatCodec(__import__("transformers").AutoTokenizer.from_pretrained(resolve_model_path(settings)))
+        assert "5.0" in codec.decode(between)  # the tool's result is an observation
+    for batch, metrics in zip(log.batches, log.metrics, strict=True):
+        assert metrics["gateway/prefix_breaks"] == sum(t.info["prefix_breaks"] for t in batch.trajectories) >= 2
+        assert batch.turn_traj.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)
+
+
+def test_agent_failures_end_their_episodes_not_the_run(tmp_path):
+    tasks = [{"id": mode, "question": "2+3?", "mode": mode} for mode in ("raise", "nan", "silent", "long")]
+    settings = gateway_settings(tmp_path, tasks, "--env.agent=tests.gateway_agents:faulty_agent",
+                                "--rollout.groups_per_step=4", "--trainer.max_steps=1",
+                                "--rollout.max_infra_error_frac=1.0", "--env.max_context_tokens=512")
+    result, log, calls = gateway_fit(settings)
+    assert result.global_step == 1
+    trajectories = log.batches[0].trajectories
+    assert_trains_what_was_sampled(trajectories, calls)
+    by_task = {t.task_id: t for t in trajectories}
+    assert by_task["raise"].termination is TerminationReason.AGENT_ERROR
+    assert by_task["raise"].info["agent_error"].endswith("KeyError: 'answer'")
+    assert by_task["nan"].termination is TerminationReason.AGENT_ERROR and "nan" in by_task["nan"].info["agent_error"]
+    assert by_task["silent"].segments == [] and by_task["silent"].info["gateway_calls"] == 0
+    assert by_task["long"].termination is TerminationReason.MAX_CONTEXT and by_task["long"].reward == 0.0
+    assert log.metrics[0]["termination/agent_error"] == 4 and log.metrics[0]["gateway/episodes_without_calls"] == 2
+    included = {t.task_id for t, keep in zip(trajectories, log.batches[0].include.tolist(), strict=True) if keep}
+    assert included == {"silent", "long"}
+
+
+def test_command_agent_and_sync_client_with_the_process_tree_killed_at_the_timeout(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    tasks = [{"id": "ok", "question": "2+3?"}, {"id": "hang", "question": "?", "mode": "hang", "pid_file": str(pid_file)}]
+    settings = gateway_settings(tmp_path, tasks, f"--env.agent_command=[{sys.executable}, -m, tests.gateway_agents]",
+                                "--trainer.max_steps=1", "--env.episode_timeout_s=20",
+                                "--rollout.max_infra_error_frac=1.0")
+    result, log, calls = gateway_fit(settings)
+    trajectories = log.batches[0].trajectories
+    assert_trains_what_was_sampled(trajectories, calls)
+    by_task = {}
+    for t in trajectories:
+        by_task.setdefault(t.task_id, []).append(t)
+    assert all(t.termination is TerminationReason.SUBMITTED and t.info["gateway_calls"] == 1 for t in by_task["ok"])
+    assert all(t.termination is TerminationReason.TIMEOUT for t in by_task["hang"])
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # the agent's child died with it
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--env.kind=gateway"], "env.kind=gateway needs exactly one of env.agent"),
+    (["--env.agent=tests.gateway_agents:tool_agent"], "apply to env.kind=gateway only"),
+    (["--env.kind=gateway", "--env.agent=tests.gateway_agents:nothing"], "has no function 'nothing'"),
+    (["--env.kind=gateway", "--env.agent_command=[no-such-program-here]"], "is not an executable"),
+    (["--env.kind=gateway", "--env.agent=tests.gateway_agents:tool_agent", "--env.summarizer=rule"],
+     "env.summarizer does not apply to env.kind=gateway"),
+])
+def test_gateway_settings_are_checked_before_work_starts(overrides, message):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml", overrides)
