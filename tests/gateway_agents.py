@@ -14,7 +14,8 @@ import subprocess
 import sys
 import time
 
-from openai import AsyncOpenAI, BadRequestError, OpenAI
+from openai import AsyncOpenAI, AuthenticationError, BadRequestError, OpenAI
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "add two numbers",
@@ -35,19 +36,43 @@ def _add(call) -> str:
 
 async def _ask(client: AsyncOpenAI, messages: list[dict], stream: bool, **kwargs):
     """One call; the assistant message, whether streamed (the SDK's own accumulator) or not."""
-    if stream:
-        async with client.chat.completions.stream(model="any", messages=messages, **kwargs) as events:
-            completion = await events.get_final_completion()
+    if stream:  # accumulated by the SDK's own stream state (its snapshot: a cut reply is no error here)
+        state = ChatCompletionStreamState()
+        async for chunk in await client.chat.completions.create(model="any", messages=messages, stream=True, **kwargs):
+            state.handle_chunk(chunk)
+        completion = state.current_completion_snapshot
     else:
         completion = await client.chat.completions.create(model="any", messages=messages, **kwargs)
     return completion.choices[0]
 
 
+KEYS: dict[str, str] = {}  # base URL -> API key of every episode this process ran
+
+
+async def _check_the_door(client: AsyncOpenAI, base_url: str) -> None:
+    """The endpoint lists its model, refuses n != 1 as OpenAI does, and refuses another episode's key (401)."""
+    assert [model.id for model in (await client.models.list()).data] == ["policy"]
+    try:
+        await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], n=2)
+        raise AssertionError("n=2 was served")
+    except BadRequestError as err:
+        assert err.status_code == 400 and err.param == "n", err
+    others = [key for url, key in KEYS.items() if url != base_url]
+    if others:
+        try:
+            await AsyncOpenAI(base_url=base_url, api_key=others[0], max_retries=0).models.list()
+            raise AssertionError("another episode's key was accepted")
+        except AuthenticationError as err:
+            assert err.status_code == 401, err
+
+
 async def tool_agent(task: dict, base_url: str, api_key: str) -> float:
     """Multi-turn: a tool call round-tripped, the answer, then a fresh conversation."""
+    KEYS[base_url] = api_key
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages, stream = _question(task), task.get("stream", False)
     choice = await _ask(client, messages, stream, tools=TOOLS, max_tokens=40)
+    await _check_the_door(client, base_url)
     reward = 0.0
     if choice.message.tool_calls:
         call = choice.message.tool_calls[0]
@@ -60,30 +85,24 @@ async def tool_agent(task: dict, base_url: str, api_key: str) -> float:
     return reward
 
 
-async def faulty_agent(task: dict, base_url: str, api_key: str) -> float:
-    """What can go wrong with an agent, by ``task["mode"]``."""
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+def faulty_agent(task: dict, base_url: str, api_key: str) -> float:
+    """What can go wrong with an agent, by ``task["mode"]`` (a plain function with the synchronous client: it
+    runs in a worker thread)."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     mode = task["mode"]
     if mode == "silent":  # never calls the model
         return 1.0
     if mode == "long":  # past the context budget: OpenAI's context_length_exceeded
-        await client.chat.completions.create(model="any", messages=_question(task), max_tokens=4)
+        client.chat.completions.create(model="any", messages=_question(task), max_tokens=4)
         try:
-            await client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x " * 3000}])
+            client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x " * 3000}])
         except BadRequestError as err:
             return 1.0 if err.code == "context_length_exceeded" else -1.0
         return -1.0
-    await client.chat.completions.create(model="any", messages=_question(task), max_tokens=4)
+    client.chat.completions.create(model="any", messages=_question(task), max_tokens=4)
     if mode == "raise":
         raise RuntimeError("the agent's own bug\nKeyError: 'answer'")
     return float("nan")  # mode == "nan"
-
-
-def sync_agent(task: dict, base_url: str, api_key: str) -> float:
-    """A plain function with the synchronous client (run in a worker thread)."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    reply = client.chat.completions.create(model="any", messages=_question(task), max_tokens=8)
-    return float(reply.usage.completion_tokens > 0)
 
 
 def main() -> None:

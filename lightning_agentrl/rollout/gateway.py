@@ -50,6 +50,7 @@ from typing import Any
 from fastapi import FastAPI, Request  # module level: the routes' annotations are resolved from here
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lightning_agentrl.envs.base import encodable
 from lightning_agentrl.envs.gateway import AgentError
 from lightning_agentrl.envs.tools import CALL_PATTERN, ToolCallError, ToolSpec, parse_tool_call
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget, close_env, request_seed
@@ -115,9 +116,9 @@ def _text(content: Any, index: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        return "".join(p.get("text", "") for p in content if p.get("type") in ("text", "input_text", "output_text"))
+        return encodable(content)  # a lone surrogate (valid JSON) would fail the tokenizer
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+        return encodable("".join(p.get("text", "") for p in content if p.get("type") in ("text", "input_text", "output_text")))
     raise GatewayRefusal(400, f"messages[{index}].content must be a string or a list of text parts",
                          param="messages")
 
