@@ -210,7 +210,8 @@ class EnvSettings(_Section):
     split: Literal["train", "test", "all"] = "train"
     """Which tasks of the suite to train on."""
     max_turns: int = Field(4, ge=1)
-    """Actions per episode before it ends with `max_turns`."""
+    """Actions per episode before it ends with `max_turns` (with `env.kind: gateway`: calls to the model; the next
+    one is refused)."""
     max_context_tokens: int = Field(2048, ge=64)
     """Context budget of one segment; an episode that would exceed it ends with `max_context`."""
     tool_timeout_s: float = Field(20.0, gt=0)

@@ -244,3 +244,18 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
     assert trajectory.termination is TerminationReason.SUBMITTED and trajectory.reward == 0.5
     assert trajectory.info["gateway_calls"] == 2 and check_token_in_token_out([trajectory]) == 2
+
+
+def test_a_call_continues_its_segment_only_on_the_exact_previous_ids():
+    from lightning_agentrl.rollout.gateway import GatewayEpisode
+    from lightning_agentrl.trajectory import Segment, Trajectory
+
+    episode = GatewayEpisode(Trajectory(episode_id="e", task_id="t", group_id=0), None, None, None, None)
+    first = episode.context([1, 2, 3])
+    first.extend([4, 5], mask=1, logprobs=[-1.0, -1.0], version=0)  # what the engine sampled
+    assert episode.context([1, 2, 3, 4, 5, 6, 7]) is first and first.loss_mask == [0, 0, 0, 1, 1, 0, 0]
+    edited = episode.context([1, 2, 9, 4, 5, 6, 7, 8])  # history edited: a new segment
+    assert edited is not first and edited.token_ids == [1, 2, 9, 4, 5, 6, 7, 8] and episode.prefix_breaks == 1
+    episode.busy = edited  # a call of the episode is generating there: an overlapping call cannot continue it
+    assert episode.context([1, 2, 9, 4, 5, 6, 7, 8, 10]) is not edited and episode.prefix_breaks == 2
+    assert isinstance(first, Segment) and len(episode.trajectory.segments) == 3

@@ -23,6 +23,7 @@ policy's), its last error line kept in ``info["agent_error"]``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import inspect
 import json
@@ -69,8 +70,9 @@ def _parse_task(data: Any, where: str) -> AgentTask:
 def load_agent(spec: str):
     """The function ``spec`` (``pkg.module:function``) names; ``ValueError`` saying what is wrong.
 
-    >>> load_agent("json:dumps").__name__
-    'dumps'
+    >>> load_agent("json:loads")
+    Traceback (most recent call last):
+    ValueError: json:loads must take (task, base_url, api_key): too many positional arguments
     """
     module_name, sep, name = spec.partition(":")
     if not sep or not module_name or not name:
@@ -131,7 +133,8 @@ class GatewayEnv(Environment):
     async def run_agent(self, base_url: str, api_key: str) -> float:
         """Run the agent once on this task; its reward. Raises :class:`AgentError`."""
         if self.agent is not None:
-            return await run_function(load_agent(self.agent), self.task.data, base_url, api_key)
+            # a copy: the G agents of a group share the task, and an agent may change what it gets
+            return await run_function(load_agent(self.agent), copy.deepcopy(self.task.data), base_url, api_key)
         return await run_command(self.agent_command, self.task.data, base_url, api_key)
 
 

@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import secrets
 import socket
 import time
@@ -296,7 +297,7 @@ class Gateway:
         self.app = self._build_app()
 
     def base_url(self, episode_id: str) -> str:
-        return f"http://{self.host}:{self.port}/episodes/{episode_id}/v1"
+        return f"http://{self.host}:{self.port}/episodes/{url_name(episode_id)}/v1"
 
     async def start(self) -> None:
         if self._starting is None:
@@ -340,7 +341,9 @@ class Gateway:
         stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *codec.stop_token_ids]))
         episode = GatewayEpisode(Trajectory(episode_id=episode_id, task_id=task_id, group_id=group_id), engine,
                                  codec, replace(sampling, stop_token_ids=stops), budget)
-        self.episodes[episode_id] = episode
+        if url_name(episode_id) in self.episodes:
+            raise RuntimeError(f"two episodes named {episode_id!r} at once")
+        self.episodes[url_name(episode_id)] = episode
         started, reward = time.monotonic(), None
         try:
             async with asyncio.timeout(budget.episode_timeout_s):
@@ -352,7 +355,7 @@ class Gateway:
             episode.end(TerminationReason.AGENT_ERROR, agent_error=str(err))
         finally:
             episode.closed = True
-            self.episodes.pop(episode_id, None)
+            self.episodes.pop(url_name(episode_id), None)
             await close_env(env)
         if episode.fatal is not None:
             raise episode.fatal
@@ -366,7 +369,7 @@ class Gateway:
             raise GatewayRefusal(404, f"no episode {episode_id!r} is running (it ended, or never started)",
                                  code="episode_not_found")
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip(), episode.api_key):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), episode.api_key.encode()):
             raise GatewayRefusal(401, "Incorrect API key provided for this episode", code="invalid_api_key")
         return episode
 
@@ -406,6 +409,8 @@ class Gateway:
         request = CallRequest.parse(body, episode)
         ids = request.prompt_ids(episode.codec)
         room = episode.budget.max_context_tokens - len(ids)
+        if episode.termination is None and episode.num_calls >= episode.budget.max_turns:
+            episode.end(TerminationReason.MAX_TURNS)
         if episode.termination is not None:
             raise _ended(episode)
         if room < 1:
@@ -449,13 +454,24 @@ class Gateway:
         return generation, time.monotonic() - t0
 
 
+def url_name(episode_id: str) -> str:
+    """The episode's name in its URL: the id where it is URL-safe, else a safe form plus a hash of it.
+
+    >>> url_name("g0-e1"), url_name("eval-a/b c-0")
+    ('g0-e1', 'eval-a_b_c-0-8d1962ef')
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", episode_id)
+    return safe if safe == episode_id else f"{safe}-{hashlib.sha256(episode_id.encode()).hexdigest()[:8]}"
+
+
 def _ended(episode: GatewayEpisode, num_prompt_tokens: int | None = None) -> GatewayRefusal:
     if episode.termination is TerminationReason.MAX_CONTEXT:
         size = f"your messages resulted in {num_prompt_tokens} tokens; " if num_prompt_tokens else ""
         return GatewayRefusal(400, f"This model's maximum context length is {episode.budget.max_context_tokens} "
                                    f"tokens; {size}the episode has ended (max_context)",
                               code="context_length_exceeded", param="messages")
-    return GatewayRefusal(400, f"the episode has ended ({episode.termination.value})", code="episode_ended")
+    why = f" after env.max_turns={episode.budget.max_turns} calls" if episode.termination is TerminationReason.MAX_TURNS else ""
+    return GatewayRefusal(400, f"the episode has ended ({episode.termination.value}){why}", code="episode_ended")
 
 
 @dataclass
@@ -472,7 +488,7 @@ class CallRequest:
 
     @classmethod
     def parse(cls, body: dict, episode: GatewayEpisode) -> CallRequest:
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1):
             raise GatewayRefusal(400, "n must be 1: each call is one turn of the episode", param="n",
                                  code="unsupported_value")
         _note_sampling(body, episode.sampling)
