@@ -420,3 +420,14 @@ def test_format_drift_names_what_a_run_lacks_before_loading_anything(tmp_path, c
     err = capsys.readouterr().err
     assert "snapshots/step_000020" in err and "trajectories/step_000020.jsonl" in err
     assert "snapshots/step_000010," not in err and "snapshots at steps [10]" in err
+
+
+def test_gateway_benchmark_times_both_arms_on_the_same_calls(tmp_path):
+    out = tmp_path / "gateway.json"
+    done = run_benchmark("benchmarks/gateway_bench.py", "--in-flight", "1", "2", "--calls", "2", "--tokens", "2",
+                         "--out", str(out))
+    record = json.loads(out.read_text())
+    assert set(record["in_flight"]) == {"1", "2"} and "gateway vs engine directly" in done.stdout
+    for in_flight, row in record["in_flight"].items():
+        assert row["direct"]["calls"] == row["gateway"]["calls"] == 2 * int(in_flight)
+        assert 0 < row["direct"]["p50_ms"] <= row["direct"]["p99_ms"] and row["p50_ratio"] > 0
