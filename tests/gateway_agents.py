@@ -124,3 +124,23 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def smolagents_agent(task: dict, base_url: str, api_key: str) -> float:
+    """smolagents' tool-calling agent as its docs build it, pointed at the episode's URL (a plain function: the
+    library is synchronous). It writes its own history (tool calls and results as text): a new segment per call."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    @tool
+    def add(a: str, b: str) -> str:
+        """Add two numbers.
+
+        Args:
+            a: a number
+            b: a number
+        """
+        return str(float(a) + float(b))
+
+    model = OpenAIServerModel(model_id="policy", api_base=base_url, api_key=api_key, max_tokens=40)
+    agent = ToolCallingAgent(tools=[add], model=model, max_steps=2, verbosity_level=0)
+    return 1.0 if "5" in str(agent.run(task["question"])) else 0.0

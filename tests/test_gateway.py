@@ -259,3 +259,18 @@ def test_a_call_continues_its_segment_only_on_the_exact_previous_ids():
     episode.busy = edited  # a call of the episode is generating there: an overlapping call cannot continue it
     assert episode.context([1, 2, 9, 4, 5, 6, 7, 8, 10]) is not edited and episode.prefix_breaks == 2
     assert isinstance(first, Segment) and len(episode.trajectory.segments) == 3
+
+
+def test_a_smolagents_agent_trains_unchanged(tmp_path):
+    settings = gateway_settings(tmp_path, [{"id": "add", "question": "What is 2+3?"}],
+                                "--env.agent=tests.gateway_agents:smolagents_agent", "--rollout.groups_per_step=1",
+                                "--env.max_context_tokens=3072", "--env.max_turns=4")
+    result, log, calls = gateway_fit(settings, {"e0": [ADD, call("final_answer", answer="5")]})
+    assert result.global_step == 2
+    trajectories = [t for batch in log.batches for t in batch.trajectories]
+    assert_trains_what_was_sampled(trajectories, calls)
+    assert not [t.info["agent_error"] for t in trajectories if "agent_error" in t.info]
+    for t in (t for t in trajectories if t.episode_id.endswith("-e0")):
+        assert t.reward == 1.0 and [turn.tool for turn in t.turns] == ["add", "final_answer"]
+        # smolagents re-writes the tool call and its result as text: the second call cannot continue the first
+        assert len(t.segments) == 2 and t.info["prefix_breaks"] == 1
