@@ -94,7 +94,8 @@ def assert_trains_what_was_sampled(trajectories, calls) -> None:
 
 def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_path):
     tasks = [{"id": "plain", "question": "What is 2+3?"}, {"id": "streamed", "question": "2+3?", "stream": True}]
-    settings = gateway_settings(tmp_path, tasks, "--env.agent=tests.gateway_agents:tool_agent")
+    settings = gateway_settings(tmp_path, tasks, "--env.agent=tests.gateway_agents:tool_agent",
+                                "--algorithm.advantage=gigpo")
     result, log, calls = gateway_fit(settings, {"e0": [ADD, "It is 5."]})
     assert result.global_step == 2
     trajectories = [t for batch in log.batches for t in batch.trajectories]
@@ -113,6 +114,10 @@ def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_
         assert set(first.loss_mask[first.turns[0].action_end:first.turns[1].action_start]) == {0}
         codec = ChatCodec(__import__("transformers").AutoTokenizer.from_pretrained(resolve_model_path(settings)))
         assert "5.0" in codec.decode(between)  # the tool's result is an observation
+    for batch in log.batches:  # GiGPO's anchor of a call is its rendered prompt: the group's first calls share one
+        first_turns = batch.turn_starts.new_tensor([0, *batch.num_turns.cumsum(0)[:-1].tolist()])
+        keys = [batch.turn_state_keys[k] for k in first_turns.tolist()]
+        assert [keys[i] == keys[i + 1] for i in range(0, len(keys), 2)] == [True] * (len(keys) // 2)
     for batch, metrics in zip(log.batches, log.metrics, strict=True):
         assert metrics["gateway/prefix_breaks"] == sum(t.info["prefix_breaks"] for t in batch.trajectories) >= 2
         assert batch.turn_traj.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)

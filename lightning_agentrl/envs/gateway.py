@@ -145,7 +145,7 @@ async def run_function(function, task: dict, base_url: str, api_key: str) -> flo
             value = await function(task, base_url, api_key)
         else:
             value = await asyncio.to_thread(function, task, base_url, api_key)
-    except Exception as err:  # noqa: BLE001 - whatever the agent raises ends its episode, not the run
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the agent raises ends its episode, not the run
         raise AgentError(f"{name} raised {type(err).__name__}: {last_line(str(err)) or 'no message'}") from err
     return checked_reward(value, name)
 
