@@ -216,6 +216,12 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
                 seen["bad_stop"] = await post("/chat/completions", json={"messages": hello, "stop": [3]})
                 seen["no_key"] = await post("/chat/completions", json={"messages": hello}, headers={"Authorization": ""})
                 seen["elsewhere"] = await http.get(base_url.replace("/episodes/e/", "/episodes/other/") + "/models")
+                seen["deep"] = await post("/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+                seen["bad_calls"] = await post("/chat/completions", json={"messages": [
+                    {"role": "assistant", "content": None, "tool_calls": {"id": "x"}}, *hello]})
+                seen["odd_tools"] = await post("/chat/completions", json={  # a schema we cannot read: no call parsed
+                    "messages": hello, "max_tokens": 2, "stream": True, "stream_options": "yes",
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]})
                 seen["capped"] = await post("/chat/completions", content=json.dumps({  # JSON escapes the lone surrogate
                     "messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 10_000, "temperature": 0.2}))
                 seen["streamed"] = await post("/chat/completions", json={"messages": hello, "stream": True,
@@ -235,7 +241,8 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
 
     trajectory = asyncio.run(play())
     for name, param, status in [("not_json", None, 400), ("no_messages", "messages", 400), ("zero_tokens", "max_tokens", 400),
-                                ("bad_stop", "stop", 400), ("no_key", None, 401), ("elsewhere", None, 404)]:
+                                ("bad_stop", "stop", 400), ("no_key", None, 401), ("elsewhere", None, 404),
+                                ("deep", None, 400), ("bad_calls", "messages", 400)]:
         response = seen[name]
         assert response.status_code == status, (name, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"} and response.json()["error"]["param"] == param
@@ -248,7 +255,8 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     chunks = [json.loads(line[6:]) for line in events[:-1]]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
     assert trajectory.termination is TerminationReason.SUBMITTED and trajectory.reward == 0.5
-    assert trajectory.info["gateway_calls"] == 2 and check_token_in_token_out([trajectory]) == 2
+    assert seen["odd_tools"].status_code == 200, seen["odd_tools"].text
+    assert trajectory.info["gateway_calls"] == 3 and check_token_in_token_out([trajectory]) == 3
 
 
 def test_a_call_continues_its_segment_only_on_the_exact_previous_ids():

@@ -109,6 +109,10 @@ def template_messages(messages: Any) -> list[dict]:
         converted.append({**message, "content": _text(message.get("content"), index)})
         calls = message.get("tool_calls")
         if calls:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                       for c in calls):
+                raise GatewayRefusal(400, f"messages[{index}].tool_calls must be a list of "
+                                          "{'type': 'function', 'function': {...}}", param="messages")
             converted[-1]["tool_calls"] = [_template_call(call) for call in calls]
     return converted
 
@@ -124,8 +128,8 @@ def _text(content: Any, index: int) -> str:
                          param="messages")
 
 
-def _template_call(call: Any) -> dict:
-    function = call.get("function", {}) if isinstance(call, dict) else {}
+def _template_call(call: dict) -> dict:
+    function = call["function"]
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         with contextlib.suppress(json.JSONDecodeError):
@@ -140,9 +144,11 @@ def tool_specs(tools: Any) -> tuple[ToolSpec, ...]:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise GatewayRefusal(400, "each tool must be {'type': 'function', 'function': {'name': ...}}", param="tools")
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        specs.append(ToolSpec(function["name"], function.get("description", ""),
-                              {name: str(p.get("description", "")) for name, p in properties.items()}))
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        properties = properties if isinstance(properties, dict) else {}
+        specs.append(ToolSpec(function["name"], str(function.get("description", "")), {
+            name: str(p.get("description", "")) if isinstance(p, dict) else "" for name, p in properties.items()}))
     return tuple(specs)
 
 
@@ -383,6 +389,12 @@ class Gateway:
         async def refused(request: Request, err: GatewayRefusal):
             return JSONResponse(err.body(), status_code=err.status)
 
+        @app.exception_handler(Exception)
+        async def failed(request: Request, err: Exception):  # a bug of ours: logged, answered in OpenAI's shape
+            log.error("gateway: %s %s failed", request.method, request.url.path, exc_info=err)
+            refusal = GatewayRefusal(500, f"the gateway failed: {type(err).__name__}: {err}", kind="server_error")
+            return JSONResponse(refusal.body(), status_code=500)
+
         @app.get("/episodes/{episode_id}/v1/models")
         async def models(episode_id: str, request: Request):
             self._episode(episode_id, request.headers.get("authorization"))
@@ -394,13 +406,14 @@ class Gateway:
             episode = self._episode(episode_id, request.headers.get("authorization"))
             try:
                 body = await request.json()
-            except ValueError:
-                raise GatewayRefusal(400, "the request body is not JSON") from None
+            except (ValueError, RecursionError):
+                raise GatewayRefusal(400, "the request body is not JSON (or nests too deeply)") from None
             if not isinstance(body, dict):
                 raise GatewayRefusal(400, "the request body must be a JSON object")
             completion = await self.complete(episode, body)
             if body.get("stream"):
-                usage = (body.get("stream_options") or {}).get("include_usage", False)
+                options = body.get("stream_options") or {}
+                usage = options.get("include_usage", False) if isinstance(options, dict) else False
                 return StreamingResponse(sse_events(completion, include_usage=usage), media_type="text/event-stream")
             return completion
 
