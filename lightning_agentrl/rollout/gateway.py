@@ -199,17 +199,21 @@ def renders_tool_calls(codec: ChatCodec) -> bool:
     return _PROBE_CALL in rendered
 
 
-def calls_as_text(messages: list[dict]) -> list[dict]:
-    """For a template that writes no ``tool_calls``: each call in the assistant's content, in the
-    ``<tool_call>`` format the parser reads (what the policy wrote, where it wrote a bare call)."""
+def calls_as_text(messages: list[dict], written: dict[str, str]) -> list[dict]:
+    """For a template that writes no ``tool_calls``: an assistant message with calls as text. A reply of this
+    episode (its first call's id is in ``written``, call id -> the reply's text as decoded from the sampled
+    ids) gets that text back, the policy's own format; another gets each call in the ``<tool_call>`` format."""
     converted = []
     for message in messages:
         calls = message.get("tool_calls")
         if calls:
-            written = "".join("<tool_call>" + json.dumps({"name": c["function"].get("name"), "arguments":
-                              c["function"].get("arguments", {})}) + "</tool_call>" for c in calls)
             message = {k: v for k, v in message.items() if k != "tool_calls"}
-            message["content"] = (message["content"] + "\n" if message["content"] else "") + written
+            if calls[0].get("id") in written:
+                message["content"] = written[calls[0]["id"]]
+            else:
+                text = "".join("<tool_call>" + json.dumps({"name": c["function"].get("name"), "arguments":
+                               c["function"].get("arguments", {})}) + "</tool_call>" for c in calls)
+                message["content"] = (message["content"] + "\n" if message["content"] else "") + text
         converted.append(message)
     return converted
 
@@ -229,6 +233,7 @@ class GatewayEpisode:
     closed: bool = False  # the agent's run ended: a late call records nothing
     busy: Segment | None = None  # the segment a call is generating in
     num_calls: int = 0
+    written: dict[str, str] = field(default_factory=dict)  # tool call id -> its reply's text (calls_as_text)
     prefix_breaks: int = 0
     digests: dict[int, str] = field(default_factory=dict)  # id(turn) -> digest of its sampled ids
     fatal: BaseException | None = None  # an engine failure the run cannot go on after
@@ -422,7 +427,7 @@ class Gateway:
     async def complete(self, episode: GatewayEpisode, body: dict) -> dict:
         """One call: render, check the budget, generate, record the turn; the completion object."""
         request = CallRequest.parse(body, episode)
-        ids = request.prompt_ids(episode.codec)
+        ids = request.prompt_ids(episode.codec, episode.written)
         room = episode.budget.max_context_tokens - len(ids)
         if episode.termination is None and episode.num_calls >= episode.budget.max_turns:
             episode.end(TerminationReason.MAX_TURNS)
@@ -438,7 +443,10 @@ class Gateway:
             raise GatewayRefusal(404, "the episode ended while this call was generating", code="episode_not_found")
         text_of = episode.codec.decode_action
         keep = cut_at_stop(generation.token_ids, request.stop, text_of)
-        content, calls = split_reply(text_of(generation.token_ids[:keep]), request.specs)
+        text = text_of(generation.token_ids[:keep])
+        content, calls = split_reply(text, request.specs)
+        if calls:
+            episode.written[calls[0]["id"]] = text
         episode.record(segment, generation, keep, state_key=hashlib.sha256(str(ids).encode()).hexdigest()[:16],
                        state_text=request.state_text, tool=calls[0]["function"]["name"] if calls else None,
                        generation_s=generation_s)
@@ -523,14 +531,16 @@ class CallRequest:
         state_text = messages[-1]["content"][-1000:]
         return cls(messages, tool_specs(tools), tools, max_tokens, stop, str(body.get("model") or MODEL_ID), state_text)
 
-    def prompt_ids(self, codec: ChatCodec) -> list[int]:
+    def prompt_ids(self, codec: ChatCodec, written: dict[str, str]) -> list[int]:
         """The request rendered with the policy's chat template (its tools through ``tools=`` where the template
         renders them, else described in the system message)."""
         messages, tools = self.messages, self.tools
         if tools and not codec.renders_tools:
             messages, tools = tools_as_text(messages, self.specs), None
         if not renders_tool_calls(codec):
-            messages = calls_as_text(messages)
+            messages = calls_as_text(messages, written)
+        if codec.observation_role != "tool":  # e.g. Gemma's template knows no tool role: results as the codec shows them
+            messages = [{**m, "role": codec.observation_role} if m["role"] == "tool" else m for m in messages]
         try:
             return codec.prompt_ids(messages, tools=tools)
         except Exception as err:  # jinja2's TemplateError, or what a template raises itself
