@@ -75,7 +75,6 @@ RUN_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k"
 UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "seed", "response_format", "logprobs",
                "top_logprobs", "min_p", "repetition_penalty")
 """Request fields the gateway serves without (a penalty or bias would change the sampled distribution)."""
-_warned: set[str] = set()
 
 
 class GatewayRefusal(Exception):
@@ -90,9 +89,10 @@ class GatewayRefusal(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def _warn_once(name: str, message: str) -> None:
-    if name not in _warned:
-        _warned.add(name)
+def _warn_once(warned: set[str], name: str, message: str) -> None:
+    """Log ``message`` the first time ``name`` is seen in ``warned`` (the run's gateway's)."""
+    if name not in warned:
+        warned.add(name)
         log.warning("gateway: %s", message)
 
 
@@ -237,6 +237,7 @@ class GatewayEpisode:
     prefix_breaks: int = 0
     digests: dict[int, str] = field(default_factory=dict)  # id(turn) -> digest of its sampled ids
     fatal: BaseException | None = None  # an engine failure the run cannot go on after
+    warned: set[str] = field(default_factory=set)  # request fields logged as ignored: the gateway's, shared
 
     def end(self, reason: TerminationReason, **info: str) -> None:
         if self.termination is None:
@@ -303,6 +304,7 @@ class Gateway:
         self.host = host
         self.port: int | None = None
         self.episodes: dict[str, GatewayEpisode] = {}
+        self.warned: set[str] = set()  # request fields already logged as served otherwise
         self._starting: asyncio.Future | None = None
         self._server = None
         self.app = self._build_app()
@@ -353,7 +355,7 @@ class Gateway:
         await self.start()
         stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *codec.stop_token_ids]))
         episode = GatewayEpisode(Trajectory(episode_id=episode_id, task_id=task_id, group_id=group_id), engine,
-                                 codec, replace(sampling, stop_token_ids=stops), budget)
+                                 codec, replace(sampling, stop_token_ids=stops), budget, warned=self.warned)
         if url_name(episode_id) in self.episodes:
             raise RuntimeError(f"two episodes named {episode_id!r} at once")
         self.episodes[url_name(episode_id)] = episode
@@ -514,7 +516,7 @@ class CallRequest:
         if body.get("n") not in (None, 1):
             raise GatewayRefusal(400, "n must be 1: each call is one turn of the episode", param="n",
                                  code="unsupported_value")
-        _note_sampling(body, episode.sampling)
+        _note_sampling(body, episode.sampling, episode.warned)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise GatewayRefusal(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
@@ -526,7 +528,7 @@ class CallRequest:
         if body.get("tool_choice") == "none":
             tools = None
         elif body.get("tool_choice") not in (None, "auto"):
-            _warn_once("tool_choice", f"tool_choice={body['tool_choice']!r} is served as 'auto' (sampling is not forced)")
+            _warn_once(episode.warned, "tool_choice", f"tool_choice={body['tool_choice']!r} is served as 'auto' (sampling is not forced)")
         messages = template_messages(body.get("messages"))
         state_text = messages[-1]["content"][-1000:]
         return cls(messages, tool_specs(tools), tools, max_tokens, stop, str(body.get("model") or MODEL_ID), state_text)
@@ -548,15 +550,15 @@ class CallRequest:
                                       f"{type(err).__name__}: {err}", param="messages") from None
 
 
-def _note_sampling(body: dict, sampling: SamplingParams) -> None:
+def _note_sampling(body: dict, sampling: SamplingParams, warned: set[str]) -> None:
     for name, attribute in RUN_SAMPLING.items():
         value = body.get(name)
         if value is not None and value != getattr(sampling, attribute):
-            _warn_once(name, f"{name}={value!r} requested; served with the run's {getattr(sampling, attribute)!r} "
+            _warn_once(warned, name, f"{name}={value!r} requested; served with the run's {getattr(sampling, attribute)!r} "
                              "(the log-prob rule and the importance weights depend on it; engine.*)")
     for name in UNSUPPORTED:
         if body.get(name) not in (None, False, 0, {}, []):
-            _warn_once(name, f"{name} is not supported by the gateway; served without it")
+            _warn_once(warned, name, f"{name} is not supported by the gateway; served without it")
 
 
 def completion_object(content: str | None, calls: list[dict], reason: str, model: str, num_prompt: int,
