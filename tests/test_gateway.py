@@ -328,3 +328,14 @@ def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(f
     assert episode.context(again) is segment and episode.prefix_breaks == 0
     observation = segment.token_ids[segment.loss_mask.index(1) + len(sampled):]
     assert "5.0" in codec.decode(observation) and set(segment.loss_mask[-len(observation):]) == {0}
+
+
+def test_the_circuit_breaker_counts_agent_errors(tmp_path):
+    from lightning_agentrl.callbacks.circuit_breaker import SandboxOutage
+
+    settings = gateway_settings(tmp_path, [{"id": "raise", "question": "2+3?", "mode": "raise"}],
+                                "--env.agent=tests.gateway_agents:faulty_agent", "--rollout.groups_per_step=2")
+    with pytest.raises(SandboxOutage) as err:
+        gateway_fit(settings)
+    assert str(err.value).startswith("the environment's infrastructure failed: every episode of the step (4) ended "
+                                     "with agent_error; last error: faulty_agent raised RuntimeError: KeyError: 'answer'")

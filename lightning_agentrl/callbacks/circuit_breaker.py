@@ -118,7 +118,8 @@ class InfraCircuitBreaker(L.Callback):
         if why is None:
             return
         last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
-        what = f"{self.what} failed: {why} with sandbox_error or agent_error; last error: {last_error}"
+        agents = any(t.termination is TerminationReason.AGENT_ERROR for t in batch.trajectories)  # env.kind: gateway
+        what = f"{self.what} failed: {why} with {'agent_error' if agents else 'sandbox_error'}; last error: {last_error}"
         self.num_trips += 1
         if self.on_failure == "wait" and self._service_came_back(trainer, what):
             self.window.clear()
