@@ -169,7 +169,12 @@ def split_reply(text: str, specs: tuple[ToolSpec, ...]) -> tuple[str | None, lis
 
 def cut_at_stop(ids: list[int], stops: list[str], decode) -> int:
     """How many of the sampled ``ids`` to keep: up to the first id whose text completes a stop string
-    (all of them when none does). ``decode(ids) -> str``."""
+    (all of them when none does). ``decode(ids) -> str``.
+
+    >>> text = lambda ids: "".join("abcd"[i] for i in ids)
+    >>> cut_at_stop([0, 1, 2, 3], ["bc"], text), cut_at_stop([0, 1, 2, 3], ["x"], text)
+    (3, 4)
+    """
     if not stops or not any(stop in decode(ids) for stop in stops):
         return len(ids)
     return next(k for k in range(1, len(ids) + 1) if any(stop in decode(ids[:k]) for stop in stops))
