@@ -100,6 +100,8 @@ def faulty_agent(task: dict, base_url: str, api_key: str) -> float:
             return 1.0 if err.code == "context_length_exceeded" else -1.0
         return -1.0
     client.chat.completions.create(model="any", messages=_question(task), max_tokens=4)
+    if mode == "hang":  # past any time limit, in a thread nothing can interrupt
+        time.sleep(600)
     if mode == "raise":
         raise RuntimeError("the agent's own bug\nKeyError: 'answer'")
     return float("nan")  # mode == "nan"

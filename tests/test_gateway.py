@@ -8,6 +8,7 @@ others; every engine call is recorded, so each test compares the trained ids wit
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -339,3 +340,21 @@ def test_the_circuit_breaker_counts_agent_errors(tmp_path):
         gateway_fit(settings)
     assert str(err.value).startswith("the environment's infrastructure failed: every episode of the step (4) ended "
                                      "with agent_error; last error: faulty_agent raised RuntimeError: KeyError: 'answer'")
+
+
+def test_a_synchronous_agent_hung_past_its_timeout_does_not_keep_the_run_from_exiting(tmp_path):
+    import subprocess
+
+    tasks = [{"id": "hang", "question": "?", "mode": "hang"}]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_agentrl", "fit", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"),
+         f"--run.dir={tmp_path / 'run'}", "--env.kind=gateway", f"--env.tasks={tmp_path / 'tasks.jsonl'}",
+         "--env.agent=tests.gateway_agents:faulty_agent", "--env.episode_timeout_s=2", "--trainer.max_steps=1",
+         "--rollout.group_size=2", "--rollout.groups_per_step=1", "--rollout.max_in_flight=2",
+         "--tracking.enabled=false", "--trainer.threads=1", f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}",
+         *TINY], cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["global_step"] == 1
+    assert time.monotonic() - started < 120  # the hung agents' threads (sleeping 600 s) did not hold the exit

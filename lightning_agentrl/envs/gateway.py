@@ -5,7 +5,7 @@ its own base URL and API key (those of the rollout's gateway, :mod:`lightning_ag
 and the number it returns is the episode's reward. The agent is either
 
 - a function, ``env.agent: my_pkg.agent:run``, ``async def run(task: dict, base_url: str, api_key: str) ->
-  float`` (a plain ``def`` runs in a worker thread, so a synchronous client does not block the rollout;
+  float`` (a plain ``def`` runs in a daemon thread, so a synchronous client does not block the rollout;
   a thread cannot be interrupted: past the episode's time limit its calls are refused), or
 - a command, ``env.agent_command: [python, my_agent.py]``, started with ``OPENAI_BASE_URL`` and
   ``OPENAI_API_KEY`` in its environment and the task as JSON on its stdin; its last stdout line is
@@ -23,6 +23,7 @@ policy's), its last error line kept in ``info["agent_error"]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import importlib
 import inspect
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import signal
+import threading
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -144,10 +146,37 @@ async def run_function(function, task: dict, base_url: str, api_key: str) -> flo
         if inspect.iscoroutinefunction(function):
             value = await function(task, base_url, api_key)
         else:
-            value = await asyncio.to_thread(function, task, base_url, api_key)
+            value = await in_daemon_thread(function, task, base_url, api_key)
     except (Exception, SystemExit) as err:  # noqa: BLE001 - whatever the agent raises ends its episode, not the run
         raise AgentError(f"{name} raised {type(err).__name__}: {last_line(str(err)) or 'no message'}") from err
     return checked_reward(value, name)
+
+
+async def in_daemon_thread(function, *args):
+    """``function(*args)`` in a daemon thread of its own. Not ``asyncio.to_thread``: a thread cannot be
+    interrupted, and the executor's threads are joined when the interpreter exits, so one agent hung past
+    its episode's time limit would keep the finished run from exiting."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome: dict) -> None:
+        if future.done():  # cancelled: the episode timed out and moved on
+            return
+        if "error" in outcome:
+            future.set_exception(outcome["error"])
+        else:
+            future.set_result(outcome["value"])
+
+    def target() -> None:
+        try:
+            outcome = {"value": function(*args)}
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting episode
+            outcome = {"error": err}
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=target, name="agent", daemon=True).start()
+    return await future
 
 
 async def run_command(argv: list[str], task: dict, base_url: str, api_key: str) -> float:
