@@ -71,6 +71,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/packing_bench.py
 	$(PY) benchmarks/scaling_bench.py
 	$(PY) benchmarks/lora_bench.py
+	$(PY) benchmarks/gateway_bench.py
 
 # Proof that it learns: warm start + GRPO on the copy-the-key suite, held-out success per step
 # (benchmarks/results/learn_cpu.json and .png).

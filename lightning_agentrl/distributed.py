@@ -72,7 +72,7 @@ def reduce_metrics(
     # a rank may lack a key another has (e.g. it had nothing to train on): it counts as 0 there
     keys = sorted(set().union(*all_gather(sorted(metrics))))
     values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
-    is_extreme = torch.tensor([k in maxima or k in minima for k in keys])
+    is_extreme = torch.tensor([k in maxima or k in minima for k in keys], dtype=torch.bool)  # bool when empty too
     sign = torch.tensor([-1.0 if k in minima else 1.0 for k in keys], dtype=torch.float64)
     summed = values.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)

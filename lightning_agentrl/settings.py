@@ -10,6 +10,7 @@ documentation: ``fit --help`` prints it.
 from __future__ import annotations
 
 import re
+import shutil
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -241,7 +242,8 @@ class EnvSettings(_Section):
     split: Literal["train", "test", "all"] = "train"
     """Which tasks of the suite to train on."""
     max_turns: int = Field(4, ge=1)
-    """Actions per episode before it ends with `max_turns`."""
+    """Actions per episode before it ends with `max_turns` (with `env.kind: gateway`: calls to the model; the next
+    one is refused)."""
     max_context_tokens: int = Field(2048, ge=64)
     """Context budget of one segment; an episode that would exceed it ends with `max_context`."""
     tool_timeout_s: float = Field(20.0, gt=0)
@@ -271,6 +273,31 @@ class EnvSettings(_Section):
     sub_agent: SubAgentSettings | None = None
     """A frozen second model the environment may call as a tool (`Environment.sub_agent`); its answers enter the
     trajectory as observations (mask 0). None = no sub-agent. Needs `engine.kind: torch`."""
+    agent: str | None = None
+    """With `env.kind: gateway`: the agent as a function path, `my_pkg.agent:run`, `async def run(task: dict,
+    base_url: str, api_key: str) -> float` (its reward); it calls the policy through the OpenAI-compatible
+    gateway at `base_url` (docs/agents.md). Set this or `env.agent_command`."""
+    agent_command: list[str] | None = None
+    """With `env.kind: gateway`: the agent as a command, `[python, my_agent.py]`, run once per episode with
+    `OPENAI_BASE_URL` and `OPENAI_API_KEY` set and the task as JSON on stdin; its last stdout line is
+    `{"reward": R}`. Its process group is killed when the episode ends. Set this or `env.agent`."""
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> EnvSettings:
+        from lightning_agentrl.envs.gateway import load_agent
+
+        if (self.agent is None) == (self.agent_command is None):
+            if self.kind == "gateway":
+                raise ValueError("env.kind=gateway needs exactly one of env.agent (a function path) and env.agent_command (argv)")
+            if self.agent is not None:
+                raise ValueError(f"env.agent and env.agent_command apply to env.kind=gateway only (kind is {self.kind!r})")
+        elif self.kind != "gateway":
+            raise ValueError(f"env.agent and env.agent_command apply to env.kind=gateway only (kind is {self.kind!r})")
+        if self.agent is not None:
+            load_agent(self.agent)  # imports it: a typo fails here, before any work starts
+        if self.agent_command is not None and (not self.agent_command or shutil.which(self.agent_command[0]) is None):
+            raise ValueError(f"env.agent_command: {self.agent_command[:1]} is not an executable (on PATH or a path)")
+        return self
 
 
 class EvalSettings(_Section):
@@ -593,6 +620,7 @@ class Settings(BaseSettings):
             )
         _check_engine(self)
         _check_lora(self)
+        _check_gateway(self)
         if self.engine.max_new_tokens >= self.env.max_context_tokens:
             raise ValueError("engine.max_new_tokens must be smaller than env.max_context_tokens")
         return self
@@ -649,6 +677,18 @@ def _check_importance(a: AlgorithmSettings) -> None:
         if a.importance_lower >= a.importance_cap:
             raise ValueError(f"algorithm.importance_lower ({a.importance_lower:g}) must be below "
                              f"algorithm.importance_cap ({a.importance_cap:g})")
+
+
+def _check_gateway(settings: Settings) -> None:
+    """What an external agent's episodes (``env.kind: gateway``) cannot do: the agent owns its history."""
+    if settings.env.kind != "gateway":
+        return
+    refused = {"env.summarizer": settings.env.summarizer != "none", "env.sub_agent": settings.env.sub_agent is not None,
+               "rollout.partial_rollout_s": settings.rollout.partial_rollout_s is not None,
+               "rollout.forced_truncation_rate": settings.rollout.forced_truncation_rate > 0}
+    for name, is_set in refused.items():
+        if is_set:
+            raise ValueError(f"{name} does not apply to env.kind=gateway: the agent keeps its own history and loop")
 
 
 def _check_engine(settings: Settings) -> None:

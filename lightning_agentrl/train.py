@@ -591,7 +591,17 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
         plan=RolloutPlan.from_settings(r, seed=settings.run.seed),
         summarizer=make_summarizer(env.summarizer, codec, max_summary_tokens=env.summary_max_tokens),
         episode_budget=ForcedTruncation.from_settings(r, seed=settings.run.seed),  # an experiment; None by default
+        **gateway_player(settings),
     )
+
+
+def gateway_player(settings: Settings) -> dict:
+    """``env.kind: gateway``: the external agent's episodes are played through the OpenAI-compatible gateway."""
+    if settings.env.kind != "gateway":
+        return {}
+    from lightning_agentrl.rollout.gateway import Gateway
+
+    return {"play": Gateway().play}
 
 
 def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokenizer) -> list:
@@ -625,6 +635,7 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
         SegmentBoundaries(),
         RolloutMetrics(service),
         TrajectoryArchive(run_dir, tokenizer, settings.tracking.sample_trajectories),
+        *gateway_metrics(settings),
         *build_guards(settings, run_dir, service, sandbox),  # after TrajectoryArchive: a failing batch is saved
         WeightSync(service, settings.trainer.sync_weights_every),
         StepCheckpoint(run_dir / "checkpoints", settings.trainer.checkpoint_every,
@@ -648,6 +659,14 @@ def build_callbacks(settings: Settings, run_dir: Path, service, sandbox, tokeniz
             )
         )
     return callbacks
+
+
+def gateway_metrics(settings: Settings) -> list:
+    if settings.env.kind != "gateway":
+        return []
+    from lightning_agentrl.callbacks.gateway_metrics import GatewayMetrics
+
+    return [GatewayMetrics()]
 
 
 def build_guards(settings: Settings, run_dir: Path, service, sandbox) -> list:

@@ -40,12 +40,15 @@ class TerminationReason(StrEnum):
     """The agent submitted a workspace it made too large, too deep or too slow to snapshot for scoring: reward 0.
     The agent's doing, not the service's (never ``sandbox_error``) and not a budget's (no filter or bootstrap)."""
     ENGINE_ERROR = "engine_error"  # an inference server died or was unreachable; excluded like sandbox_error
+    AGENT_ERROR = "agent_error"
+    """An external agent (``env.kind: gateway``) raised, exited non-zero or returned no finite reward: its own
+    fault, not the policy's; excluded like sandbox_error, and counted by the circuit breaker as one."""
 
     @property
     def infrastructure(self) -> bool:
-        """The episode was broken by a service (sandbox or inference server), not ended by the agent:
-        it is excluded from training and from evaluation scores."""
-        return self in (TerminationReason.SANDBOX_ERROR, TerminationReason.ENGINE_ERROR)
+        """The episode was broken by a service (sandbox or inference server) or an external agent's code, not
+        ended by the policy: it is excluded from training and from evaluation scores."""
+        return self in (TerminationReason.SANDBOX_ERROR, TerminationReason.ENGINE_ERROR, TerminationReason.AGENT_ERROR)
 
     @property
     def truncated(self) -> bool:

@@ -440,3 +440,14 @@ def test_lora_benchmark_counts_what_each_variant_holds_and_sends(tmp_path):
     assert lora["sync_bytes"] == 4 * adapters
     assert record["ratios"]["sync_ratio"] == full["sync_bytes"] / lora["sync_bytes"]
     assert full["seconds_per_step"] > 0 and lora["peak_rss_bytes"] > 0
+
+
+def test_gateway_benchmark_times_both_arms_on_the_same_calls(tmp_path):
+    out = tmp_path / "gateway.json"
+    done = run_benchmark("benchmarks/gateway_bench.py", "--in-flight", "1", "2", "--calls", "2", "--tokens", "2",
+                         "--out", str(out))
+    record = json.loads(out.read_text())
+    assert set(record["in_flight"]) == {"1", "2"} and "gateway vs engine directly" in done.stdout
+    for in_flight, row in record["in_flight"].items():
+        assert row["direct"]["calls"] == row["gateway"]["calls"] == 2 * int(in_flight)
+        assert 0 < row["direct"]["p50_ms"] <= row["direct"]["p99_ms"] and row["p50_ratio"] > 0

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
     ("tests.envs_thirdparty:NoSuchEnv", "env.kind: module 'tests.envs_thirdparty' has no 'NoSuchEnv'"),
     ("tests.envs_thirdparty:CountdownTask", "env.kind: tests.envs_thirdparty:CountdownTask is not a subclass of"),
     ("lightning_agentrl.envs.base:Environment", "does not implement reset, state_text, step"),
-    ("chess", "env.kind: 'chess' is neither a shipped environment (coding, keydoor) nor a dotted path"),
+    ("chess", "env.kind: 'chess' is neither a shipped environment (coding, keydoor, gateway) nor a dotted path"),
 ])
 def test_a_bad_env_kind_is_refused_at_settings_time_naming_the_setting(kind, message):
     with pytest.raises(SettingsError, match="invalid settings") as err:

@@ -4,7 +4,8 @@ Episodes that end with ``sandbox_error`` are excluded from the loss (SPEC §4), 
 service does not crash a run: it silently trains on nothing, step after step. Two guards:
 
 - :class:`InfraCircuitBreaker` counts, over the newest ``window`` groups of every training process,
-  the share of episodes that ended with ``sandbox_error``. Past ``max_error_frac`` (once it has
+  the share of episodes that ended with ``sandbox_error`` (or ``agent_error``: an external agent's code
+  failing, ``env.kind: gateway``). Past ``max_error_frac`` (once it has
   seen ``window`` groups), or when every episode of a step failed, it trips: with ``stop`` it writes
   a checkpoint and raises :class:`SandboxOutage` (exit status 3) naming the share and the last
   error; with ``wait`` it polls the service's health with exponential backoff (1 s to 60 s) for up
@@ -117,7 +118,8 @@ class InfraCircuitBreaker(L.Callback):
         if why is None:
             return
         last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
-        what = f"{self.what} failed: {why} with sandbox_error; last error: {last_error}"
+        agents = any(t.termination is TerminationReason.AGENT_ERROR for t in batch.trajectories)  # env.kind: gateway
+        what = f"{self.what} failed: {why} with {'agent_error' if agents else 'sandbox_error'}; last error: {last_error}"
         self.num_trips += 1
         if self.on_failure == "wait" and self._service_came_back(trainer, what):
             self.window.clear()
@@ -201,13 +203,14 @@ def _group_counts(batch: RolloutBatch) -> list[tuple[int, int]]:
     groups: dict[int, list[int]] = {}
     for t in batch.trajectories:
         counts = groups.setdefault(t.group_id, [0, 0])
-        counts[0] += t.termination == TerminationReason.SANDBOX_ERROR
+        counts[0] += t.termination in (TerminationReason.SANDBOX_ERROR, TerminationReason.AGENT_ERROR)
         counts[1] += 1
     return [(errors, total) for errors, total in groups.values()]
 
 
 def _last_error(batch: RolloutBatch) -> str | None:
-    errors = [t.info["sandbox_error"] for t in batch.trajectories if t.info.get("sandbox_error")]
+    errors = [t.info.get("sandbox_error") or t.info["agent_error"] for t in batch.trajectories
+              if t.info.get("sandbox_error") or t.info.get("agent_error")]
     return errors[-1] if errors else None
 
 

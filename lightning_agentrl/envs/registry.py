@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 SHIPPED = {
     "coding": "lightning_agentrl.envs.coding:CodingEnv",
     "keydoor": "lightning_agentrl.envs.keydoor:KeyDoorEnv",
+    "gateway": "lightning_agentrl.envs.gateway:GatewayEnv",  # an external agent through the OpenAI-style gateway
 }
 """The environments that come with the package, by the name ``env.kind`` takes."""
 

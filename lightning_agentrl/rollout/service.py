@@ -50,7 +50,6 @@ from lightning_agentrl.rollout.agent_loop import (
     ParkedEpisode,
     play_episode,
     restore_env_state,
-    run_episode,
 )
 from lightning_agentrl.rollout.buffer import RolloutBuffer, RolloutServiceError
 from lightning_agentrl.rollout.chat import ChatCodec
@@ -115,6 +114,7 @@ class RolloutService:
         plan: RolloutPlan,
         summarizer: Summarizer | None = None,
         episode_budget: Callable[[EpisodeBudget, int, int], EpisodeBudget] | None = None,
+        play: Callable = play_episode,
     ) -> None:
         if not tasks:
             raise ValueError("no tasks to roll out")
@@ -128,6 +128,7 @@ class RolloutService:
         self.plan = plan
         self.summarizer = summarizer
         self.episode_budget = episode_budget  # (budget, group id, index) -> that episode's budget; e.g. an experiment's
+        self.play = play  # plays one episode: the built-in loop, or an external agent's (rollout/gateway.py)
         self.buffer = RolloutBuffer(
             plan.max_staleness, dynamic_sampling=plan.dynamic_sampling, max_sampling_rounds=plan.max_sampling_rounds
         )
@@ -387,7 +388,7 @@ class RolloutService:
                     else:
                         env = parked.env or restore_env_state(self.make_env(client, task), parked.state.env_state)
                         resume = parked.state
-                    outcome = await play_episode(
+                    outcome = await self.play(
                         engine=self.engine,
                         env=env,
                         codec=self.codec,
@@ -434,7 +435,7 @@ class RolloutService:
 
         async def play(index: int, task: Task, sample: int) -> Trajectory:
             async with slots:
-                trajectory = await run_episode(
+                trajectory = await self.play(
                     engine=self.engine, env=self.make_env(client, task), codec=self.codec, sampling=sampling,
                     budget=self.budget, episode_id=f"{tag}-{task.id}-{sample}", task_id=task.id, group_id=index,
                 )

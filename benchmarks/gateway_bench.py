@@ -1,0 +1,172 @@
+"""What the OpenAI-compatible gateway adds to a call: latency per call through it against the engine called
+directly, on the same prompts, at 1 and at 32 episodes in flight.
+
+    python benchmarks/gateway_bench.py [--in-flight 1 32] [--calls 8] [--tokens 16] [--out benchmarks/results/gateway.json]
+
+Both arms run the torch engine on the tiny model in one event loop. ``direct``: each episode renders its
+conversation with the chat codec and calls ``engine.generate`` ``--calls`` times. ``gateway``: each episode
+is an agent with the real `openai` client (``AsyncOpenAI``, all agents in one client process of their own, as
+agents are not the trainer) calling its own gateway URL with the same messages; the gateway renders the same ids, and each request carries the seed the direct arm used
+(``request_seed`` of the same run seed, episode id and call index), so both arms sample the same tokens
+and the difference is the gateway's: HTTP on loopback, JSON, rendering, the reply's decoding and parsing.
+Writes ``--out`` (p50 and p99 of each arm, their ratios) and prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results" / "gateway.json"
+
+
+def _conversation(episode: int, call: int) -> list[dict]:
+    return [{"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": f"Task {episode}, step {call}: read the file and say what it does."}]
+
+
+def _quantiles(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    return {"p50_ms": 1000 * statistics.median(ordered), "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+            "calls": len(ordered)}
+
+
+async def _direct(engine, codec, sampling, in_flight: int, calls: int) -> list[float]:
+    from dataclasses import replace
+
+    from lightning_agentrl.rollout.agent_loop import request_seed
+
+    async def episode(index: int) -> list[float]:
+        latencies = []
+        for call in range(calls):
+            t0 = time.perf_counter()
+            ids = codec.prompt_ids(_conversation(index, call))
+            request = replace(sampling, seed=request_seed(sampling.seed, f"b{index}", call))
+            await engine.generate(ids, request, f"b{index}")
+            latencies.append(time.perf_counter() - t0)
+        return latencies
+
+    return [s for episode_seconds in await asyncio.gather(*(episode(i) for i in range(in_flight))) for s in episode_seconds]
+
+
+class _WaitingAgent:
+    """Stands for one episode's agent in this process: hands its URL and key to the client process, then waits
+    for it to finish (the client's CPU is the agent's, not the gateway's: it runs in a process of its own)."""
+
+    def __init__(self, index: int, handed: asyncio.Queue, finished: asyncio.Event) -> None:
+        self.index, self.handed, self.finished = index, handed, finished
+
+    async def run_agent(self, base_url: str, api_key: str) -> float:
+        await self.handed.put([self.index, base_url, api_key])
+        await self.finished.wait()
+        return 0.0
+
+    async def close(self) -> None:
+        return None
+
+
+async def _through_gateway(gateway, engine, codec, sampling, budget, in_flight: int, calls: int) -> list[float]:
+    handed, finished = asyncio.Queue(), asyncio.Event()
+    plays = [asyncio.create_task(gateway.play(
+        engine=engine, env=_WaitingAgent(i, handed, finished), codec=codec, sampling=sampling, budget=budget,
+        episode_id=f"b{i}", task_id="bench", group_id=0)) for i in range(in_flight)]
+    episodes = [await handed.get() for _ in range(in_flight)]
+    client = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--client", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    out, _ = await client.communicate(json.dumps({"episodes": episodes, "calls": calls,
+                                                  "tokens": sampling.max_new_tokens}).encode())
+    finished.set()
+    await asyncio.gather(*plays)
+    if client.returncode != 0:
+        raise RuntimeError(f"the client process failed with status {client.returncode}")
+    return json.loads(out)
+
+
+async def _client(plan: dict) -> list[float]:
+    """The client process: every episode's agent at once, each call timed from the `openai` client's side."""
+    from openai import AsyncOpenAI
+
+    async def agent(index: int, base_url: str, api_key: str) -> list[float]:
+        client, latencies = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0), []
+        for call in range(plan["calls"]):
+            t0 = time.perf_counter()
+            await client.chat.completions.create(model="policy", messages=_conversation(index, call),
+                                                 max_tokens=plan["tokens"])
+            latencies.append(time.perf_counter() - t0)
+        await client.close()
+        return latencies
+
+    per_agent = await asyncio.gather(*(agent(*episode) for episode in plan["episodes"]))
+    return [s for latencies in per_agent for s in latencies]
+
+
+async def measure(in_flights: list[int], calls: int, tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_agentrl.models import pad_token_id
+    from lightning_agentrl.models.tiny import build_tiny_model
+    from lightning_agentrl.rollout.agent_loop import EpisodeBudget
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.rollout.engine import SamplingParams, TorchEngine
+    from lightning_agentrl.rollout.gateway import Gateway
+
+    path = build_tiny_model(REPO / ".cache" / "lightning_agentrl")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    codec = ChatCodec(tokenizer)
+    engine = TorchEngine(AutoModelForCausalLM.from_pretrained(path), pad_token_id=pad_token_id(tokenizer),
+                         max_batch_size=max(in_flights))
+    sampling = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=codec.stop_token_ids)
+    budget = EpisodeBudget(max_turns=calls, max_context_tokens=2048)
+    gateway = Gateway()
+    await gateway.start()
+    await _direct(engine, codec, sampling, 2, 1)  # warm both paths
+    await _through_gateway(gateway, engine, codec, sampling, budget, 2, 1)
+    rows = {}
+    for in_flight in in_flights:
+        direct = _quantiles(await _direct(engine, codec, sampling, in_flight, calls))
+        through = _quantiles(await _through_gateway(gateway, engine, codec, sampling, budget, in_flight, calls))
+        rows[str(in_flight)] = {"direct": direct, "gateway": through,
+                                "p50_ratio": through["p50_ms"] / direct["p50_ms"],
+                                "p99_ratio": through["p99_ms"] / direct["p99_ms"]}
+    await gateway.close()
+    await engine.close()
+    return {"in_flight": rows, "calls_per_episode": calls, "max_new_tokens": tokens, "model": "tiny (torch engine, CPU)",
+            "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0]}  # latency ratios on a busy machine mislead
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--calls", type=int, default=8, help="calls per episode")
+    parser.add_argument("--tokens", type=int, default=16, help="max new tokens per call")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)  # the client process
+    args = parser.parse_args(argv)
+    if args.client:
+        print(json.dumps(asyncio.run(_client(json.loads(sys.stdin.read())))))
+        return
+    if min(args.in_flight) < 1 or args.calls < 1 or args.tokens < 1:
+        parser.error("--in-flight, --calls and --tokens must be >= 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    result = asyncio.run(measure(args.in_flight, args.calls, args.tokens))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    line = ", ".join(f"{k} in flight: p50 {r['gateway']['p50_ms']:.1f} vs {r['direct']['p50_ms']:.1f} ms "
+                     f"({r['p50_ratio']:.2f}x), p99 {r['p99_ratio']:.2f}x" for k, r in result["in_flight"].items())
+    print(f"gateway vs engine directly, {line} (load average {result['load_average_1min']:.1f} on {result['cpus']} cpus)")
+
+
+if __name__ == "__main__":
+    main()
