@@ -45,7 +45,9 @@ def run_task(name: str, episodes: int, engine: str, out: Path, temperature: floa
         MODEL, split="test", samples=samples, config=REPO / config, out=out / name,
         overrides=[*overrides, f"--engine.kind={engine}", "--trainer.threads=1", "--env.generation_timeout_s=1200",
                    "--env.episode_timeout_s=3600", f"--rollout.max_in_flight={max(samples * num_tasks, 8)}",
-                   *([f"--engine.temperature={temperature}"] if temperature is not None else [])],
+                   *([f"--engine.temperature={temperature}"] if temperature is not None else []),
+                   # vLLM on CPU: room for every episode's context (64 MiB holds about 1,250 tokens of this model)
+                   *(["--engine.vllm_kv_cache_bytes=1073741824"] if engine == "vllm" else [])],
     )
     trajectories = load_trajectories(out / name / "trajectories.jsonl")
     return {
