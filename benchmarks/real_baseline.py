@@ -1,6 +1,6 @@
 """Held-out success of the base SmolLM2-135M-Instruct (``model.path: smollm2-135m-instruct``) before any training.
 
-    python benchmarks/real_baseline.py [--episodes 20] [--tasks learn,keydoor,rooms] [--engine torch]
+    python benchmarks/real_baseline.py [--episodes 20] [--tasks learn,keydoor,rooms] [--engine torch] [--temperature T]
 
 For each task, ``evaluate`` plays about ``episodes`` held-out episodes (``--samples`` per held-out task,
 rounded up) with the product's own prompts (the environments' built-in tool text: the chat template renders
@@ -34,7 +34,7 @@ TASKS = {
 }
 
 
-def run_task(name: str, episodes: int, engine: str, out: Path) -> dict:
+def run_task(name: str, episodes: int, engine: str, out: Path, temperature: float | None) -> dict:
     from lightning_agentrl.evaluate import evaluate_policy
     from lightning_agentrl.trajectory import load_trajectories
 
@@ -44,7 +44,10 @@ def run_task(name: str, episodes: int, engine: str, out: Path) -> dict:
     scores = evaluate_policy(
         MODEL, split="test", samples=samples, config=REPO / config, out=out / name,
         overrides=[*overrides, f"--engine.kind={engine}", "--trainer.threads=1", "--env.generation_timeout_s=1200",
-                   "--env.episode_timeout_s=3600", f"--rollout.max_in_flight={max(samples * num_tasks, 8)}"],
+                   "--env.episode_timeout_s=3600", f"--rollout.max_in_flight={max(samples * num_tasks, 8)}",
+                   *([f"--engine.temperature={temperature}"] if temperature is not None else []),
+                   # vLLM on CPU: room for every episode's context (64 MiB holds about 1,250 tokens of this model)
+                   *(["--engine.vllm_kv_cache_bytes=1073741824"] if engine == "vllm" else [])],
     )
     trajectories = load_trajectories(out / name / "trajectories.jsonl")
     return {
@@ -72,22 +75,25 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=20)
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--engine", default="torch", choices=["torch", "vllm"])
+    parser.add_argument("--temperature", type=float, default=None, help="default: each config's own sampler")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "real_baseline")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {}
     for name in args.tasks.split(","):
-        results[name] = run_task(name, args.episodes, args.engine, args.out)
+        results[name] = run_task(name, args.episodes, args.engine, args.out, args.temperature)
         r = results[name]
         print(f"{name}: success {r['success']:.3f} solved {r['solved']:.3f} submitted {r['submitted_frac']:.3f} "
               f"over {r['episodes']} episodes, {r['minutes']:.1f} min, terminations {r['terminations']}", flush=True)
     record = {
         "model": MODEL, "engine": args.engine, "threads": 1, "machine": f"{platform.machine()}, {torch.get_num_threads()} "
         "torch thread(s), 2 shared cores", "command": "python benchmarks/real_baseline.py " + " ".join(
-            f"--{k}={v}" for k, v in (("episodes", args.episodes), ("tasks", args.tasks), ("engine", args.engine))),
+            f"--{k}={v}" for k, v in (("episodes", args.episodes), ("tasks", args.tasks), ("engine", args.engine),
+                                      ("temperature", args.temperature)) if v is not None),
         "tasks": results,
     }
-    suffix = "" if args.engine == "torch" else f"_{args.engine}"
+    suffix = ("" if args.engine == "torch" else f"_{args.engine}") + (
+        "" if args.temperature is None else f"_t{args.temperature:g}")
     path = REPO / "benchmarks" / "results" / f"real_baseline{suffix}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")

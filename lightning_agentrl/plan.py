@@ -240,6 +240,13 @@ def load_model_config(settings: Settings, model_config: str | Path | None = None
             "num_attention_heads": tiny.num_attention_heads, "num_key_value_heads": tiny.num_key_value_heads,
             "head_dim": tiny.head_dim, "tie_word_embeddings": tiny.tie_word_embeddings,
         }
+    from lightning_agentrl.models.gguf_convert import GGUFError, converted_model, is_gguf_source
+
+    try:
+        if is_gguf_source(path):  # a named model or a GGUF file: its converted folder (converted now if need be)
+            path = str(converted_model(path, settings.model.cache_dir))
+    except GGUFError as err:
+        raise SettingsError(f"model.path: {err}") from None
     if (Path(path) / "config.json").is_file():
         return _read_json(Path(path) / "config.json")
     if path in KNOWN_CONFIGS:

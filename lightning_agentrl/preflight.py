@@ -51,7 +51,7 @@ def preflight(settings: Settings, *, network: bool = True):
                      cache_dir=settings.model.cache_dir)
     codec = check_chat_template(settings)
     if settings.env.sub_agent is not None:
-        check_sub_agent_path(settings.env.sub_agent.model_path, network=network)
+        check_sub_agent_path(settings.env.sub_agent.model_path, network=network, cache_dir=settings.model.cache_dir)
     if not network:
         return codec
     if env_uses_sandbox(settings):  # only the environments that run actions there need the service
@@ -141,10 +141,10 @@ def gguf_model_folder(path: str, cache_dir: str | Path) -> Path | None:
         raise PreflightError(f"model.path: {err}") from None
 
 
-def check_sub_agent_path(path: str, *, network: bool = True) -> None:
+def check_sub_agent_path(path: str, *, network: bool = True, cache_dir: str | Path = ".cache/lightning_agentrl") -> None:
     """``env.sub_agent.model_path``: what :func:`check_model_path` accepts, the error naming this setting."""
     try:
-        check_model_path(path, network=network)
+        check_model_path(path, network=network, cache_dir=cache_dir)
     except PreflightError as err:
         raise PreflightError("env.sub_agent.model_path" + str(err).removeprefix("model.path")) from None
 

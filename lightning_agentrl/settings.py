@@ -61,9 +61,11 @@ class RunSettings(_Section):
 
 class ModelSettings(_Section):
     path: str = "tiny"
-    """HF model id or local folder (AutoModelForCausalLM + AutoTokenizer), or `tiny` for the locally built tiny Llama."""
+    """HF model id or local folder (AutoModelForCausalLM + AutoTokenizer), `tiny` for the locally built tiny Llama, a
+    `.gguf` file or a folder holding one (converted once into `model.cache_dir`/gguf/), or a named model:
+    `smollm2-135m-instruct`."""
     cache_dir: Path = Path(".cache/lightning_agentrl")
-    """Where the tiny model and other built artifacts are cached."""
+    """Where the tiny model, converted GGUF files and other built artifacts are cached."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the trained policy."""
     gradient_checkpointing: bool = False

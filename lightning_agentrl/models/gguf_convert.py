@@ -201,16 +201,29 @@ def converted_model(path: str, cache_dir: str | Path) -> Path:
         if not is_converted(target):
             check_gguf(file)
             print(f"model.path: converting {file} into {target} (once)", file=sys.stderr, flush=True)
-            _convert(file, target)
+            try:
+                _convert(file, target)
+            except Exception as err:  # a header transformers reads but a model it cannot build: one line, not a trace
+                reason = " ".join(str(err).split())[:300]
+                raise GGUFError(f"{file} could not be converted: {type(err).__name__}: {reason}") from None
     return target.resolve()
 
 
 def _convert(file: Path, target: Path) -> None:
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _save_converted(file, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # no half-written folder left behind
+        raise
+    os.replace(staging, target)
+
+
+def _save_converted(file: Path, staging: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    staging = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     # The weights are dequantized already; the GGUF quantization config only makes save_pretrained refuse.
@@ -218,8 +231,7 @@ def _convert(file: Path, target: Path) -> None:
     model.hf_quantizer = None
     model.save_pretrained(staging)  # a tied embedding is one tensor, saved once
     tokenizer.save_pretrained(staging)
-    (staging / "gguf_source.json").write_text(json.dumps({"file": str(file.resolve()), "sha256_prefix": target.name}))
-    os.replace(staging, target)
+    (staging / "gguf_source.json").write_text(json.dumps({"file": str(file.resolve())}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,8 +47,13 @@ class EngineSubAgent:
 
 
 def sub_agent_model_path(settings: Settings) -> str:
-    """``env.sub_agent.model_path``, with ``tiny`` built (once) as the local tiny model of ``model.tiny_*``."""
+    """``env.sub_agent.model_path``, with ``tiny`` built (once) as the local tiny model of ``model.tiny_*``, and a
+    named model or a GGUF file converted (once) into ``model.cache_dir``."""
+    from lightning_agentrl.models.gguf_convert import converted_model, is_gguf_source
+
     path = settings.env.sub_agent.model_path
+    if is_gguf_source(path):
+        return str(converted_model(path, settings.model.cache_dir))
     if path != "tiny":
         return path
     from lightning_agentrl.models.tiny import TinyModelConfig, build_tiny_model

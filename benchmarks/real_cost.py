@@ -1,0 +1,77 @@
+"""What a step of SmolLM2-135M-Instruct (``model.path: smollm2-135m-instruct``) costs on CPU, by stage.
+
+    python benchmarks/real_cost.py [--steps 2] [--group-size 4] [--threads 1] [-- --section.field=value ...]
+
+Runs ``fit --config configs/smoke.yaml`` on the named model (the environment's built-in tool text, the
+copy-the-key suite) in a subprocess and reports, per step, the stage seconds the run logs to MLflow
+(``time/generation_s``, ``time/forward_backward_s``, ``time/optimizer_s``, ``time/weight_sync_s``,
+``time/checkpoint_s``, ``time/step_s``), tokens and tokens per second, and the peak resident memory of the
+training process (``ru_maxrss`` of the child). Writes benchmarks/results/real_cost.json and prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+KEYS = ("time/generation_s", "time/wait_rollouts_s", "time/forward_backward_s", "time/optimizer_s",
+        "time/weight_sync_s", "time/checkpoint_s", "time/step_s", "throughput/tokens_per_s", "tokens/per_episode",
+        "tokens/train", "policy/grad_norm", "reward/mean")
+
+
+def run(args: argparse.Namespace, run_dir: Path) -> float:
+    command = [sys.executable, "-m", "lightning_agentrl", "fit", "--config", "configs/smoke.yaml",
+               "--model.path=smollm2-135m-instruct", "--env.system_prompt=null", f"--run.dir={run_dir}",
+               f"--trainer.threads={args.threads}", f"--trainer.max_steps={args.steps}",
+               f"--rollout.group_size={args.group_size}", "--rollout.groups_per_step=1",
+               f"--rollout.max_in_flight={args.group_size}", "--env.generation_timeout_s=1200", *args.overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"fit failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return time.monotonic() - started
+
+
+def step_metrics(run_dir: Path) -> dict[str, list[float]]:
+    """Each metric's values in step order (keyed by metric: not every metric is logged at the same step index)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
+    return {key: [round(m.value, 3) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+            for key in KEYS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="settings overrides after --")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="real-cost-") as tmp:
+        run_dir = Path(tmp) / "run"
+        wall_s = run(args, run_dir)
+        steps = step_metrics(run_dir)
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB on Linux
+    record = {"model": "smollm2-135m-instruct", "command": " ".join(sys.argv), "wall_s": round(wall_s, 1),
+              "peak_rss_gib": round(peak_gib, 2), "load_avg_1min": round(os.getloadavg()[0], 2), "steps": steps}
+    path = REPO / "benchmarks" / "results" / "real_cost.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    last = {key: values[-1] for key, values in steps.items() if values}
+    print(f"{args.steps} steps in {wall_s:.0f} s, peak RSS {peak_gib:.2f} GiB, last step {last.get('time/step_s')} s "
+          f"(generation {last.get('time/generation_s')}, forward+backward {last.get('time/forward_backward_s')}, "
+          f"optimizer {last.get('time/optimizer_s')}); wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
