@@ -100,6 +100,9 @@ class LocalVLLMServers:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # runtime LoRA updating: /v1/load_lora_adapter, used only when the server runs with --enable-lora
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+        # a server's log is a file of its own: keep vLLM's info lines there (the in-process engine's quiet level,
+        # console.quiet_vllm, is for the console)
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH", "")]))
         started = time.monotonic()
         try:
