@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -98,8 +99,8 @@ class CreateRequest(StrictRequest):
 class ForkRequest(StrictRequest):
     ttl_s: float | None = None
     timeout_s: float | None = Field(
-        default=None, description="how long the client waits: a copy not done by then (or by the server's "
-        "fork_timeout_s, the smaller) is discarded and answered 422 snapshot_too_slow")
+        default=None, description="how long the client waits: a copy not done by then is discarded and answered "
+        "503 service_busy; a copy that runs past the server's fork_timeout_s from its own start, 422 snapshot_too_slow")
     idempotency_key: str | None = Field(default=None, max_length=200)
 
 
@@ -417,17 +418,16 @@ class SandboxManager:
         finally:
             self._free_slots.append(box.slot)
 
-    async def _fill_and_register(self, box: Sandbox, fill, deadline: float | None = None) -> None:
+    async def _fill_and_register(self, box: Sandbox, fill, *, owned: bool = False) -> None:
         """Run ``fill`` (a blocking function writing the workspace), hand the tree to the sandbox's uid
-        and make it live; on any failure the box is discarded. Whole-tree work runs on a pool of its
-        own: a slow copy never delays another sandbox's file calls."""
+        (unless ``fill`` did, ``owned``) and make it live; on any failure the box is discarded. Whole-tree work
+        runs on a pool of its own: a slow copy never delays another sandbox's file calls."""
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(_TREE_POOL, fill)
             owner = self.isolation.owner(box.slot)
-            if owner is not None:
-                await loop.run_in_executor(_TREE_POOL, functools.partial(chown_tree, box.root, owner,
-                                                                         deadline=deadline))
+            if owner is not None and not owned:
+                await loop.run_in_executor(_TREE_POOL, functools.partial(chown_tree, box.root, owner))
             self.sandboxes[box.id] = box
             self.metrics.inc("created_total")
         except BaseException:
@@ -485,21 +485,39 @@ class SandboxManager:
 
     async def _fork(self, source: Sandbox, body: ForkRequest) -> SandboxInfo:
         ttl_s = self.ttl(body.ttl_s) if body.ttl_s is not None else source.ttl_s
-        wait_s = self.options.fork_timeout_s
+        client_deadline = math.inf  # past it the client has gone: never register a fork then
         if body.timeout_s is not None:
             if body.timeout_s <= 0:
                 raise ApiError(400, "invalid_request", f"timeout_s must be positive, got {body.timeout_s}")
-            wait_s = min(wait_s, body.timeout_s)
-        deadline = time.monotonic() + wait_s  # past it the client has gone: never register a fork then
+            client_deadline = time.monotonic() + body.timeout_s
         box = await self._open_box(source.network, ttl_s)
-        if self.cgroups is not None:  # the copy's pages count against the new sandbox's memory limit
-            fill = functools.partial(copy_tree_charged, source.workspace, box.workspace,
-                                     self.cgroups.procs_files(box.id), owner=None, max_files=self.options.max_files,
-                                     deadline=deadline)
-        else:
-            fill = functools.partial(copy_tree, source.workspace, box.workspace, owner=None,
-                                     max_files=self.options.max_files, deadline=deadline)
-        await self._fill_and_register(box, fill, deadline)
+        owner = self.isolation.owner(box.slot)
+        procs = self.cgroups.procs_files(box.id) if self.cgroups is not None else None
+
+        def fill() -> None:
+            # The agent is charged with fork_timeout_s of copying from when its copy starts, not with time spent
+            # queued behind other sandboxes' copies: a copy cut by the client's wait, or never started within it,
+            # is the service being busy (503, retried; never 422, which scores the submission 0).
+            started = time.monotonic()
+            deadline = min(started + self.options.fork_timeout_s, client_deadline)
+            if started >= client_deadline:
+                raise WorkspaceError("service_busy", 503, "the server was too busy to start the copy in time")
+            try:
+                if procs is not None:  # the copy's pages count against the new sandbox's memory limit
+                    copy_tree_charged(source.workspace, box.workspace, procs, owner=None,
+                                      max_files=self.options.max_files, deadline=deadline)
+                else:
+                    copy_tree(source.workspace, box.workspace, owner=None, max_files=self.options.max_files,
+                              deadline=deadline)
+                if owner is not None:
+                    chown_tree(box.root, owner, deadline=deadline)
+            except WorkspaceError as exc:
+                if exc.code == "snapshot_too_slow" and deadline == client_deadline:
+                    raise WorkspaceError("service_busy", 503, "the server was too busy to finish the copy before "
+                                         "the client's wait ran out") from exc
+                raise
+
+        await self._fill_and_register(box, fill, owned=True)
         self.metrics.inc("forked_total")
         return _info(box, box.ttl_s)
 

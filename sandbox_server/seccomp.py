@@ -37,6 +37,10 @@ REFUSED_SYSCALLS: dict[str, str] = {
                     "mounts the sandbox sees"),
     **dict.fromkeys(("fanotify_init",), "watching the filesystem of others"),
 }
+# socket families a sandboxed program never needs and that reach past its network namespace: AF_VSOCK (40) talks
+# to the hypervisor and other guests of a VM host whatever the namespace; AF_KEY (15) is IPsec key management
+REFUSED_SOCKET_FAMILIES: dict[int, str] = {40: "AF_VSOCK: the hypervisor and other VM guests, outside any network "
+                                               "namespace", 15: "AF_KEY: IPsec key management"}
 # clone flags that make a namespace (CLONE_NEWNS ... CLONE_NEWTIME): clone with any of them is refused
 _CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                           0x00000080)
@@ -58,6 +62,9 @@ def build_filter() -> tuple[bytes | None, str]:
     for flag in _CLONE_NAMESPACE_FLAGS:
         rules.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")  # its flags are behind a pointer: use clone
+    for family in REFUSED_SOCKET_FAMILIES:
+        for call in ("socket", "socketpair"):
+            rules.add_rule(refuse, call, seccomp.Arg(0, seccomp.EQ, family))
     with tempfile.TemporaryFile() as program:
         rules.export_bpf(program)
         program.seek(0)

@@ -330,3 +330,24 @@ def test_pages_the_server_writes_for_a_sandbox_are_charged_to_that_sandbox(tmp_p
         pytest.skip("no cgroup v1 memory hierarchy written by this server")
     assert written >= 8_000_000, written
     assert copied >= 32_000_000, copied
+
+
+def test_vsock_and_af_key_sockets_are_refused_to_commands():
+    """AF_VSOCK is not per network namespace (on a VM host it reaches the hypervisor): the filter refuses the
+    family with EPERM (without it the kernel answers the call, or says the family is unsupported)."""
+    probe = ("import errno, socket\nfor family in (40, 15):\n    try:\n        socket.socket(family, socket.SOCK_STREAM"
+             " if family == 40 else socket.SOCK_RAW).close()\n        print(family, 'open')\n    except OSError as exc:\n"
+             "        print(family, errno.errorcode.get(exc.errno))\n")
+    with start_local_server(isolation="auto") as server:
+        async def main():
+            async with SandboxClient(server.url, server.token) as client:
+                health = await client.health()
+                box = await client.create({"probe.py": probe})
+                result = await client.exec(box, ["python", "probe.py"], timeout_s=30)
+                await client.delete(box)
+                return health, result
+
+        health, result = asyncio.run(main())
+    if not (health["isolation"]["enforced"] or {}).get("seccomp"):
+        pytest.skip("no seccomp filter on this host (process backend or no libseccomp)")
+    assert result.stdout.split() == ["40", "EPERM", "15", "EPERM"], result

@@ -342,3 +342,28 @@ def test_a_retry_whose_answer_was_dropped_raises_the_typed_error_and_does_not_ru
         dropped, runs = asyncio.run(main())
     assert (dropped.status, dropped.code) == (410, "answer_dropped") and isinstance(dropped, SandboxInfraError)
     assert runs == "a\n"
+
+
+def test_a_fork_cut_by_the_clients_wait_is_the_service_busy_not_the_agents_slow_workspace(tmp_path):
+    """The agent is charged with fork_timeout_s of copying from when its copy starts; a copy cut by the client's
+    own shorter wait (a queue behind other sandboxes' copies, a busy host) is 503 service_busy: retried, then an
+    infrastructure error, never 422 snapshot_too_slow (which scores the submission 0)."""
+    make_tree = "import os\nfor i in range(600):\n    os.makedirs(f'w/{i}/' + '/'.join('abcdefghij'))\n"
+    with start_local_server(fork_timeout_s=25.0, root_dir=str(tmp_path / "boxes")) as server:
+
+        async def main():
+            async with SandboxClient(server.url, server.token) as setup:
+                agent = await setup.create({"utils.py": "def f():\n    return 1\n"})
+                await setup.exec(agent, ["python", "-c", make_tree], timeout_s=60)
+            # the client waits 0.1 s an attempt (it tells the server 0.05 s): the copy cannot finish in it
+            async with SandboxClient(server.url, server.token, timeout_s=0.1, max_retries=1, backoff_s=0.01) as hasty:
+                with pytest.raises(SandboxInfraError) as busy:
+                    await hasty.fork(agent)
+            async with SandboxClient(server.url, server.token) as client:
+                live = len(_sandbox_dirs(tmp_path / "boxes"))
+                await client.delete(agent)
+            return busy.value, live
+
+        busy, live = asyncio.run(main())
+        assert not isinstance(busy, SandboxRequestError) and "service_busy" in str(busy), busy
+        assert live == 1  # no copy left behind
