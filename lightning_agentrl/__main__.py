@@ -89,6 +89,9 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> int:
     except (SettingsError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if scores["episodes"] == 0:
+        print(f"error: no episode was played: the {args.split} split has no task (env.tasks)", file=sys.stderr)
+        return 2
     if scores["infra_errors"] == scores["episodes"]:
         print(f"error: every one of the {scores['episodes']} episodes was broken by infrastructure (sandbox or "
               f"inference server); nothing was scored (logs in --out)", file=sys.stderr)

@@ -113,16 +113,21 @@ def cpu_kv_cache_bytes(settings: Settings, model_path: str, num_engines: int) ->
     size = kv_cache_bytes_for(share, max_model_len, per_token) if sized else e.vllm_kv_cache_bytes
     holds = kv_cache_sequences(size, max_model_len, per_token)
     available = psutil.virtual_memory().available
-    if num_engines * size > available:
+    # every training process of this machine holds its own in-process engines
+    processes = settings.trainer.devices if isinstance(settings.trainer.devices, int) and e.kind == "vllm" else 1
+    if processes * num_engines * size > available:
         why = f" (for {share} episodes of {max_model_len:,} tokens each)" if sized else ""
-        raise SettingsError(f"engine.vllm_kv_cache_bytes: {num_engines} x {size / 2**30:.1f} GiB of KV cache{why} "
-                            f"exceed the {available / 2**30:.1f} GiB of memory available; lower rollout.max_in_flight "
-                            "or env.max_context_tokens, or set engine.vllm_kv_cache_bytes (episodes then wait for room)")
+        fix = "set engine.vllm_kv_cache_bytes (episodes then wait for room)" if sized else "lower it"
+        raise SettingsError(f"engine.vllm_kv_cache_bytes: {processes * num_engines} x {size / 2**30:.1f} GiB of KV "
+                            f"cache{why} ({num_engines} engine(s) in each of {processes} training process(es)) exceed "
+                            f"the {available / 2**30:.1f} GiB of memory available; lower rollout.max_in_flight or "
+                            f"env.max_context_tokens, or {fix}")
     if holds == 0:
         raise SettingsError(f"engine.vllm_kv_cache_bytes: {size:,} bytes hold no sequence of env.max_context_tokens + 1 "
                             f"= {max_model_len:,} tokens of this model; it needs at least "
                             f"{kv_cache_bytes_for(1, max_model_len, per_token):,} (or unset it: sized from the model)")
-    line = (f"vLLM KV cache: {size / 2**20:,.0f} MiB per engine ({num_engines}): {holds} episode(s) of {max_model_len:,} "
+    line = (f"vLLM KV cache: {size / 2**20:,.0f} MiB per engine ({num_engines} per training process, {processes} "
+            f"process(es) here): {holds} episode(s) of {max_model_len:,} "
             f"tokens at once, of the {share} each may serve (rollout.max_in_flight={settings.rollout.max_in_flight})")
     if holds < share:
         rank_zero_warn(f"{line}: the others wait for KV room (engine.vllm_kv_cache_bytes; unset, it is sized for all)")
@@ -683,7 +688,7 @@ def build_guards(settings: Settings, run_dir: Path, service, sandbox) -> list:
     from lightning_agentrl.callbacks.learning_signal import LearningSignalGuard
 
     return [breaker, EmptyStepGuard(service, max_empty_steps=r.max_empty_steps),
-            LearningSignalGuard(max_in_a_row=r.max_steps_without_signal)]
+            LearningSignalGuard(max_in_a_row=r.max_steps_without_signal, checkpoint=run_dir / "checkpoints" / "last.ckpt")]
 
 
 def build_trainer(settings: Settings, run_dir: Path, service, sandbox, tokenizer, *, extra: list):

@@ -82,6 +82,12 @@ def test_steps_without_signal_stop_the_run_with_exit_3_and_a_short_run_says_it_i
     assert len(errors) == 1 and errors[0].startswith(
         "error: no learning signal in 2 steps in a row (rollout.max_steps_without_signal=2): every advantage was 0; "
         "the last batch: every episode earned reward 0;"), err[-2000:]
+    # the stopping step is checkpointed: a resume with a higher limit goes on from step 2, not from step 1
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    assert f"Checkpoint: {last} (step 2)." in errors[0]
+    import torch
+
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 2
     assert main(["fit", *common, f"--run.dir={tmp_path / 'b'}", "--trainer.max_steps=1"]) == 0
     closing = [line for line in capsys.readouterr().err.splitlines() if line.startswith("done: ")]
     assert closing == [f"done: 1 optimizer steps in {tmp_path / 'b'}, no learning signal in 1 of 1 steps (every "

@@ -15,13 +15,15 @@ rank takes the same decision. The work a zero gradient needs not is skipped in t
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_agentrl.distributed import all_gather
 from lightning_agentrl.shutdown import RunStopped
-from lightning_agentrl.trajectory import RolloutBatch, TerminationReason, Trajectory
+from lightning_agentrl.trajectory import RolloutBatch, Segment, TerminationReason, Trajectory, Turn
 
 
 class NoLearningSignal(RunStopped):
@@ -54,14 +56,24 @@ def no_signal_facts(trajectories: list[Trajectory]) -> str:
     return "; ".join(facts)
 
 
+def _summaries(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """What :func:`no_signal_facts` reads of each episode (reward, ending, which turns called a tool), without
+    its tokens: small enough to gather from every process."""
+    return [Trajectory(episode_id=t.episode_id, task_id=t.task_id, group_id=t.group_id, reward=t.reward,
+                       termination=t.termination,
+                       segments=[Segment(turns=[Turn(action_start=0, action_end=0, tool=turn.tool) for turn in t.turns])])
+            for t in trajectories]
+
+
 class LearningSignalGuard(L.Callback):
     """Counts the steps without learning signal (``AgentRLModule.learning_signal``): warns at the first,
     logs ``train/steps_without_signal`` (in a row), stops after ``max_in_a_row`` (None: never)."""
 
-    def __init__(self, *, max_in_a_row: int | None) -> None:
+    def __init__(self, *, max_in_a_row: int | None, checkpoint: Path | None = None) -> None:
         if max_in_a_row is not None and max_in_a_row < 1:
             raise ValueError(f"rollout.max_steps_without_signal must be >= 1 or None, got {max_in_a_row}")
         self.max_in_a_row = max_in_a_row
+        self.checkpoint = checkpoint  # written before a stop, so the stopping step is kept (``--resume last``)
         self.num_without_signal = 0
         self.num_in_a_row = 0
         self.num_batches = 0
@@ -82,13 +94,18 @@ class LearningSignalGuard(L.Callback):
         if signal:
             return
         self.num_without_signal += 1
-        facts = no_signal_facts(batch.trajectories)
+        # the step's facts over every process's share of the batch (every rank takes this branch together)
+        facts = no_signal_facts([t for share in all_gather(_summaries(batch.trajectories)) for t in share])
         limit = self.max_in_a_row
         if limit is not None and self.num_in_a_row >= limit:
+            saved = ""
+            if self.checkpoint is not None:
+                trainer.save_checkpoint(self.checkpoint)
+                saved = f" Checkpoint: {self.checkpoint} (step {trainer.global_step})."
             raise NoLearningSignal(
                 f"no learning signal in {self.num_in_a_row} steps in a row (rollout.max_steps_without_signal={limit}): "
                 f"every advantage was 0; the last batch: {facts}. Check the tool-call format the model writes "
-                f"(`python -m lightning_agentrl inspect {trainer.default_root_dir}`) and that the reward can vary"
+                f"(`python -m lightning_agentrl inspect {trainer.default_root_dir}`) and that the reward can vary.{saved}"
             )
         if self.num_without_signal == 1:
             stop = f"the run stops after {limit} such steps in a row" if limit else "the run goes on"

@@ -142,15 +142,24 @@ def test_cpu_kv_cache_is_sized_for_each_replicas_share_of_the_episodes_in_flight
 
     with caplog.at_level(logging.INFO):
         assert cpu_kv_cache_bytes(settings(), str(tiny_model_path), 2) == (8 * 9 + 1) * 128 * 2048
-    assert "18 MiB per engine (2): 8 episode(s) of 1,025 tokens at once, of the 8 each may serve" in caplog.text
-    with pytest.warns(UserWarning, match=r"\(2\): 1 episode\(s\) of 1,025 tokens .* the others wait for KV room"):
+    assert ("18 MiB per engine (2 per training process, 1 process(es) here): 8 episode(s) of 1,025 tokens at once, "
+            "of the 8 each may serve") in caplog.text
+    with pytest.warns(UserWarning, match=r"here\): 1 episode\(s\) of 1,025 tokens .* the others wait for KV room"):
         assert cpu_kv_cache_bytes(settings("--engine.vllm_kv_cache_bytes=4194304"), str(tiny_model_path), 2) == 4 << 20
     with pytest.raises(SettingsError, match=r"engine.vllm_kv_cache_bytes: 2,097,152 bytes hold no sequence .* 1,025"):
         cpu_kv_cache_bytes(settings("--engine.vllm_kv_cache_bytes=2097152"), str(tiny_model_path), 2)
     huge = settings("--rollout.max_in_flight=4096", "--env.max_context_tokens=100000", "--engine.max_new_tokens=64")
     with pytest.raises(SettingsError, match=r"2 x 391.0 GiB of KV cache \(for 2048 episodes of 100,001 tokens each\) "
-                                            r"exceed the .* GiB of memory available; lower rollout.max_in_flight"):
+                                            r"\(2 engine\(s\) in each of 1 training process\(es\)\) exceed the .* GiB "
+                                            r"of memory available; lower rollout.max_in_flight"):
         cpu_kv_cache_bytes(huge, str(tiny_model_path), 2)
+    # each training process of the machine holds its own engines: what fits one process may not fit two
+    import psutil
+
+    third = f"--engine.vllm_kv_cache_bytes={psutil.virtual_memory().available // 3}"
+    assert cpu_kv_cache_bytes(settings(third), str(tiny_model_path), 2) > 0
+    with pytest.raises(SettingsError, match=r"4 x .* \(2 engine\(s\) in each of 2 training process\(es\)\).* lower it"):
+        cpu_kv_cache_bytes(settings(third, "--trainer.devices=2"), str(tiny_model_path), 2)
     (tmp_path / "config.json").write_text(json.dumps({"n_layer": 2, "n_head": 2, "n_embd": 128}))  # GPT-2's names
     with pytest.raises(SettingsError, match="unset, and it cannot be sized from .*: config.json has no num_hidden_layers"):
         cpu_kv_cache_bytes(settings(), str(tmp_path), 2)
