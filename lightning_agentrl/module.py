@@ -565,6 +565,9 @@ class AgentRLModule(L.LightningModule):
         loss = logprobs.sum() + hidden.sum()
         if self.value_head is not None:
             loss = loss + self.value_head(hidden).sum()
+        if self.settings.algorithm.privileged_critic:  # a real micro-batch runs the trunk twice (ZeRO-3 gathers in each)
+            with torch.no_grad():
+                self.hidden_states(self.policy, input_ids, batch.position_ids[:n], batch.segment_ids[:n])
         return loss * 0.0
 
     def _turn_values(self, batch: RolloutBatch, sl: slice, hidden, turns) -> torch.Tensor:
@@ -583,14 +586,19 @@ class AgentRLModule(L.LightningModule):
         (under ZeRO-3 every rank must run as many forwards)."""
         if not self.settings.algorithm.privileged_critic:
             return hidden
-        if batch.critic_input_ids is None:  # no episode of the batch has a context: the same stream again
-            return self.hidden_states(self.policy, batch.input_ids[sl], batch.position_ids[sl], batch.segment_ids[sl])
-        start = int(batch.critic_segment_start[batch.segment_ids[sl.start]])
-        stop = int(batch.critic_index[sl.stop - 1]) + 1
-        critic = slice(start, stop)
-        critic_hidden = self.hidden_states(self.policy, batch.critic_input_ids[critic], batch.critic_position_ids[critic],
-                                           batch.critic_segment_ids[critic])
-        return critic_hidden[batch.critic_index[sl] - start]
+        # Without gradients into the trunk: the trunk is the policy, and a value loss back-propagated through
+        # states that saw the hidden tests would teach the policy's weights what the policy must not know. The
+        # privileged critic is the value head on these states (a second critic model is the way to more).
+        with torch.no_grad():
+            if batch.critic_input_ids is None:  # no episode of the batch has a context: the same stream again
+                return self.hidden_states(self.policy, batch.input_ids[sl], batch.position_ids[sl],
+                                          batch.segment_ids[sl])
+            start = int(batch.critic_segment_start[batch.segment_ids[sl.start]])
+            stop = int(batch.critic_index[sl.stop - 1]) + 1
+            critic = slice(start, stop)
+            critic_hidden = self.hidden_states(self.policy, batch.critic_input_ids[critic],
+                                               batch.critic_position_ids[critic], batch.critic_segment_ids[critic])
+            return critic_hidden[batch.critic_index[sl] - start]
 
     def _token_values(self, hidden, targets_at) -> torch.Tensor:
         """V before each trained token: the value head at the position that predicts it (the state it is sampled from)."""

@@ -397,7 +397,8 @@ class AlgorithmSettings(_Section):
     privileged_critic: bool = False
     """The value head reads each episode's `Environment.critic_context` (what only training has: the hidden tests,
     the reference answer; SWEET-RL) before every segment, through a second forward of the trunk that the policy's
-    log-probs never see. Costs that forward and its activations (`plan`, `time/critic_forward_s`)."""
+    log-probs never see and that sends no gradient into the trunk (the trunk is the policy: only the value head learns
+    from it). Costs that forward (`time/critic_forward_s`) and its activations (`plan`)."""
     gigpo_omega: float = Field(1.0, ge=0.0)
     """Weight of GiGPO's step-level advantage."""
     gigpo_similarity: float | None = Field(None, gt=0.0, lt=1.0)
@@ -673,12 +674,15 @@ def _check_importance(a: AlgorithmSettings) -> None:
     if a.importance_level != "token" and a.importance_cap is None:
         raise ValueError(f"algorithm.importance_level={a.importance_level} needs algorithm.importance_cap: an "
                          "uncapped sequence weight is a product of hundreds of ratios")
-    if a.importance_lower is not None:
-        if a.importance_mode != "mask":
-            raise ValueError("algorithm.importance_lower applies to algorithm.importance_mode=mask only")
-        if a.importance_lower >= a.importance_cap:
-            raise ValueError(f"algorithm.importance_lower ({a.importance_lower:g}) must be below "
-                             f"algorithm.importance_cap ({a.importance_cap:g})")
+    if a.importance_lower is not None and a.importance_mode != "mask":
+        raise ValueError("algorithm.importance_lower applies to algorithm.importance_mode=mask only")
+    if a.importance_mode == "mask" and a.importance_floor >= a.importance_cap:
+        default = "" if a.importance_lower is not None else " (unset, it is 1 / importance_cap)"
+        raise ValueError(f"algorithm.importance_lower ({a.importance_floor:g}{default}) must be below "
+                         f"algorithm.importance_cap ({a.importance_cap:g}): no weight could be kept")
+    if a.importance_level != "token" and not a.loss_mask:
+        raise ValueError(f"algorithm.importance_level={a.importance_level} needs algorithm.loss_mask=true: the "
+                         "ablation trains on observations, which have no behavior log-prob to take a ratio of")
 
 
 def _check_gateway(settings: Settings) -> None:

@@ -165,6 +165,10 @@ def test_an_unknown_precision_is_refused_before_any_model_loads():
         (["--algorithm.importance_mode=mask", "--algorithm.importance_lower=3", "--algorithm.importance_cap=2"],
          r"importance_lower \(3\) must be below algorithm.importance_cap \(2\)"),
         (["--algorithm.importance_level=episode"], "importance_level: Input should be 'token', 'sequence' or"),
+        (["--algorithm.importance_mode=mask", "--algorithm.importance_cap=1"],
+         r"importance_lower \(1 \(unset, it is 1 / importance_cap\)\) must be below algorithm.importance_cap \(1\)"),
+        (["--algorithm.importance_level=sequence", "--algorithm.loss_mask=false"],
+         "importance_level=sequence needs algorithm.loss_mask=true"),
     ],
 )
 def test_importance_combinations_that_cannot_run_are_refused_by_name(overrides, message, capsys):
