@@ -39,7 +39,7 @@ from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
 from lightning_agentrl.algorithms.logprobs import token_logprobs
-from lightning_agentrl.distributed import global_max, global_sum, reduce_metrics, world_size
+from lightning_agentrl.distributed import all_gather, global_max, global_sum, reduce_metrics, world_size
 from lightning_agentrl.envs.registry import env_class
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.settings import Settings
@@ -881,15 +881,22 @@ class _StepTotals:
 
     def _importance_metrics(self) -> dict[str, float]:
         """``importance/*`` over the units (tokens or episodes) of this rank's micro-batches; over ranks the
-        maxima and minima are kept, the unit counts summed and the rest (means, quantiles, ESS) averaged.
+        maxima and minima are kept, the unit counts summed and the rest (means, fractions exactly; quantiles and
+        ESS approximately) averaged weighted by each rank's units, ranks without units left out.
         A collective: every rank calls it, with or without weights."""
         local: dict[str, float] = {}
         if self.importance:
             joined = importance.ImportanceWeights(*(torch.cat(parts) for parts in zip(*(
                 (w.weights, w.dropped, w.unit_weights, w.unit_dropped) for w in self.importance), strict=True)))
             local = importance.importance_metrics(joined, cap=self.importance_cap)
-        return reduce_metrics(local, sums={"importance/num_units"}, maxima={"importance/weight_max"},
-                              minima={"importance/weight_min"})
+        shares = [share for share in all_gather(local) if share]  # ranks without units have nothing to say
+        if len(shares) <= 1:
+            return shares[0] if shares else {}
+        units = sum(share["importance/num_units"] for share in shares)
+        out = {key: sum(share[key] * share["importance/num_units"] for share in shares) / units for key in shares[0]}
+        out.update({"importance/num_units": units, "importance/weight_max": max(s["importance/weight_max"] for s in shares),
+                    "importance/weight_min": min(s["importance/weight_min"] for s in shares)})
+        return out
 
 
 def _partitioned(model) -> bool:
