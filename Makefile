@@ -87,7 +87,7 @@ compare: install
 	$(MAKE) compare-gigpo_detour
 
 # Each credit-assignment method where its reason to exist is present (the rooms worlds, tasks/rooms/,
-# configs/credit_*.yaml; README "Where each method should win"). Two at a time, one torch thread each;
+# configs/credit_*.yaml; docs/results/comparisons_rooms.md). Two at a time, one torch thread each;
 # the staleness comparison alone at the end (it measures wall-clock time to a target).
 credit: install
 	$(MAKE) -j2 compare-rooms_gigpo compare-rooms_truncation COMPARE_THREADS=1

@@ -137,7 +137,7 @@ class EngineSettings(_Section):
     top_k: int = Field(0, ge=0)
     """Sample among this many most likely tokens at most (0 = no limit; not 1), before the top-p nucleus; the
     trainer's log-probs use the same filter, so the policy gets no gradient on tokens outside it and evaluation
-    with another filter can score it very differently (README, "What breaks the format")."""
+    with another filter can score it very differently (docs/results/learn_cpu.md, "What breaks the format")."""
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -157,7 +157,7 @@ class EngineSettings(_Section):
     """Which distribution every log-prob (the engine's behavior log-probs, the trainer's current, proximal and
     reference ones) is of. `sampler`: the one sampled from (top-k and top-p applied, renormalized), so the
     importance ratios are exact; tokens outside the filter get no gradient and no KL, and their mass can grow
-    unseen (README, "What breaks the format"). `softmax`: softmax(logits / temperature), as verl's trainer
+    unseen (docs/results/learn_cpu.md, "What breaks the format"). `softmax`: softmax(logits / temperature), as verl's trainer
     does; sampling still uses the filter, every token gets gradient and KL, and the ratios leave out the
     filter. The entropy (its metric and `algorithm.entropy_coef`'s bonus) is of the same distribution, so under
     `softmax` the bonus spreads mass onto the tokens the filter drops. The same with `top_p: 1` and `top_k: 0`.

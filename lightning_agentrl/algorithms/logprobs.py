@@ -38,7 +38,7 @@ every normalizer: an update that raises one of them lowers the log-prob of what 
 the policy gradient and the KL see it. Under the filtered rule a position whose nucleus is one id
 has log-prob 0 and no gradient at all, whatever mass builds up outside it, so the KL cannot pull a
 policy back from a nucleus of one wrong id. Seeing the dropped ids is not keeping their mass small:
-the README ("Scoring without the filter") measures both.
+docs/results/learn_cpu.md ("Scoring without the filter") measures both.
 
 Gradients: the kept set is a selection, recomputed from the *current* logits and held fixed
 (no gradient flows through which ids are kept; the set is piecewise constant in the weights, so
