@@ -11,7 +11,7 @@ export DS_ACCELERATOR ?= cpu
 
 # benchmarks/compare.py NAME, each a `make compare-NAME` target
 COMPARISONS = gigpo gigpo_detour mask truncation rooms_gigpo rooms_similarity rooms_truncation rooms_critic rooms_staleness
-.PHONY: install smoke test lint format bench mlflow-ui validate-tasks learn compare credit $(addprefix compare-,$(COMPARISONS)) clean
+.PHONY: install smoke test test-fast lint format bench mlflow-ui validate-tasks learn compare credit $(addprefix compare-,$(COMPARISONS)) clean
 
 install: $(STAMP)
 
@@ -44,6 +44,13 @@ smoke: install
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
+
+# The pure parts (credit math, settings, trajectories, buffer, chat templates, code structure): no
+# sandbox service, no training run; under 2 minutes on 2 cores.
+FAST_TESTS = tests/algorithms tests/test_settings.py tests/test_trajectory.py tests/test_structure.py \
+	tests/rollout/test_buffer.py tests/rollout/test_chat_templates.py tests/models
+test-fast: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(FAST_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check .
