@@ -25,7 +25,6 @@ the step spent waiting on rollouts vs training, the load average) and prints one
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -40,6 +39,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.fit_runner import base_overrides, median_of, run_fit, step_seconds  # noqa: E402
 from benchmarks.latency_env import write_tasks  # noqa: E402
+from benchmarks.record import write_record  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "async.json"
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, record)
     loads = [a["load_avg_1min"]["before"] for a in arms]
     summary = "; ".join(f"bound {a['max_staleness']}: {a['episodes_per_s']} ep/s, {a['ratio']}x "
                         f"(ideal {a['ideal_ratio']}x)" for a in arms)

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from learn_cpu import metric_per_step, run_with_evaluation, train_rewards, warm_started_model  # noqa: E402
 
+from benchmarks.record import write_record  # noqa: E402
 from lightning_agentrl.settings import load_settings  # noqa: E402
 
 COPY_KEY = "copy_key"  # warm start: benchmarks/warm_start.py:warm_start (read the key, write a random value)
@@ -361,7 +362,7 @@ def table_rows(name: str, summary: dict, episodes: int) -> list[str]:
     return rows
 
 
-def write_record(args, argv, spec, config, warm, runs, started, complete: bool) -> dict:
+def write_comparison(args, argv, spec, config, warm, runs, started, complete: bool) -> dict:
     summary = summarize(spec, runs, args.target)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -373,7 +374,7 @@ def write_record(args, argv, spec, config, warm, runs, started, complete: bool) 
         "warm_start": warm, "episodes_per_run": runs[0]["episodes"], "target": args.target,
         "wall_time_s": round(time.monotonic() - started, 1), "summary": summary, "runs": runs,
     }
-    (out_dir / f"compare_{args.name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out_dir / f"compare_{args.name}.json", record)
     rows = table_rows(args.name, summary, record["episodes_per_run"])
     (out_dir / f"compare_{args.name}.md").write_text("\n".join(rows) + "\n")
     return record
@@ -427,12 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs += [finished] if finished is not None else []
                 continue
             runs.append(run_arm(config, spec, arm, seed, root, warm, args))
-            write_record(args, argv, spec, config, warm, runs, started, complete=False)  # a partial record
+            write_comparison(args, argv, spec, config, warm, runs, started, complete=False)  # a partial record
             print(f"[{args.name}] {arm} seed {seed}: {runs[-1]['baseline']:.3f} -> {runs[-1]['final']:.3f}", flush=True)
     if not runs:
         raise SystemExit(f"error: no finished run in {root}")
     complete = len(runs) == len(args.seeds) * len(spec["arms"])  # every arm, not only --arms
-    record = write_record(args, argv, spec, config, warm, runs, started, complete=complete)
+    record = write_comparison(args, argv, spec, config, warm, runs, started, complete=complete)
     print("\n".join(table_rows(args.name, record["summary"], record["episodes_per_run"])))
     return 0
 

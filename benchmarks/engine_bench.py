@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import time
 from pathlib import Path
 
+from benchmarks.record import write_record
 from lightning_agentrl.models.tiny import build_tiny_model
 from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.rollout.vllm_engine import VLLMEngine
@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(run(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(RESULTS, result)
     print(
         f"vllm engine x{result['replicas']}: startup {result['startup_s']:.1f} s, "
         f"{result['concurrency']}x{result['new_tokens']} requests ({result['tokens_per_round_median']:.0f} tokens) "

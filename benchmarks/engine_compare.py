@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import time
 from pathlib import Path
 
+from benchmarks.record import write_record
 from lightning_agentrl.models.tiny import build_tiny_model
 from lightning_agentrl.rollout.engine import SamplingParams
 
@@ -98,7 +98,7 @@ def main() -> None:
         results[kind] = asyncio.run(measure(kind, model_path, tokenizer, args))
     record = {"workload": vars(args), "host": platform.platform(), "engines": results}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(RESULTS, record)
     parts = [
         f"{kind}: {r['tokens_per_s']} tok/s, startup {r['startup_s']} s" if "tokens_per_s" in r else f"{kind}: skipped"
         for kind, r in results.items()

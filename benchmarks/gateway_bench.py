@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.record import write_record
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -161,8 +163,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     result = asyncio.run(measure(args.in_flight, args.calls, args.tokens))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.out, result)
     line = ", ".join(f"{k} in flight: p50 {r['gateway']['p50_ms']:.1f} vs {r['direct']['p50_ms']:.1f} ms "
                      f"({r['p50_ratio']:.2f}x), p99 {r['p99_ratio']:.2f}x" for k, r in result["in_flight"].items())
     print(f"gateway vs engine directly, {line} (load average {result['load_average_1min']:.1f} on {result['cpus']} cpus)")

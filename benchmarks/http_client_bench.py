@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import json
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.record import write_record  # noqa: E402
 from sandbox_client import SandboxClient  # noqa: E402
 from sandbox_server.launch import start_local_server  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> None:
         "client_cpu_ms_per_request": {name: round(seconds * 1e3, 3) for name, seconds in cpu.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.out, result)
     print("client CPU per request, " + ", ".join(f"{k} {v:.2f} ms" for k, v in
                                                  result["client_cpu_ms_per_request"].items())
           + f"; {args.in_flight} in flight, load {load_before:.1f} before")

@@ -33,6 +33,7 @@ from typing_extensions import override
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.record import write_record  # noqa: E402
 from benchmarks.warm_start import warm_start  # noqa: E402
 from lightning_agentrl.callbacks.evaluation import HeldOutEvaluation  # noqa: E402
 from lightning_agentrl.envs.learn_tasks import LearnSuiteSpec  # noqa: E402
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_probe": {"warm_start": copy_probe(warm["path"], settings.env.system_prompt),
                        "final": copy_probe(result.policy_dir, settings.env.system_prompt)},
     }
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, record)
     png = out.with_suffix(".png")
     plot(history, rewards, chance, png,
          f"copy-the-key, tiny model, GRPO on CPU ({history[-1]['minutes']:.1f} min of training, warm start incl.)")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import platform
 import re
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.record import write_record
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.settings import TrainerSettings
 
@@ -144,15 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     fixed_mmap_threshold()
     warm_up(args)
     rows = [measure(vocab, tokens, args) for vocab, tokens in args.cases]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    write_record(args.out, {
         "machine": platform.processor() or platform.machine(), "threads": args.threads,
         "action_frac": args.action_frac, "tolerance": TOLERANCE, "target_ratio": TARGET_RATIO,
         "measure": "resident high-water mark (VmHWM) above the resident size before forward + backward; "
                    "glibc mmap threshold fixed at 1 MiB",
         "rows": rows,
-    }, indent=2) + "\n")
+    })
     parts = [f"V={r['vocab']} x {r['tokens']} tokens: {r['peak_full_mib']} -> {r['peak_chunked_mib']} MiB "
              f"({r['ratio']}x, max diff {max(r['max_abs_diff'].values()):.1e})" for r in rows]
     print(f"logprob_memory (target {TARGET_RATIO:g}x less, diff <= {TOLERANCE:g}): " + "; ".join(parts))

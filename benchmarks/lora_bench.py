@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.record import write_record
+
 RESULTS = Path(__file__).resolve().parent / "results" / "lora.json"
 TARGETS = {"step_speedup": 1.3, "optimizer_ratio": 5.0, "sync_ratio": 20.0}
 
@@ -173,8 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "full": full, "lora": lora, "ratios": ratios, "targets": TARGETS,
         "meets_targets": {k: ratios[k] >= v for k, v in TARGETS.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_record(args.out, result)
     print(f"lora r={args.rank} vs full ({full['parameters'] / 1e6:.1f}M params, {full['batch_tokens']} tokens): "
           f"step {full['seconds_per_step']:.2f}s -> {lora['seconds_per_step']:.2f}s ({ratios['step_speedup']:.2f}x; CPU "
           f"{full['cpu_seconds_per_step']:.2f}s -> {lora['cpu_seconds_per_step']:.2f}s, {ratios['step_cpu_speedup']:.2f}x), "

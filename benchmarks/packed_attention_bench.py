@@ -11,7 +11,6 @@ benchmarks/results/packed_attention.json and prints one summary line.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.record import write_record
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.models.tiny import build_tiny_model
 
@@ -55,9 +55,8 @@ def main() -> None:
         rows.append({"segments": count, "length": args.length, "block_mask_s": round(block_s, 3),
                      "buckets_s": round(bucket_s, 3), "speedup": round(block_s / bucket_s, 1),
                      "max_abs_diff": float((block - bucket).abs().max())})
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "threads": args.threads,
-                                   "rows": rows}, indent=2) + "\n")
+    write_record(RESULTS, {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+                           "rows": rows})
     print("packed attention, forward+backward: " + "; ".join(
         f"{r['segments']}x{r['length']} tokens {r['block_mask_s']} s -> {r['buckets_s']} s ({r['speedup']}x)"
         for r in rows))

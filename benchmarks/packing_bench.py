@@ -23,7 +23,6 @@ one line. Target (issue 19): speedup >= 2.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.record import write_record
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "packing.json"
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, record)
     print(f"packing ({len(lengths)} sequences, lengths {min(lengths)} to {max(lengths)}, mean {record['lengths']['mean']}):"
           f" padded {record['padded']['tokens_per_s']} tok/s ({record['padded']['padding_fraction']:.0%} padding),"
           f" packed {record['packed']['tokens_per_s']} tok/s, {record['speedup']}x (target 2x);"

@@ -55,6 +55,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.record import write_record
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 CACHE_DIR = REPO / ".cache" / "lightning_agentrl"
@@ -460,8 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    out.with_name(out.stem + "_profile.json").write_text(json.dumps(profile(project_record), indent=2) + "\n")
+    write_record(out, record)
+    write_record(out.with_name(out.stem + "_profile.json"), profile(project_record))
     print(summary_line(record))
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import platform
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.record import write_record
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
@@ -95,7 +96,7 @@ def main() -> None:
     suffix = ("" if args.engine == "torch" else f"_{args.engine}") + (
         "" if args.temperature is None else f"_t{args.temperature:g}")
     path = REPO / "benchmarks" / "results" / f"real_baseline{suffix}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(path, record)
     print(f"wrote {path}")
 
 

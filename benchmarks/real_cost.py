@@ -12,7 +12,6 @@ training process (``ru_maxrss`` of the child). Writes benchmarks/results/real_co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import subprocess
@@ -20,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.record import write_record
 
 REPO = Path(__file__).resolve().parent.parent
 KEYS = ("time/generation_s", "time/wait_rollouts_s", "time/forward_backward_s", "time/optimizer_s",
@@ -66,7 +67,7 @@ def main() -> None:
     record = {"model": "smollm2-135m-instruct", "command": " ".join(sys.argv), "wall_s": round(wall_s, 1),
               "peak_rss_gib": round(peak_gib, 2), "load_avg_1min": round(os.getloadavg()[0], 2), "steps": steps}
     path = REPO / "benchmarks" / "results" / "real_cost.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(path, record)
     last = {key: values[-1] for key, values in steps.items() if values}
     print(f"{args.steps} steps in {wall_s:.0f} s, peak RSS {peak_gib:.2f} GiB, last step {last.get('time/step_s')} s "
           f"(generation {last.get('time/generation_s')}, forward+backward {last.get('time/forward_backward_s')}, "

@@ -24,7 +24,6 @@ line: milliseconds per decode step on each side and the speed-up (the best of ``
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -37,6 +36,7 @@ RESULTS = REPO / "benchmarks" / "results" / "sampling.json"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.record import write_record  # noqa: E402
 from lightning_agentrl.algorithms import logprobs as logprobs_module  # noqa: E402
 from lightning_agentrl.algorithms.logprobs import sampling_logits  # noqa: E402
 from lightning_agentrl.rollout.engine import SamplingParams, _request_uniforms, inverse_cdf_sample  # noqa: E402
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    write_record(args.out, record)
     print(f"sampling {args.rows} rows x vocab {args.vocab}: per row {ms['per_row']:.2f} ms/step, "
           f"batched {ms['batched']:.2f} ms/step: {record['speedup']}x")
     for shape, filt in record["top_p_filter_ms"].items():

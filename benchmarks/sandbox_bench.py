@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.record import write_record
 from sandbox_client import SandboxClient
 from sandbox_server.isolation import Isolation, _args_file, _limit_process
 from sandbox_server.launch import start_local_server
@@ -178,7 +179,7 @@ def main() -> None:
                        "ratio": service_rate / direct_rate},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(RESULTS, result)
     print(f"sandbox ({backend}): exec of `echo hi` p50 {result['service_p50_s'] * 1e3:.1f} ms vs direct "
           f"{result['direct_p50_s'] * 1e3:.1f} ms (x{result['ratio_p50']:.2f}), p95 x{result['ratio_p95']:.2f}; "
           f"{args.sandboxes} sandboxes x {args.execs_per_sandbox} execs: {service_rate:.0f} vs {direct_rate:.0f} "

@@ -32,7 +32,6 @@ Writes benchmarks/results/scaling.json and prints one line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -48,6 +47,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.fit_runner import base_overrides, median_of, run_fit, step_seconds  # noqa: E402
 from benchmarks.latency_env import write_tasks  # noqa: E402
+from benchmarks.record import write_record  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "scaling.json"
 AXES = ("groups", "turns", "max_new_tokens")
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, record)
     loads = [r["load_avg_1min"]["before"] for r in runs]
     print(f"scaling ({len(runs)} runs, tokens/step {min(tokens):.0f} to {max(tokens):.0f}): step time exponent vs "
           f"tokens {record['exponent_step_vs_tokens']} (train phase {record['exponent_train_vs_tokens']}); per doubling "

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
-import json
 import os
 import resource
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.record import write_record  # noqa: E402
 from lightning_agentrl.tasks import load_tasks  # noqa: E402
 from sandbox_client import SandboxClient, scoring  # noqa: E402
 from sandbox_server.launch import start_local_server  # noqa: E402
@@ -157,7 +157,7 @@ def main() -> None:
         "starts_cpu_ms": start_cpu_ms(args.rounds),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.out, result)
     print(f"scoring ({backend}): median {medians['lazy_peer'] * 1e3:.0f} ms with the lazy peer vs "
           f"{medians['eager_peer'] * 1e3:.0f} ms with the peer started with the judge ({result['saved_fraction']:.0%} "
           f"less); CPU {cpu_means['lazy_peer'] * 1e3:.0f} vs {cpu_means['eager_peer'] * 1e3:.0f} ms "

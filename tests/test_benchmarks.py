@@ -451,3 +451,41 @@ def test_gateway_benchmark_times_both_arms_on_the_same_calls(tmp_path):
     for in_flight, row in record["in_flight"].items():
         assert row["direct"]["calls"] == row["gateway"]["calls"] == 2 * int(in_flight)
         assert 0 < row["direct"]["p50_ms"] <= row["direct"]["p99_ms"] and row["p50_ratio"] > 0
+
+
+# Outputs that are not records: a run's own summary inside its run folder, a side's half-record handed to
+# the parent process, an analysis printed for one run. Everything a benchmark leaves under
+# benchmarks/results/ goes through benchmarks/record.py:write_record.
+NOT_RECORDS = {"compare.py": 2, "learn_cpu.py": 1, "fit_runner.py": 1, "format_drift.py": 1, "peer_trl.py": 1,
+               "record.py": 1}
+
+
+def test_every_benchmark_writes_its_record_through_write_record():
+    raw_writes = {}
+    for script in sorted((REPO / "benchmarks").glob("*.py")):
+        count = script.read_text().count("write_text(json.dumps")
+        if count:
+            raw_writes[script.name] = count
+    assert raw_writes == NOT_RECORDS
+
+
+def test_every_record_names_its_commit():
+    records = sorted((REPO / "benchmarks" / "results").rglob("*.json"))
+    assert len(records) > 50
+    missing = [str(p.relative_to(REPO)) for p in records if not json.loads(p.read_text()).get("commit")]
+    assert missing == []
+
+
+def test_write_record_stamps_provenance_and_keeps_the_records_own_keys(tmp_path):
+    from benchmarks.record import PROVENANCE_KEYS, write_record
+
+    out = tmp_path / "sub" / "bench.json"
+    written = write_record(out, {"figure": 1.5, "command": "python benchmarks/x.py --fast"}, argv=["benchmarks/x.py"])
+    on_disk = json.loads(out.read_text())
+    assert on_disk == written
+    assert set(PROVENANCE_KEYS) <= set(on_disk)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert on_disk["commit"] == head and isinstance(on_disk["dirty"], bool)
+    assert on_disk["command"] == "python benchmarks/x.py --fast"  # the record's own command wins
+    assert on_disk["figure"] == 1.5 and on_disk["cpus"] >= 1
+    assert list(out.parent.iterdir()) == [out]  # no temporary file left behind
