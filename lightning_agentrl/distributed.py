@@ -132,8 +132,10 @@ class NodeSandbox(L.Callback):
     """
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
-                 log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str | None = "require") -> None:
+                 log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str | None = "require",
+                 tools_dir: Path | None = None) -> None:
         self.url, self.token = url, token
+        self.tools_dir = tools_dir  # mounted read-only at /tools in the local server's sandboxes
         self.judge_isolation = judge_isolation
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -155,7 +157,8 @@ class NodeSandbox(L.Callback):
 
             name = "sandbox_server.log" if node_rank == 0 else f"sandbox_server.node{node_rank}.log"
             try:
-                server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name))
+                tools = {"tools_dir": str(self.tools_dir)} if self.tools_dir is not None else {}
+                server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name, **tools))
             except (OSError, RuntimeError, TimeoutError) as err:  # it never answered its health call
                 from lightning_agentrl.preflight import PreflightError
 

@@ -275,17 +275,17 @@ def _check_on_hub(repo_id: str) -> None:
 # -- network ---------------------------------------------------------------------------------------
 def env_uses_sandbox(settings: Settings) -> bool:
     """Whether ``env.kind``'s environment runs actions in the sandbox service (``Environment.uses_sandbox``)."""
-    from lightning_agentrl.envs.registry import env_class
+    from lightning_agentrl.envs.registry import settings_env_class
 
-    return env_class(settings.env.kind).uses_sandbox
+    return settings_env_class(settings.env).uses_sandbox
 
 
 def judge_policy(settings: Settings) -> str | None:
     """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
     (nothing to check) for environments that reward without it."""
-    from lightning_agentrl.envs.registry import env_class
+    from lightning_agentrl.envs.registry import settings_env_class
 
-    return settings.sandbox.judge_isolation if env_class(settings.env.kind).runs_hidden_tests else None
+    return settings.sandbox.judge_isolation if settings_env_class(settings.env).runs_hidden_tests else None
 
 
 def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S) -> None:
