@@ -38,7 +38,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandbox_client.models import ExecResult
 from sandbox_server import PROTOCOL_VERSION
-from sandbox_server.gateway_proxy import SOCKET_DIR, GatewayProxy, GatewayUrlError, forward_argv, parse_gateway_url
+from sandbox_server.gateway_proxy import (
+    SOCKET_DIR,
+    GatewayProxy,
+    GatewayUrlError,
+    forward_argv,
+    parse_gateway_url,
+)
 from sandbox_server.isolation import Isolation, pair_spec_arg, refused_env_name
 from sandbox_server.limits import (
     Cgroups,

@@ -7,7 +7,6 @@ import json
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,6 @@ from tests.test_gateway import assert_trains_what_was_sampled, gateway_fit
 
 MODES = {"parse_date_day_first": "fix", "leap_year_century": "hang", "chunked_drops_tail": "fail"}
 TOOLS = REPO / ".tools"
-MINI = ("exec /tools/bin/python -m minisweagent.run.mini --yolo --exit-immediately --model openai/policy "
-        '--task "$TASK_PROMPT" --cost-limit 0 --output /tmp/trajectory.json -c mini.yaml -c agent.step_limit=2')
-"""mini-swe-agent as its docs run it (``mini``), told only the model's name; the base URL and key are the
-``OPENAI_*`` variables its client (litellm) reads."""
-MINI_ENV = ("MSWEA_CONFIGURED=true MSWEA_COST_TRACKING=ignore_errors LITELLM_LOCAL_MODEL_COST_MAP=True "
-            "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT=1")
 
 
 def sandbox_settings(root: Path, suite: Path, *overrides: str):
@@ -128,22 +121,24 @@ def test_a_harness_in_the_sandbox_reaches_only_its_gateway_and_is_scored_by_the_
 
 @pytest.mark.skipif(not (TOOLS / "bin" / "python").exists(), reason="make install installs mini-swe-agent into .tools")
 def test_mini_swe_agent_trains_unchanged_in_the_sandbox(tmp_path):
-    settings = sandbox_settings(
-        tmp_path, REPO / "tasks" / "bugfix", f"--sandbox.tools_dir={TOOLS}",
-        f"--env.agent_command=[sh, -c, '{MINI_ENV} {MINI}']", "--rollout.groups_per_step=1", "--trainer.max_steps=2",
-        "--env.max_turns=4", "--env.episode_timeout_s=120", "--engine.max_new_tokens=24")
+    """The recipe (configs/mini_swe_agent.yaml): mini-swe-agent from the registry, in the sandbox, two steps."""
+    settings = load_settings(REPO / "configs" / "mini_swe_agent.yaml", [
+        f"--run.dir={tmp_path / 'run'}", f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}",
+        f"--sandbox.tools_dir={TOOLS}", "--rollout.groups_per_step=1", "--engine.max_new_tokens=24",
+        "--tracking.enabled=false", "--tracking.sample_trajectories=0", *TINY])
     result, log, calls = gateway_fit(settings)
     assert result.global_step == 2
     trajectories = [t for batch in log.batches for t in batch.trajectories]
-    assert_trains_what_was_sampled(trajectories, calls)
+    assert len(trajectories) == 4
+    assert_trains_what_was_sampled(trajectories, calls)  # masks on exactly the sampled ids
     codec = ChatCodec(__import__("transformers").AutoTokenizer.from_pretrained(resolve_model_path(settings)))
     for t in trajectories:
         assert t.termination is TerminationReason.SUBMITTED, t.info  # mini ended at its step limit, then was scored
-        assert t.info["gateway_calls"] == 2 and "hidden_passed" in t.info and t.reward == 0.0
+        assert t.info["gateway_calls"] == 4 and "hidden_passed" in t.info and t.reward == 0.0
         assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in codec.decode(t.segments[0].token_ids)  # mini's own prompt
     for batch, metrics in zip(log.batches, log.metrics, strict=True):
         assert metrics["gateway/prefix_breaks"] == sum(t.info["prefix_breaks"] for t in batch.trajectories)
-        assert metrics["gateway/calls"] == 4
+        assert metrics["gateway/calls"] == 8
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
