@@ -167,6 +167,10 @@ class NodeSandbox(L.Callback):
                     f"come up: {type(err).__name__}: {err} (log: {self.log_dir / name})"
                 ) from None
             _check_local_judge(server.url, server.token, self.judge_isolation)
+            if self.tools_dir is not None:  # env.agent_in_sandbox
+                from lightning_agentrl.preflight import check_harness_support
+
+                check_harness_support(server.health(), where="the reference sandbox server started on this node")
             mine = (node_rank, server.url, server.token)
         for entry in all_gather(mine):
             if entry is not None and entry[0] == node_rank:

@@ -119,7 +119,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
         elif s.url is None:
             sandbox.start()
         else:  # the same health, token and judge-isolation checks as `fit` and `validate`
-            check_sandbox(s, judge_policy(settings))
+            check_sandbox(s, judge_policy(settings), harness=settings.env.agent_in_sandbox)
         servers = start_local_servers(settings, str(policy), folder)
         engine = make_engine(settings, str(policy), tokenizer, urls=servers.urls if servers else None)
         service = build_rollout_service(settings, engine, sandbox, chat_codec(settings, tokenizer), tasks)

@@ -55,7 +55,7 @@ def preflight(settings: Settings, *, network: bool = True):
     if not network:
         return codec
     if env_uses_sandbox(settings):  # only the environments that run actions there need the service
-        check_sandbox(settings.sandbox, judge_policy(settings))
+        check_sandbox(settings.sandbox, judge_policy(settings), harness=settings.env.agent_in_sandbox)
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
     return codec
@@ -288,9 +288,11 @@ def judge_policy(settings: Settings) -> str | None:
     return settings.sandbox.judge_isolation if settings_env_class(settings.env).runs_hidden_tests else None
 
 
-def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S) -> None:
+def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S,
+                  harness: bool = False) -> None:
     """``sandbox.url`` answers ``GET /v1/health`` with ``sandbox.token`` and isolates its judges as ``judge``
-    (:func:`judge_policy`) asks (unset url: the local server, started and checked later by ``NodeSandbox``)."""
+    (:func:`judge_policy`) asks, and with ``harness`` (``env.agent_in_sandbox``) can run one (unset url: the
+    local server, started and checked later by ``NodeSandbox``)."""
     if sandbox.url is None:
         return
     if not sandbox.token_value:
@@ -315,6 +317,19 @@ def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float 
     if not isinstance(answer, dict) or answer.get("status") != "ok":
         raise PreflightError(f"sandbox.url: the sandbox service at {sandbox.url} is not healthy: {answer!r}")
     check_judge_isolation(answer, judge, where=f"the sandbox service at {sandbox.url}")
+    if harness:
+        check_harness_support(answer, where=f"sandbox.url: the sandbox service at {sandbox.url}")
+
+
+def check_harness_support(health: dict, *, where: str) -> None:
+    """The service's health answer says it forwards a gateway URL into its sandboxes and mounts a tools folder
+    (``gateway``, ``tools``): what ``env.agent_in_sandbox`` needs; else a :class:`PreflightError`."""
+    missing = [what for key, what in (("gateway", "bwrap isolation, so that a command reaches its gateway URL and "
+                                       "nothing else"), ("tools", "a tools folder mounted at /tools (--tools-dir)"))
+               if not (isinstance(health, dict) and health.get(key) is True)]
+    if missing:
+        raise PreflightError(f"env.agent_in_sandbox: {where} cannot run a harness in its sandboxes: it lacks "
+                             + " and ".join(missing))
 
 
 def check_judge_isolation(health: dict, policy: str | None, *, where: str) -> bool:

@@ -544,9 +544,10 @@ class SandboxManager:
         of the answer costs more than the rest of the route on ``echo hi``)."""
         box = self.get(sandbox_id)
         command = _prepare_exec(body, self.options.max_timeout_s)
-        if command.gateway_url is not None and self.isolation.backend != "bwrap":
-            raise ApiError(400, "invalid_request", "gateway_url needs bwrap isolation: without a network namespace of "
-                           "its own the command would reach every address the host reaches")
+        if command.gateway_url is not None and (self.isolation.backend != "bwrap" or box.network):
+            raise ApiError(400, "invalid_request", "gateway_url needs bwrap isolation and a sandbox created without "
+                           "network: without a network namespace of its own the command reaches every address the "
+                           "host reaches")
         key = _scoped("exec", sandbox_id, body.idempotency_key or header_key)
         try:
             return await self.idempotency.run(key, sandbox_id, body, functools.partial(self._exec, box, command))

@@ -33,6 +33,7 @@ FORWARD_SOURCE = (Path(__file__).resolve().parent / "loopback_forward.py").read_
 _MAX_HEAD_BYTES = 64 << 10
 _MAX_BODY_BYTES = 32 << 20
 _HEAD_TIMEOUT_S = 60.0
+_MAX_CONNECTIONS = 64  # open at once per exec: a harness makes a few; each may hold a 64 KiB head buffer
 _HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade", b"host"})
 
 
@@ -113,6 +114,9 @@ class GatewayProxy:
             (self.folder / SOCKET_NAME).unlink()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._open) >= _MAX_CONNECTIONS:
+            writer.close()
+            return
         self._open.add(writer)
         try:
             request = await self._read_request(reader)

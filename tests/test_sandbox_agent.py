@@ -155,6 +155,18 @@ def test_sandbox_agent_settings_are_checked_before_work_starts(overrides, messag
         load_settings(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml", overrides)
 
 
+def test_a_sandbox_service_without_a_tools_folder_is_refused_before_work_starts(tmp_path):
+    from lightning_agentrl.preflight import PreflightError
+    from lightning_agentrl.train import fit
+
+    tools, suite = scripted_tools(tmp_path)
+    with start_local_server(log_file=tmp_path / "sandbox.log") as service:  # no --tools-dir
+        settings = sandbox_settings(tmp_path, suite, f"--sandbox.url={service.url}", f"--sandbox.token={service.token}",
+                                    "--env.agent_command=[python, /tools/sandbox_harness.py, '1']")
+        with pytest.raises(PreflightError, match="cannot run a harness in its sandboxes: it lacks a tools folder"):
+            fit(settings)
+
+
 def test_a_sandbox_service_that_fails_is_a_sandbox_error_not_the_agents(tmp_path):
     """The service is gone mid-run: the episode ends ``sandbox_error`` (infrastructure), not ``agent_error``."""
     import asyncio
