@@ -55,7 +55,7 @@ def preflight(settings: Settings, *, network: bool = True):
     if not network:
         return codec
     if env_uses_sandbox(settings):  # only the environments that run actions there need the service
-        check_sandbox(settings.sandbox, judge_policy(settings), harness=settings.env.agent_in_sandbox)
+        check_sandbox(settings.sandbox, judge_policy(settings), harness=harness_timeout(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
     return codec
@@ -288,11 +288,16 @@ def judge_policy(settings: Settings) -> str | None:
     return settings.sandbox.judge_isolation if settings_env_class(settings.env).runs_hidden_tests else None
 
 
+def harness_timeout(settings: Settings) -> float | None:
+    """``env.episode_timeout_s`` where a harness runs in the sandbox (``env.agent_in_sandbox``), else None."""
+    return settings.env.episode_timeout_s if settings.env.agent_in_sandbox else None
+
+
 def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S,
-                  harness: bool = False) -> None:
+                  harness: float | None = None) -> None:
     """``sandbox.url`` answers ``GET /v1/health`` with ``sandbox.token`` and isolates its judges as ``judge``
-    (:func:`judge_policy`) asks, and with ``harness`` (``env.agent_in_sandbox``) can run one (unset url: the
-    local server, started and checked later by ``NodeSandbox``)."""
+    (:func:`judge_policy`) asks, and with ``harness`` (``env.agent_in_sandbox``: its ``env.episode_timeout_s``)
+    can run one (unset url: the local server, started and checked later by ``NodeSandbox``)."""
     if sandbox.url is None:
         return
     if not sandbox.token_value:
@@ -317,19 +322,27 @@ def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float 
     if not isinstance(answer, dict) or answer.get("status") != "ok":
         raise PreflightError(f"sandbox.url: the sandbox service at {sandbox.url} is not healthy: {answer!r}")
     check_judge_isolation(answer, judge, where=f"the sandbox service at {sandbox.url}")
-    if harness:
-        check_harness_support(answer, where=f"sandbox.url: the sandbox service at {sandbox.url}")
+    if harness is not None:
+        check_harness_support(answer, where=f"sandbox.url: the sandbox service at {sandbox.url}",
+                              episode_timeout_s=harness)
 
 
-def check_harness_support(health: dict, *, where: str) -> None:
-    """The service's health answer says it forwards a gateway URL into its sandboxes and mounts a tools folder
-    (``gateway``, ``tools``): what ``env.agent_in_sandbox`` needs; else a :class:`PreflightError`."""
+def check_harness_support(health: dict, *, where: str, episode_timeout_s: float) -> None:
+    """The service's health answer says it forwards a gateway URL into its sandboxes, mounts a tools folder
+    (``gateway``, ``tools``) and takes commands as long as an episode: what ``env.agent_in_sandbox`` needs;
+    else a :class:`PreflightError`."""
+    health = health if isinstance(health, dict) else {}
     missing = [what for key, what in (("gateway", "bwrap isolation, so that a command reaches its gateway URL and "
                                        "nothing else"), ("tools", "a tools folder mounted at /tools (--tools-dir)"))
-               if not (isinstance(health, dict) and health.get(key) is True)]
+               if health.get(key) is not True]
     if missing:
         raise PreflightError(f"env.agent_in_sandbox: {where} cannot run a harness in its sandboxes: it lacks "
                              + " and ".join(missing))
+    limits = health.get("limits") if isinstance(health.get("limits"), dict) else {}
+    longest = limits.get("max_timeout_s")
+    if isinstance(longest, int | float) and longest < episode_timeout_s:
+        raise PreflightError(f"env.episode_timeout_s: {where} runs a command for at most {longest:g} s "
+                             f"(max_timeout_s), less than an episode's {episode_timeout_s:g} s")
 
 
 def check_judge_isolation(health: dict, policy: str | None, *, where: str) -> bool:

@@ -14,6 +14,7 @@ import shutil
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -717,8 +718,13 @@ def _check_gateway(settings: Settings) -> None:
 
 
 def _check_sandbox_tools(env: EnvSettings, sandbox: SandboxSettings) -> None:
-    """With the local sandbox server, ``sandbox.tools_dir`` exists and holds a ``/tools/...`` harness the command names."""
+    """With the local sandbox server, ``sandbox.tools_dir`` exists and holds a ``/tools/...`` harness the command names;
+    a service of the user's runs on this host (the gateway listens on its loopback)."""
     if sandbox.url is not None:
+        host = urlsplit(sandbox.url).hostname or ""
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"sandbox.url: env.agent_in_sandbox needs the sandbox service on this host (the gateway "
+                             f"its sandboxes reach listens on 127.0.0.1), got host {host!r}")
         return
     if not sandbox.tools_dir.is_dir():
         raise ValueError(f"sandbox.tools_dir: {str(sandbox.tools_dir)!r} is not a folder (env.agent_in_sandbox runs its "

@@ -535,7 +535,8 @@ def make_sandbox(settings: Settings, log_dir: Path):
     s = settings.sandbox
     return NodeSandbox(s.url, s.token_value, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
                        call_timeout_s=s.call_timeout_s, log_dir=log_dir, judge_isolation=judge_policy(settings),
-                       tools_dir=s.tools_dir if settings.env.agent_in_sandbox else None)
+                       tools_dir=s.tools_dir if settings.env.agent_in_sandbox else None,
+                       episode_timeout_s=settings.env.episode_timeout_s)
 
 
 def chat_codec(settings: Settings, tokenizer):

@@ -149,6 +149,8 @@ def test_mini_swe_agent_trains_unchanged_in_the_sandbox(tmp_path):
       "--sandbox.tools_dir=/no/such/folder"], "sandbox.tools_dir: '/no/such/folder' is not a folder"),
     (["--env.kind=gateway", "--env.agent_command=[/tools/no-such-harness]", "--env.agent_in_sandbox=true",
       f"--sandbox.tools_dir={REPO / 'tests'}"], "/tools/no-such-harness is not in sandbox.tools_dir"),
+    (["--env.kind=gateway", "--env.agent_command=[sh]", "--env.agent_in_sandbox=true",
+      "--sandbox.url=http://10.1.2.3:8080"], "needs the sandbox service on this host"),
 ])
 def test_sandbox_agent_settings_are_checked_before_work_starts(overrides, message):
     with pytest.raises(SettingsError, match=message):
