@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import threading
 from pathlib import Path
 
@@ -203,5 +202,10 @@ class _NoCodec:
     stop_token_ids = ()
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q", "-x"]))
+def test_the_harness_reaches_the_gateway_on_its_own_loopback_as_documented():
+    import doctest
+
+    from lightning_agentrl.envs import sandbox_agent
+
+    result = doctest.testmod(sandbox_agent, raise_on_error=False, verbose=False)
+    assert (result.attempted, result.failed) == (1, 0)
