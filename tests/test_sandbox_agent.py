@@ -133,11 +133,12 @@ def test_mini_swe_agent_trains_unchanged_in_the_sandbox(tmp_path):
     codec = ChatCodec(__import__("transformers").AutoTokenizer.from_pretrained(resolve_model_path(settings)))
     for t in trajectories:
         assert t.termination is TerminationReason.SUBMITTED, t.info  # mini ended at its step limit, then was scored
-        assert t.info["gateway_calls"] == 4 and "hidden_passed" in t.info and t.reward == 0.0
+        # its step limit (4) or its limit of 3 replies in a row without a tool call ended it
+        assert 3 <= t.info["gateway_calls"] == len(t.turns) <= 4 and "hidden_passed" in t.info and t.reward == 0.0
         assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in codec.decode(t.segments[0].token_ids)  # mini's own prompt
     for batch, metrics in zip(log.batches, log.metrics, strict=True):
         assert metrics["gateway/prefix_breaks"] == sum(t.info["prefix_breaks"] for t in batch.trajectories)
-        assert metrics["gateway/calls"] == 8
+        assert metrics["gateway/calls"] == sum(t.info["gateway_calls"] for t in batch.trajectories) >= 6
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
