@@ -4,6 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The coding harness that env.agent_in_sandbox runs (docs/agents.md), in a virtual environment of its own that the
+# sandbox service mounts read-only at /tools: its dependencies (litellm and more) never enter the product's venv.
+TOOLS ?= .tools
+HARNESS ?= mini-swe-agent==2.4.6
+TOOLS_STAMP := $(TOOLS)/.installed-$(subst =,-,$(HARNESS))
 BENCH_STAMP := $(VENV)/.installed-bench
 RUN_ID := $(shell date +%Y%m%d-%H%M%S)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
@@ -13,7 +18,7 @@ export DS_ACCELERATOR ?= cpu
 COMPARISONS = gigpo gigpo_detour mask truncation rooms_gigpo rooms_similarity rooms_truncation rooms_critic rooms_staleness
 .PHONY: install smoke test test-fast lint format bench mlflow-ui validate-tasks learn compare credit $(addprefix compare-,$(COMPARISONS)) clean
 
-install: $(STAMP)
+install: $(STAMP) $(TOOLS_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +37,13 @@ $(STAMP): pyproject.toml constraints.txt
 	# GGUF converted once into .cache/lightning_agentrl/gguf/, for the tests and the first run.
 	$(PY) -m lightning_agentrl.models.gguf_convert smollm2-135m-instruct
 	touch $(STAMP)
+
+# From the registry, never from a task. Its interpreter is the product venv's base Python: the sandbox mounts that
+# one read-only, so /tools/bin/python runs inside. Skipped when this harness version is already there.
+$(TOOLS_STAMP): | $(STAMP)
+	test -x $(TOOLS)/bin/python || $$($(PY) -c 'import sys; print(sys._base_executable)') -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q "$(HARNESS)"
+	touch $(TOOLS_STAMP)
 
 # A short format-only warm start, then `fit --config configs/smoke.yaml` from it; exit 1 if no group
 # had reward variance.

@@ -132,8 +132,11 @@ class NodeSandbox(L.Callback):
     """
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
-                 log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str | None = "require") -> None:
+                 log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str | None = "require",
+                 tools_dir: Path | None = None, episode_timeout_s: float = 600.0) -> None:
         self.url, self.token = url, token
+        self.tools_dir = tools_dir  # mounted read-only at /tools in the local server's sandboxes
+        self.episode_timeout_s = episode_timeout_s  # with tools_dir: the longest command the server must take
         self.judge_isolation = judge_isolation
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -155,7 +158,9 @@ class NodeSandbox(L.Callback):
 
             name = "sandbox_server.log" if node_rank == 0 else f"sandbox_server.node{node_rank}.log"
             try:
-                server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name))
+                tools = {} if self.tools_dir is None else {  # a harness runs for up to an episode in one command
+                    "tools_dir": str(self.tools_dir), "max_timeout_s": max(3600.0, self.episode_timeout_s)}
+                server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name, **tools))
             except (OSError, RuntimeError, TimeoutError) as err:  # it never answered its health call
                 from lightning_agentrl.preflight import PreflightError
 
@@ -164,6 +169,11 @@ class NodeSandbox(L.Callback):
                     f"come up: {type(err).__name__}: {err} (log: {self.log_dir / name})"
                 ) from None
             _check_local_judge(server.url, server.token, self.judge_isolation)
+            if self.tools_dir is not None:  # env.agent_in_sandbox
+                from lightning_agentrl.preflight import check_harness_support
+
+                check_harness_support(server.health(), where="the reference sandbox server started on this node",
+                                      episode_timeout_s=self.episode_timeout_s)
             mine = (node_rank, server.url, server.token)
         for entry in all_gather(mine):
             if entry is not None and entry[0] == node_rank:

@@ -91,7 +91,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
 
     from lightning_agentrl.callbacks.evaluation import score_episodes
     from lightning_agentrl.envs.registry import load_env_tasks
-    from lightning_agentrl.preflight import check_sandbox, env_uses_sandbox, judge_policy
+    from lightning_agentrl.preflight import check_sandbox, env_uses_sandbox, harness_timeout, judge_policy
     from lightning_agentrl.train import (
         build_rollout_service,
         chat_codec,
@@ -119,7 +119,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
         elif s.url is None:
             sandbox.start()
         else:  # the same health, token and judge-isolation checks as `fit` and `validate`
-            check_sandbox(s, judge_policy(settings))
+            check_sandbox(s, judge_policy(settings), harness=harness_timeout(settings))
         servers = start_local_servers(settings, str(policy), folder)
         engine = make_engine(settings, str(policy), tokenizer, urls=servers.urls if servers else None)
         service = build_rollout_service(settings, engine, sandbox, chat_codec(settings, tokenizer), tasks)

@@ -40,7 +40,7 @@ from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import all_gather, global_max, global_sum, reduce_metrics, world_size
-from lightning_agentrl.envs.registry import env_class
+from lightning_agentrl.envs.registry import settings_env_class
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.settings import Settings
 from lightning_agentrl.trajectory import RolloutBatch
@@ -202,7 +202,7 @@ class AgentRLModule(L.LightningModule):
         """Group-based advantages per token [N] over the included episodes (excluded ones get 0 and
         leave the baseline). None for ``gae``, which is computed per micro-batch from the critic."""
         a = self.settings.algorithm
-        similarity = env_class(self.settings.env.kind).state_similarity  # the environment's own, or None
+        similarity = settings_env_class(self.settings.env).state_similarity  # the environment's own, or None
         return ESTIMATORS[a.advantage](batch, train_mask, self._token_turn(batch), a, similarity)
 
     def _token_turn(self, batch: RolloutBatch) -> torch.Tensor:

@@ -55,7 +55,7 @@ def preflight(settings: Settings, *, network: bool = True):
     if not network:
         return codec
     if env_uses_sandbox(settings):  # only the environments that run actions there need the service
-        check_sandbox(settings.sandbox, judge_policy(settings))
+        check_sandbox(settings.sandbox, judge_policy(settings), harness=harness_timeout(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
     return codec
@@ -275,22 +275,29 @@ def _check_on_hub(repo_id: str) -> None:
 # -- network ---------------------------------------------------------------------------------------
 def env_uses_sandbox(settings: Settings) -> bool:
     """Whether ``env.kind``'s environment runs actions in the sandbox service (``Environment.uses_sandbox``)."""
-    from lightning_agentrl.envs.registry import env_class
+    from lightning_agentrl.envs.registry import settings_env_class
 
-    return env_class(settings.env.kind).uses_sandbox
+    return settings_env_class(settings.env).uses_sandbox
 
 
 def judge_policy(settings: Settings) -> str | None:
     """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
     (nothing to check) for environments that reward without it."""
-    from lightning_agentrl.envs.registry import env_class
+    from lightning_agentrl.envs.registry import settings_env_class
 
-    return settings.sandbox.judge_isolation if env_class(settings.env.kind).runs_hidden_tests else None
+    return settings.sandbox.judge_isolation if settings_env_class(settings.env).runs_hidden_tests else None
 
 
-def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S) -> None:
+def harness_timeout(settings: Settings) -> float | None:
+    """``env.episode_timeout_s`` where a harness runs in the sandbox (``env.agent_in_sandbox``), else None."""
+    return settings.env.episode_timeout_s if settings.env.agent_in_sandbox else None
+
+
+def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S,
+                  harness: float | None = None) -> None:
     """``sandbox.url`` answers ``GET /v1/health`` with ``sandbox.token`` and isolates its judges as ``judge``
-    (:func:`judge_policy`) asks (unset url: the local server, started and checked later by ``NodeSandbox``)."""
+    (:func:`judge_policy`) asks, and with ``harness`` (``env.agent_in_sandbox``: its ``env.episode_timeout_s``)
+    can run one (unset url: the local server, started and checked later by ``NodeSandbox``)."""
     if sandbox.url is None:
         return
     if not sandbox.token_value:
@@ -315,6 +322,27 @@ def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float 
     if not isinstance(answer, dict) or answer.get("status") != "ok":
         raise PreflightError(f"sandbox.url: the sandbox service at {sandbox.url} is not healthy: {answer!r}")
     check_judge_isolation(answer, judge, where=f"the sandbox service at {sandbox.url}")
+    if harness is not None:
+        check_harness_support(answer, where=f"sandbox.url: the sandbox service at {sandbox.url}",
+                              episode_timeout_s=harness)
+
+
+def check_harness_support(health: dict, *, where: str, episode_timeout_s: float) -> None:
+    """The service's health answer says it forwards a gateway URL into its sandboxes, mounts a tools folder
+    (``gateway``, ``tools``) and takes commands as long as an episode: what ``env.agent_in_sandbox`` needs;
+    else a :class:`PreflightError`."""
+    health = health if isinstance(health, dict) else {}
+    missing = [what for key, what in (("gateway", "bwrap isolation, so that a command reaches its gateway URL and "
+                                       "nothing else"), ("tools", "a tools folder mounted at /tools (--tools-dir)"))
+               if health.get(key) is not True]
+    if missing:
+        raise PreflightError(f"env.agent_in_sandbox: {where} cannot run a harness in its sandboxes: it lacks "
+                             + " and ".join(missing))
+    limits = health.get("limits") if isinstance(health.get("limits"), dict) else {}
+    longest = limits.get("max_timeout_s")
+    if isinstance(longest, int | float) and longest < episode_timeout_s:
+        raise PreflightError(f"env.episode_timeout_s: {where} runs a command for at most {longest:g} s "
+                             f"(max_timeout_s), less than an episode's {episode_timeout_s:g} s")
 
 
 def check_judge_isolation(health: dict, policy: str | None, *, where: str) -> bool:

@@ -14,6 +14,7 @@ import shutil
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -207,6 +208,10 @@ class SandboxSettings(_Section):
     service (it accepts connections, never answers) costs: each episode then ends with `sandbox_error` within
     `call_timeout_s + env.tool_timeout_s` of its pending call, plus `request_timeout_s` for the cleanup delete,
     i.e. within 60 s with the defaults, and the circuit breaker trips at the first step whose every episode failed."""
+    tools_dir: Path = Path(".tools")
+    """The folder the sandbox server started for this run (`sandbox.url` unset) mounts read-only at `/tools` in every
+    sandbox: the harnesses of `env.agent_in_sandbox`, installed by `make install`, never by a task. A service of
+    your own mounts its own (`python -m sandbox_server --tools-dir DIR`)."""
     judge_isolation: Literal["require", "warn"] = "require"
     """Scoring needs the judge (it holds the hidden tests) under another uid than the agent's code; a service that
     cannot do that (not run as root: `judge_uid_per_sandbox` null on its health call) lets an agent read the hidden
@@ -283,6 +288,13 @@ class EnvSettings(_Section):
     """With `env.kind: gateway`: the agent as a command, `[python, my_agent.py]`, run once per episode with
     `OPENAI_BASE_URL` and `OPENAI_API_KEY` set and the task as JSON on stdin; its last stdout line is
     `{"reward": R}`. Its process group is killed when the episode ends. Set this or `env.agent`."""
+    agent_in_sandbox: bool = False
+    """With `env.kind: gateway` and `env.agent_command`: run the command inside the task's sandbox, a coding harness
+    trained unchanged (docs/agents.md). `env.tasks` are then coding tasks (as for `coding`); its working folder is
+    the task's workspace; harnesses come from the service's read-only `/tools` (`sandbox.tools_dir`); the only
+    address it reaches is its episode's gateway, `OPENAI_BASE_URL` (`OPENAI_API_KEY`, `TASK_PROMPT` and the task
+    `{"id", "prompt"}` on stdin come with it). When it exits 0, the workspace is scored by the hidden tests as
+    `submit` scores it; non-zero is `agent_error`; past `env.episode_timeout_s` its whole process tree is killed."""
 
     @model_validator(mode="after")
     def _one_agent(self) -> EnvSettings:
@@ -295,9 +307,15 @@ class EnvSettings(_Section):
                 raise ValueError(f"env.agent and env.agent_command apply to env.kind=gateway only (kind is {self.kind!r})")
         elif self.kind != "gateway":
             raise ValueError(f"env.agent and env.agent_command apply to env.kind=gateway only (kind is {self.kind!r})")
+        if self.agent_in_sandbox and (self.kind != "gateway" or self.agent_command is None):
+            raise ValueError("env.agent_in_sandbox runs env.agent_command (with env.kind=gateway) in the task's sandbox; "
+                             "a function (env.agent) runs in this process")
         if self.agent is not None:
             load_agent(self.agent)  # imports it: a typo fails here, before any work starts
-        if self.agent_command is not None and (not self.agent_command or shutil.which(self.agent_command[0]) is None):
+        if self.agent_in_sandbox:
+            if not self.agent_command:
+                raise ValueError("env.agent_command is empty")
+        elif self.agent_command is not None and (not self.agent_command or shutil.which(self.agent_command[0]) is None):
             raise ValueError(f"env.agent_command: {self.agent_command[:1]} is not an executable (on PATH or a path)")
         return self
 
@@ -689,12 +707,32 @@ def _check_gateway(settings: Settings) -> None:
     """What an external agent's episodes (``env.kind: gateway``) cannot do: the agent owns its history."""
     if settings.env.kind != "gateway":
         return
+    if settings.env.agent_in_sandbox:
+        _check_sandbox_tools(settings.env, settings.sandbox)
     refused = {"env.summarizer": settings.env.summarizer != "none", "env.sub_agent": settings.env.sub_agent is not None,
                "rollout.partial_rollout_s": settings.rollout.partial_rollout_s is not None,
                "rollout.forced_truncation_rate": settings.rollout.forced_truncation_rate > 0}
     for name, is_set in refused.items():
         if is_set:
             raise ValueError(f"{name} does not apply to env.kind=gateway: the agent keeps its own history and loop")
+
+
+def _check_sandbox_tools(env: EnvSettings, sandbox: SandboxSettings) -> None:
+    """With the local sandbox server, ``sandbox.tools_dir`` exists and holds a ``/tools/...`` harness the command names;
+    a service of the user's runs on this host (the gateway listens on its loopback)."""
+    if sandbox.url is not None:
+        host = urlsplit(sandbox.url).hostname or ""
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"sandbox.url: env.agent_in_sandbox needs the sandbox service on this host (the gateway "
+                             f"its sandboxes reach listens on 127.0.0.1), got host {host!r}")
+        return
+    if not sandbox.tools_dir.is_dir():
+        raise ValueError(f"sandbox.tools_dir: {str(sandbox.tools_dir)!r} is not a folder (env.agent_in_sandbox runs its "
+                         "harness from it; `make install` installs the recipe's into .tools)")
+    program = env.agent_command[0] if env.agent_command else ""
+    if program.startswith("/tools/") and not (sandbox.tools_dir / program.removeprefix("/tools/")).exists():
+        raise ValueError(f"env.agent_command: {program} is not in sandbox.tools_dir ({sandbox.tools_dir}) "
+                         "(`make install` installs the recipe's harness)")
 
 
 def _check_engine(settings: Settings) -> None:

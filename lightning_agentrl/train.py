@@ -534,7 +534,9 @@ def make_sandbox(settings: Settings, log_dir: Path):
 
     s = settings.sandbox
     return NodeSandbox(s.url, s.token_value, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
-                       call_timeout_s=s.call_timeout_s, log_dir=log_dir, judge_isolation=judge_policy(settings))
+                       call_timeout_s=s.call_timeout_s, log_dir=log_dir, judge_isolation=judge_policy(settings),
+                       tools_dir=s.tools_dir if settings.env.agent_in_sandbox else None,
+                       episode_timeout_s=settings.env.episode_timeout_s)
 
 
 def chat_codec(settings: Settings, tokenizer):
@@ -562,7 +564,7 @@ def native_tools(settings: Settings, codec) -> bool:
 
 
 def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
-    from lightning_agentrl.envs.registry import env_class
+    from lightning_agentrl.envs.registry import settings_env_class
     from lightning_agentrl.experiments.forced_truncation import ForcedTruncation
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams
@@ -573,7 +575,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     e, r, env = settings.engine, settings.rollout, settings.env
     tools_in_template = native_tools(settings, codec)
 
-    cls = env_class(env.kind)
+    cls = settings_env_class(env)
     sub_agent = build_sub_agent(settings)  # env.sub_agent: a frozen model the environment calls as a tool
 
     def make_env(client, task):

@@ -164,10 +164,12 @@ class SandboxClient:
 
     async def exec(self, sandbox_id: str, command: str | list[str], *, stdin: str | None = None,
                    timeout_s: float = 30.0, env: dict | None = None,
-                   peer_command: list[str] | None = None, lazy_peer: bool = False) -> ExecResult:
+                   peer_command: list[str] | None = None, lazy_peer: bool = False,
+                   gateway_url: str | None = None) -> ExecResult:
         """Run a command. Returns the result whatever the exit code; raises CommandTimeout past ``timeout_s``.
         ``peer_command``: a second process as the sandbox's uid, piped to ``command`` (see docs/sandbox.md);
-        ``lazy_peer``: started only at the command's first write to it."""
+        ``lazy_peer``: started only at the command's first write to it; ``gateway_url``
+        (``http://HOST:PORT/PATH``): the one endpoint the command reaches, at ``http://127.0.0.1:PORT/PATH``."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         body = {"command": command, "stdin": stdin, "env": env or {}, "timeout_s": timeout_s,
@@ -176,6 +178,8 @@ class SandboxClient:
             body["peer_command"] = peer_command
         if lazy_peer:
             body["lazy_peer"] = True
+        if gateway_url is not None:
+            body["gateway_url"] = gateway_url
         # Both deadlines cover the command's own timeout plus the usual request budget.
         data = await self._answer("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, extra_s=timeout_s)
         try:

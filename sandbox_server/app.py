@@ -38,6 +38,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandbox_client.models import ExecResult
 from sandbox_server import PROTOCOL_VERSION
+from sandbox_server.gateway_proxy import (
+    SOCKET_DIR,
+    GatewayProxy,
+    GatewayUrlError,
+    forward_argv,
+    parse_gateway_url,
+)
 from sandbox_server.isolation import Isolation, pair_spec_arg, refused_env_name
 from sandbox_server.limits import (
     Cgroups,
@@ -124,6 +131,10 @@ class ExecRequest(StrictRequest):
         "that never asks costs no second process; a command that reads fd 4 or 5 before writing fd 3 then waits "
         "until its timeout")
     timeout_s: float = 30.0
+    gateway_url: str | None = Field(
+        default=None, description="http://HOST:PORT/PATH: the one endpoint the command may reach, at "
+        "http://127.0.0.1:PORT/PATH inside its sandbox (only paths under PATH; bwrap isolation only; "
+        "docs/sandbox.md)")
     idempotency_key: str | None = Field(default=None, max_length=200)
 
 
@@ -533,6 +544,10 @@ class SandboxManager:
         of the answer costs more than the rest of the route on ``echo hi``)."""
         box = self.get(sandbox_id)
         command = _prepare_exec(body, self.options.max_timeout_s)
+        if command.gateway_url is not None and (self.isolation.backend != "bwrap" or box.network):
+            raise ApiError(400, "invalid_request", "gateway_url needs bwrap isolation and a sandbox created without "
+                           "network: without a network namespace of its own the command reaches every address the "
+                           "host reaches")
         key = _scoped("exec", sandbox_id, body.idempotency_key or header_key)
         try:
             return await self.idempotency.run(key, sandbox_id, body, functools.partial(self._exec, box, command))
@@ -546,10 +561,11 @@ class SandboxManager:
         assert task is not None
         box.tasks.add(task)
         try:
-            result = await self.isolation.run(box.workspace, box.home, command.argv, stdin=command.stdin,
-                                              env=command.env, slot=box.slot, cgroup=box.id, peer=command.peer,
-                                              lazy_peer=command.lazy_peer,
-                                              timeout_s=command.timeout_s, network=box.network)
+            async with _gateway(command) as (argv, binds):
+                result = await self.isolation.run(box.workspace, box.home, argv, stdin=command.stdin,
+                                                  env=command.env, slot=box.slot, cgroup=box.id, peer=command.peer,
+                                                  lazy_peer=command.lazy_peer, binds=binds,
+                                                  timeout_s=command.timeout_s, network=box.network)
         finally:
             box.tasks.discard(task)
             box.touch()
@@ -596,7 +612,9 @@ class SandboxManager:
         limits["total_memory_bytes"] = self.cgroups.total_memory_bytes if self.cgroups is not None else None
         limits["total_processes"] = self.cgroups.total_pids if self.cgroups is not None else None
         return {"status": "ok", "protocol": PROTOCOL_VERSION, "isolation": dataclasses.asdict(self.isolation.report),
-                "sandboxes": {"active": len(self.sandboxes), "max": options.max_sandboxes}, "limits": limits}
+                "sandboxes": {"active": len(self.sandboxes), "max": options.max_sandboxes}, "limits": limits,
+                "tools": bool(options.tools_dir) and self.isolation.backend == "bwrap",
+                "gateway": self.isolation.backend == "bwrap"}
 
     def metrics_text(self) -> str:
         return self.metrics.render({"active": len(self.sandboxes), "max": self.options.max_sandboxes,
@@ -839,6 +857,24 @@ class _Command:
     stdin: bytes | None
     timeout_s: float
     lazy_peer: bool = False
+    gateway_url: str | None = None
+
+
+@contextlib.asynccontextmanager
+async def _gateway(command: _Command):
+    """The argv to run and the extra binds: with a ``gateway_url``, the command under the in-sandbox forwarder
+    and the proxy's socket folder bound at ``SOCKET_DIR`` while it runs (gateway_proxy). The folder is a short
+    one under /tmp: a Unix socket's path is limited to 107 bytes."""
+    if command.gateway_url is None:
+        yield command.argv, ()
+        return
+    folder = Path(tempfile.mkdtemp(prefix="sbgw-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    proxy = GatewayProxy(command.gateway_url, folder)
+    try:
+        async with proxy:
+            yield forward_argv(command.argv, proxy.port), ((str(folder), SOCKET_DIR),)
+    finally:
+        await asyncio.to_thread(remove_tree, folder)
 
 
 def _prepare_exec(body: ExecRequest, max_timeout_s: float) -> _Command:
@@ -854,7 +890,14 @@ def _prepare_exec(body: ExecRequest, max_timeout_s: float) -> _Command:
     if not 0 < body.timeout_s <= max_timeout_s:
         raise ApiError(400, "invalid_request", f"timeout_s must be in (0, {max_timeout_s}], got {body.timeout_s}")
     stdin = _text(body.stdin, "stdin").encode() if body.stdin is not None else None
-    return _Command(argv, env, peer, stdin, body.timeout_s, body.lazy_peer)
+    if body.gateway_url is not None:
+        if peer is not None:
+            raise ApiError(400, "invalid_request", "gateway_url and peer_command do not go together")
+        try:
+            parse_gateway_url(body.gateway_url)
+        except GatewayUrlError as err:
+            raise ApiError(400, "invalid_request", str(err)) from None
+    return _Command(argv, env, peer, stdin, body.timeout_s, body.lazy_peer, body.gateway_url)
 
 
 def _snapshot(body: CreateRequest) -> dict[str, bytes]:

@@ -51,6 +51,8 @@ from sandbox_server.options import ServerOptions
 from sandbox_server.seccomp import build_filter, write_memfd
 
 SANDBOX_WORKDIR = "/workspace"
+TOOLS_DIR = "/tools"
+"""Where the server's ``tools_dir`` is mounted, read-only, in every bwrap sandbox."""
 _MARKER_VAR = "SANDBOX_EXEC_MARKER"
 # The only environment the host-side helpers (bwrap, setpriv, unshare) ever see: they may run as
 # real root before any namespace exists, so nothing a request carries reaches them.
@@ -419,10 +421,12 @@ class Isolation:
             cmd += ["--perms", "0755", "--dir", ancestor]
         for d in python_dirs:
             cmd += ["--ro-bind", d, d]
+        if self.options.tools_dir:  # harnesses installed by the operator, never by a task: read-only
+            cmd += ["--ro-bind", self.options.tools_dir, TOOLS_DIR]
         return cmd
 
     def _bwrap_args(self, workspace: Path, argv: list[str], env: dict[str, str],
-                    network: bool, uid: int | None) -> tuple[list[str], list[str]]:
+                    network: bool, uid: int | None, binds: tuple[tuple[str, str], ...] = ()) -> tuple[list[str], list[str]]:
         """bwrap's options and the command it runs. The options travel through ``--args FD``, never
         argv, so ``/proc/1/cmdline`` inside the sandbox shows ``bwrap --args N -- COMMAND`` and no
         host path (bwrap refuses the command itself inside the args file)."""
@@ -432,6 +436,8 @@ class Isolation:
             cmd.append("--unshare-net")
         cmd += self._host_mounts()
         cmd += ["--bind", str(workspace), SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+        for source, target in binds:  # an exec's own (its gateway socket's folder)
+            cmd += ["--perms", "0755", "--dir", str(Path(target).parent), "--bind", source, target]
         if self._seccomp is not None:
             cmd += ["--seccomp", _SECCOMP_FD_SLOT]
         if uid is None and self._bwrap_mode == "setpriv":  # the pair launcher switches uids itself
@@ -468,7 +474,8 @@ class Isolation:
         return [sys.executable, "-I", "-S", "-c", _PAIR_LAUNCH_SOURCE, pair_spec_arg(spec)]
 
     def launch(self, workspace: Path, argv: list[str], env: dict[str, str], network: bool,
-               uid: int | None, peer: list[str] | None = None, slot: int = 0, lazy_peer: bool = False) -> Launch:
+               uid: int | None, peer: list[str] | None = None, slot: int = 0, lazy_peer: bool = False,
+               binds: tuple[tuple[str, str], ...] = ()) -> Launch:
         """How to start ``argv``: the host argv, the host environment and, for bwrap, its argument file.
         With ``peer``, the pair launcher runs as the server's uid (root) and switches each process's uid."""
         if peer is not None:
@@ -477,7 +484,7 @@ class Isolation:
                 uid = None
         if self.backend == "bwrap":
             assert self._bwrap is not None
-            options, command = self._bwrap_args(workspace, argv, env, network, uid)
+            options, command = self._bwrap_args(workspace, argv, env, network, uid, binds)
             return Launch([self._bwrap, "--args", _ARGS_FD_SLOT, "--", *command], dict(HOST_ENV), options, self._seccomp)
         if peer is not None:  # the launcher itself starts with the fixed host environment
             return Launch(argv, dict(HOST_ENV), None) if network or not self._process_netns else \
@@ -497,13 +504,15 @@ class Isolation:
     # ---- running -------------------------------------------------------------------------------
     async def run(self, workspace: Path, home: Path, argv: list[str], *, stdin: bytes | None,
                   env: dict[str, str], timeout_s: float, network: bool, slot: int = 0,
-                  cgroup: str | None = None, peer: list[str] | None = None, lazy_peer: bool = False) -> RunResult:
+                  cgroup: str | None = None, peer: list[str] | None = None, lazy_peer: bool = False,
+                  binds: tuple[tuple[str, str], ...] = ()) -> RunResult:
+        """Run ``argv`` in ``workspace``; ``binds``: extra ``(host folder, sandbox path)`` binds (bwrap only)."""
         marker = uuid.uuid4().hex
         full_env = {**self.base_env(workspace, home), **env}
         if self.backend == "process":
             full_env[_MARKER_VAR] = marker
         command_uid = self.command_uid(slot)
-        launch = self.launch(workspace, argv, full_env, network, command_uid, peer, slot, lazy_peer)
+        launch = self.launch(workspace, argv, full_env, network, command_uid, peer, slot, lazy_peer, binds)
         uid = command_uid if self.backend == "process" else None  # bwrap drops the uid itself
         if peer is not None and self.per_sandbox_uids:
             uid = None  # the pair launcher switches uids

@@ -67,6 +67,11 @@ class ServerOptions(BaseModel):
     reap_interval_s: PositiveFloat = 5.0
     """How often the reaper looks for expired sandboxes."""
 
+    tools_dir: str = ""
+    """A host folder mounted read-only at ``/tools`` in every sandbox (bwrap isolation): programs the operator
+    installed, e.g. a coding harness in a virtual environment (``make install`` fills ``.tools``); never from
+    a task. Empty: none."""
+
     max_timeout_s: PositiveFloat = 3600.0
     """Largest exec timeout a client may ask for."""
 
@@ -158,6 +163,16 @@ class ServerOptions(BaseModel):
         if self.sandbox_uid >= 0 and self.sandbox_uid + 2 * self.max_sandboxes - 1 > UID_MAX:
             raise ValueError(f"sandbox_uid + 2 x max_sandboxes - 1 ({self.sandbox_uid + 2 * self.max_sandboxes - 1}) "
                              f"exceeds the highest sandbox uid, {UID_MAX}")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_dir_exists(self) -> ServerOptions:
+        if self.tools_dir:
+            import os
+
+            if not os.path.isdir(self.tools_dir):
+                raise ValueError(f"tools_dir: {self.tools_dir!r} is not a folder")
+            self.tools_dir = os.path.realpath(self.tools_dir)
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from lightning_agentrl.envs.base import Environment, EnvTask
 
 if TYPE_CHECKING:
-    from lightning_agentrl.settings import Settings
+    from lightning_agentrl.settings import EnvSettings, Settings
 
 SHIPPED = {
     "coding": "lightning_agentrl.envs.coding:CodingEnv",
@@ -25,7 +25,7 @@ SHIPPED = {
 }
 """The environments that come with the package, by the name ``env.kind`` takes."""
 
-__all__ = ["SHIPPED", "EnvTask", "env_class", "load_env_tasks"]
+__all__ = ["SHIPPED", "EnvTask", "env_class", "load_env_tasks", "settings_env_class"]
 
 
 def env_class(kind: str) -> type[Environment]:
@@ -41,6 +41,16 @@ def env_class(kind: str) -> type[Environment]:
         raise ValueError(f"module {module_name!r} has no {class_name!r}")
     _check_class(path, cls)
     return cls
+
+
+def settings_env_class(env: EnvSettings) -> type[Environment]:
+    """The environment class of the ``env`` section: ``env.kind``'s, or with ``env.agent_in_sandbox`` the harness
+    run in the task's sandbox (:class:`~lightning_agentrl.envs.sandbox_agent.SandboxAgentEnv`)."""
+    if env.kind == "gateway" and env.agent_in_sandbox:
+        from lightning_agentrl.envs.sandbox_agent import SandboxAgentEnv
+
+        return SandboxAgentEnv
+    return env_class(env.kind)
 
 
 def _import(kind: str, module_name: str):
@@ -89,7 +99,7 @@ def load_env_tasks(settings: Settings, split: str, *, tasks: str | Path | None =
     """The tasks of ``split`` ("train", "test" or "all") at ``env.tasks``, read by the environment's loader;
     ``ValueError`` when a task has no ``id`` (a non-empty str) or two share one (results are kept by id)."""
     path = settings.env.tasks if tasks is None else tasks
-    cls = env_class(settings.env.kind)
+    cls = settings_env_class(settings.env)
     try:
         loaded = list(cls.load_tasks(path, split=None if split == "all" else split))
     except Exception as err:  # a user's loader failing otherwise: still a problem of env.tasks

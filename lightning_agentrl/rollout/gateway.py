@@ -51,7 +51,7 @@ from typing import Any
 from fastapi import FastAPI, Request  # module level: the routes' annotations are resolved from here
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lightning_agentrl.envs.base import encodable
+from lightning_agentrl.envs.base import EnvInfraError, encodable
 from lightning_agentrl.envs.gateway import AgentError
 from lightning_agentrl.envs.tools import CALL_PATTERN, ToolCallError, ToolSpec, parse_tool_call
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget, close_env, request_seed
@@ -373,7 +373,11 @@ class Gateway:
         except AgentError as err:
             log.warning("episode %s: agent_error: %s", episode_id, err)
             episode.end(TerminationReason.AGENT_ERROR, agent_error=str(err))
+        except EnvInfraError as err:  # the sandbox an agent runs in (env.agent_in_sandbox) failed: not its fault
+            log.warning("episode %s: sandbox_error: %s", episode_id, err)
+            episode.end(TerminationReason.SANDBOX_ERROR, sandbox_error=str(err))
         finally:
+            episode.trajectory.info.update(getattr(env, "episode_info", {}))
             episode.closed = True
             self.episodes.pop(url_name(episode_id), None)
             await close_env(env)
