@@ -155,6 +155,7 @@ class SandboxFleet:
                 await asyncio.sleep(min(err.retry_after_s for err in full))
             full = []
             for server in await self._candidates():  # none answers: raises, naming each
+                server.free -= 1  # taken now: concurrent creates see it before this one's answer comes
                 try:
                     raw = await server.client.create(files, ttl_s=ttl_s, network=network, wait_if_full=False)
                 except SandboxCapacityError as err:
@@ -162,9 +163,12 @@ class SandboxFleet:
                     full.append(err)
                     continue
                 except SandboxUnreachable as err:
+                    server.free += 1
                     self._mark_down(server, err)
                     continue
-                server.free -= 1
+                except BaseException:
+                    server.free += 1
+                    raise
                 return f"s{server.index}-{raw}"
         if full:
             raise SandboxCapacityError(f"every live sandbox server stayed full ({self.max_retries + 1} rounds); "
@@ -212,8 +216,12 @@ class SandboxFleet:
     async def fork(self, sandbox_id: str) -> str:
         """A copy of the sandbox, on the server that holds it."""
         server, _ = self._route(sandbox_id)
-        copy = await self._routed(sandbox_id, lambda client, raw: client.fork(raw))
         server.free -= 1
+        try:
+            copy = await self._routed(sandbox_id, lambda client, raw: client.fork(raw))
+        except BaseException:
+            server.free += 1
+            raise
         return f"s{server.index}-{copy}"
 
     async def delete(self, sandbox_id: str) -> None:

@@ -1,0 +1,182 @@
+"""`sandbox.urls`: training on a fleet of sandbox servers (real servers over loopback, real `fit`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from lightning_agentrl.train import fit
+from sandbox_server.launch import start_local_server
+from tests.fitting import SOLVE, StepLog, TeacherForcedEngine, learn_settings
+
+
+def created(server) -> int:
+    """``sandbox_created_total`` of a server's metrics: the sandboxes it made since it started."""
+    text = httpx2.get(f"{server.url}/v1/metrics", headers={"Authorization": f"Bearer {server.token}"}).text
+    counts = [line.split()[-1] for line in text.splitlines() if line.startswith("sandbox_created_total ")]
+    return int(float(counts[0])) if counts else 0  # a counter appears at its first count
+
+
+def episodes(run: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+class ServerChaos:
+    """Plays the solving script and, on the rollout thread, SIGKILLs ``servers[victim]`` at the first
+    turn-2 action of policy version 1 (episodes hold sandboxes on it then) and restarts it on the same
+    port at the first action of version 2."""
+
+    def __init__(self, engine, servers: list, victim: int) -> None:
+        self.engine, self.servers, self.victim = engine, servers, victim
+        self.spread_before_kill: list[int] | None = None
+        self.active_at_kill = 0
+        self._turns: dict[str, int] = {}
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def generate(self, prompt_ids, sampling, session_id):
+        turn = self._turns[session_id] = self._turns.get(session_id, 0) + 1
+        server = self.servers[self.victim]
+        if self.policy_version == 1 and turn == 2 and self.spread_before_kill is None:
+            self.spread_before_kill = [created(s) for s in self.servers]
+            self.active_at_kill = server.health()["sandboxes"]["active"]
+            server.process.kill()  # SIGKILL: no goodbye, its sandboxes are lost
+            server.process.wait()
+        if self.policy_version == 2 and server.process.poll() is not None:
+            port = int(server.url.rsplit(":", 1)[1])
+            self.servers[self.victim] = start_local_server(port=port, token=server.token)
+        return await self.engine.generate(prompt_ids, sampling, session_id)
+
+    async def update_weights(self, named_tensors, version):
+        await self.engine.update_weights(named_tensors, version)
+
+    async def close(self):
+        await self.engine.close()
+
+
+def test_fit_on_three_servers_goes_on_when_one_is_killed_and_uses_it_again_once_restarted(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.train import resolve_model_path
+
+    first = start_local_server()
+    servers = [first, start_local_server(token=first.token), start_local_server(token=first.token)]
+    victim_url = servers[2].url
+    chaos = None
+
+    def wrap(engine):
+        nonlocal chaos
+        codec = ChatCodec(AutoTokenizer.from_pretrained(resolve_model_path(settings)))
+        chaos = ServerChaos(TeacherForcedEngine(engine, codec, {"*": SOLVE}), servers, victim=2)
+        return chaos
+
+    settings = learn_settings(tmp_path, f"--sandbox.urls={json.dumps([s.url for s in servers])}",
+                              f"--sandbox.token={first.token}", "--trainer.max_steps=5", "--rollout.group_size=3",
+                              "--rollout.max_in_flight=6")
+    log = StepLog()
+    try:
+        result = fit(settings, callbacks=[log], wrap_engine=wrap)
+        after_restart = created(servers[2])
+    finally:
+        for server in servers:
+            server.stop()
+    assert result.global_step == 5
+    assert all(count > 0 for count in chaos.spread_before_kill), chaos.spread_before_kill  # all three were used
+    assert chaos.active_at_kill > 0
+    run = settings.run.dir
+    lost = [e for e in episodes(run, 1) if e["termination"] == "sandbox_error"]
+    assert 0 < len(lost) < 6 and all(victim_url in e["info"]["sandbox_error"] for e in lost), [e["info"] for e in lost]
+    assert log.metrics[1]["termination/sandbox_error"] == len(lost)  # counted, and the breaker stayed closed
+    assert log.metrics[1]["filter/infra_error_frac_window"] == pytest.approx(len(lost) / 12)
+    # the run went on with the other two: every other episode scored, then and afterwards
+    for step in range(5):
+        kept = [e for e in episodes(run, step) if e["termination"] != "sandbox_error"]
+        assert [e["reward"] for e in kept] == [1.0] * len(kept) and len(kept) == (6 if step != 1 else 6 - len(lost))
+    assert after_restart > 0  # the restarted server took new sandboxes
+
+
+# -- the client on its own, against real servers ------------------------------------------------------
+@pytest.fixture(scope="module")
+def three_servers():
+    first = start_local_server(max_sandboxes=2)
+    servers = [first, *(start_local_server(max_sandboxes=2, token=first.token) for _ in range(2))]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def fleet_of(servers, **options):
+    from sandbox_client import SandboxFleet
+
+    options = {"timeout_s": 5, "max_retries": 1, "backoff_s": 0.05, "probe_interval_s": 0.2, **options}
+    return SandboxFleet([s.url for s in servers], servers[0].token, **options)
+
+
+def test_a_fleet_places_by_free_slots_routes_by_id_forks_in_place_and_sends_a_full_servers_create_on(three_servers):
+    import asyncio
+
+    async def main():
+        async with fleet_of(three_servers) as fleet:
+            ids = [await fleet.create({"n.txt": str(i)}) for i in range(3)]
+            copy = await fleet.fork(ids[1])  # s1 is now full (2 of 2)
+            more = [await fleet.create({"n.txt": "x"}) for _ in range(2)]  # s0 and s2 have one slot each
+            reads = [await fleet.read_file(i, "n.txt") for i in (*ids, copy)]
+            try:
+                await fleet.create({})  # every server full: one error after its rounds
+            except Exception as err:  # noqa: BLE001 - the type is asserted below
+                refused = err
+            for sandbox_id in (*ids, copy, *more):
+                await fleet.delete(sandbox_id)
+            return ids, copy, more, reads, refused
+
+    ids, copy, more, reads, refused = asyncio.run(main())
+    assert [i.split("-")[0] for i in ids] == ["s0", "s1", "s2"]  # equal servers fill in turn
+    assert copy.startswith("s1-") and reads == ["0", "1", "2", "1"]
+    assert sorted(i.split("-")[0] for i in more) == ["s0", "s2"]  # the full s1 was passed over
+    assert type(refused).__name__ == "SandboxCapacityError" and "every live sandbox server stayed full" in str(refused)
+
+
+def test_a_fleet_without_a_live_server_is_one_error_naming_each(three_servers):
+    import asyncio
+    import socket
+
+    from sandbox_client import SandboxUnreachable
+
+    dead = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dead.append(type("Dead", (), {"url": f"http://127.0.0.1:{sock.getsockname()[1]}",
+                                           "token": three_servers[0].token})())
+
+    async def main():
+        async with fleet_of(dead) as fleet:
+            await fleet.create({})
+
+    with pytest.raises(SandboxUnreachable, match="no sandbox server of 2 answers: ") as caught:
+        asyncio.run(main())
+    assert all(server.url in str(caught.value) for server in dead)
+
+
+def test_the_protocol_conformance_suite_passes_against_each_server_of_a_fleet(three_servers):
+    from tests.fitting import REPO
+
+    urls = ",".join(server.url for server in three_servers)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sandbox_conformance/test_protocol.py",
+         "--sandbox-url", urls, "--sandbox-token", three_servers[0].token, "-rA"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    passed = [line for line in done.stdout.splitlines() if line.startswith("PASSED ")]
+    per_server = [sum(server.url in line for line in passed) for server in three_servers]
+    assert per_server[0] >= 9 and per_server == [per_server[0]] * 3 and len(passed) == sum(per_server), per_server
