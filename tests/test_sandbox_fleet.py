@@ -14,6 +14,7 @@ import pytest
 from lightning_agentrl.train import fit
 from sandbox_server.launch import start_local_server
 from tests.fitting import SOLVE, StepLog, TeacherForcedEngine, learn_settings
+from tests.test_fail_loudly import DEAD, _serve, error_line
 
 
 def created(server) -> int:
@@ -180,3 +181,56 @@ def test_the_protocol_conformance_suite_passes_against_each_server_of_a_fleet(th
     passed = [line for line in done.stdout.splitlines() if line.startswith("PASSED ")]
     per_server = [sum(server.url in line for line in passed) for server in three_servers]
     assert per_server[0] >= 9 and per_server == [per_server[0]] * 3 and len(passed) == sum(per_server), per_server
+
+
+class _OtherProtocol:
+    """A service whose health answers in another protocol version."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                body = b'{"status": "ok", "protocol": "v2"}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server, self.url = _serve(Handler)
+
+
+def test_start_up_checks_probe_every_server_and_name_each_that_fails(three_servers, capsys):
+    from lightning_agentrl.__main__ import main
+
+    other = _OtherProtocol()
+    good = [server.url for server in three_servers]
+    args = ["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", f"--sandbox.token={three_servers[0].token}"]
+    assert main([*args, f"--sandbox.urls={json.dumps(good)}"]) == 0
+    capsys.readouterr()
+    assert main([*args, f"--sandbox.urls={json.dumps([good[0], DEAD, other.url])}"]) == 2
+    line = error_line(capsys.readouterr().err)
+    other.server.shutdown()
+    assert line.startswith("error: sandbox.urls: 2 of 3 sandbox servers failed the start-up checks: ")
+    assert f"sandbox.urls: the sandbox service at {DEAD} does not answer its health call" in line
+    assert f"sandbox.urls: the sandbox service at {other.url} speaks protocol 'v2'; this client speaks 'v1'" in line
+    assert good[0] not in line
+    assert main([*args[:3], "--sandbox.token=wrong", f"--sandbox.urls={json.dumps(good[:2])}"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert all(f"sandbox.token: the sandbox service at {url} refused it" in line for url in good[:2]), line
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ('--sandbox.urls=["http://a:1"] --sandbox.url=http://b:1', "sandbox.urls: set it or sandbox.url, not both"),
+    ('--sandbox.urls=["a:1"]', "sandbox.urls: 'a:1' is not a base URL like http://10.0.0.5:8000"),
+    ('--sandbox.urls=["http://a:1","http://a:1/"]', "sandbox.urls lists a server twice"),
+])
+def test_sandbox_urls_that_cannot_work_are_refused_before_anything_starts(override, message):
+    from lightning_agentrl.settings import load_settings
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_settings(None, override.split(" "))
