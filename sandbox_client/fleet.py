@@ -16,8 +16,9 @@ or ``fork``; the routing lives here. Each guarantee, then how it is kept:
   episodes end ``sandbox_error``, excluded from training, counted by the circuit breaker), and no
   sandbox is placed there. A server is used again once its health call answers (after a restart
   its old sandboxes are gone: :class:`SandboxNotFound`).
-- **Full servers.** A 429 from one server sends the create to the next; when every live server is
-  full, the create waits the shortest ``Retry-After`` and asks again, ``max_retries`` times.
+- **Full servers.** A 429 from one server sends the create to the next (so does a 5xx that outlasted
+  its retries); when every live server is full, the create waits the shortest ``Retry-After`` and asks
+  again, ``max_retries`` times.
 - **No server.** When none answers, a create is one :class:`SandboxUnreachable` naming each server
   and why.
 
@@ -36,7 +37,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from sandbox_client.client import SandboxClient
-from sandbox_client.errors import SandboxCapacityError, SandboxNotFound, SandboxUnreachable
+from sandbox_client.errors import (
+    SandboxAuthError,
+    SandboxCapacityError,
+    SandboxInfraError,
+    SandboxNotFound,
+    SandboxUnreachable,
+)
 from sandbox_client.models import ExecResult
 
 T = TypeVar("T")
@@ -150,6 +157,7 @@ class SandboxFleet:
     async def create(self, files: dict[str, str | bytes], *, ttl_s: float | None = None, network: bool = False) -> str:
         """A new sandbox on the usable server with the most free slots; its fleet id."""
         full: list[SandboxCapacityError] = []
+        failed: SandboxInfraError | None = None
         for _ in range(self.max_retries + 1):
             if full:  # every live server was full: wait as the shortest Retry-After asks
                 await asyncio.sleep(min(err.retry_after_s for err in full))
@@ -166,10 +174,18 @@ class SandboxFleet:
                     server.free += 1
                     self._mark_down(server, err)
                     continue
+                except SandboxInfraError as err:  # 5xx through its retries: the next server may do it
+                    server.free += 1
+                    if isinstance(err, SandboxAuthError):  # the fleet's one token: no other server takes it
+                        raise
+                    failed = err
+                    continue
                 except BaseException:
                     server.free += 1
                     raise
                 return f"s{server.index}-{raw}"
+        if failed is not None and not full:
+            raise failed
         if full:
             raise SandboxCapacityError(f"every live sandbox server stayed full ({self.max_retries + 1} rounds); "
                                        f"last: {full[-1]}", status=429, code="capacity")
