@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2
@@ -33,8 +34,9 @@ class ServerChaos:
     turn-2 action of policy version 1 (episodes hold sandboxes on it then) and restarts it on the same
     port at the first action of version 2."""
 
-    def __init__(self, engine, servers: list, victim: int) -> None:
+    def __init__(self, engine, servers: list, victim: int, starter) -> None:
         self.engine, self.servers, self.victim = engine, servers, victim
+        self.starter = starter  # a thread that outlives the run: a server dies with the thread that started it
         self.spread_before_kill: list[int] | None = None
         self.active_at_kill = 0
         self._turns: dict[str, int] = {}
@@ -53,7 +55,7 @@ class ServerChaos:
             server.process.wait()
         if self.policy_version == 2 and server.process.poll() is not None:
             port = int(server.url.rsplit(":", 1)[1])
-            self.servers[self.victim] = start_local_server(port=port, token=server.token)
+            self.servers[self.victim] = self.starter.submit(start_local_server, port=port, token=server.token).result()
         return await self.engine.generate(prompt_ids, sampling, session_id)
 
     async def update_weights(self, named_tensors, version):
@@ -77,19 +79,21 @@ def test_fit_on_three_servers_goes_on_when_one_is_killed_and_uses_it_again_once_
     def wrap(engine):
         nonlocal chaos
         codec = ChatCodec(AutoTokenizer.from_pretrained(resolve_model_path(settings)))
-        chaos = ServerChaos(TeacherForcedEngine(engine, codec, {"*": SOLVE}), servers, victim=2)
+        chaos = ServerChaos(TeacherForcedEngine(engine, codec, {"*": SOLVE}), servers, victim=2, starter=starter)
         return chaos
 
     settings = learn_settings(tmp_path, f"--sandbox.urls={json.dumps([s.url for s in servers])}",
                               f"--sandbox.token={first.token}", "--trainer.max_steps=5", "--rollout.group_size=3",
                               "--rollout.max_in_flight=6")
     log = StepLog()
+    starter = ThreadPoolExecutor(max_workers=1)
     try:
         result = fit(settings, callbacks=[log], wrap_engine=wrap)
         after_restart = created(servers[2])
     finally:
         for server in servers:
             server.stop()
+        starter.shutdown()
     assert result.global_step == 5
     assert all(count > 0 for count in chaos.spread_before_kill), chaos.spread_before_kill  # all three were used
     assert chaos.active_at_kill > 0
