@@ -712,7 +712,8 @@ def _check_gateway(settings: Settings) -> None:
 
 def _check_sandbox_urls(s: SandboxSettings) -> None:
     if s.url is not None and s.urls:
-        raise ValueError("sandbox.urls: set it or sandbox.url, not both (sandbox.url is the one-server case)")
+        raise ValueError("sandbox.urls: set it or sandbox.url, not both (sandbox.url is the one-server case; "
+                         "--sandbox.url=null unsets a config's)")
     for url in s.urls:
         if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url):
             raise ValueError(f"sandbox.urls: {url!r} is not a base URL like http://10.0.0.5:8000")

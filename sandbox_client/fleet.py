@@ -102,6 +102,7 @@ class SandboxFleet:
     async def close(self) -> None:
         if self._probing is not None:
             self._probing.cancel()
+            await asyncio.gather(self._probing, return_exceptions=True)
         for server in self.servers:
             await server.client.close()
             await server.probe.close()
