@@ -238,3 +238,49 @@ def test_sandbox_urls_that_cannot_work_are_refused_before_anything_starts(overri
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         load_settings(None, override.split(" "))
+
+
+class _FailingCreates:
+    """A service that says it is healthy with 10 free slots and answers every create with a 500."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                self._answer(200, b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": 0, "max": 10}}')
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._answer(500, b'{"error": {"code": "internal", "message": "broken"}}')
+
+            def log_message(self, *args):
+                pass
+
+        self.server, self.url = _serve(Handler)
+        self.token = "x"
+
+
+def test_a_create_that_one_server_fails_through_its_retries_goes_to_the_next(three_servers):
+    import asyncio
+
+    broken = _FailingCreates()
+    broken.token = three_servers[0].token
+
+    async def main():
+        async with fleet_of([broken, three_servers[0]]) as fleet:
+            sandbox_id = await fleet.create({"a.txt": "a"})  # the broken one has the most free slots
+            text = await fleet.read_file(sandbox_id, "a.txt")
+            await fleet.delete(sandbox_id)
+            return sandbox_id, text
+
+    sandbox_id, text = asyncio.run(main())
+    broken.server.shutdown()
+    assert sandbox_id.startswith("s1-") and text == "a"
