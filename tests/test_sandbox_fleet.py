@@ -284,3 +284,27 @@ def test_a_create_that_one_server_fails_through_its_retries_goes_to_the_next(thr
     sandbox_id, text = asyncio.run(main())
     broken.server.shutdown()
     assert sandbox_id.startswith("s1-") and text == "a"
+
+
+def test_a_429_from_a_server_another_process_filled_sends_the_create_to_the_next_at_once(three_servers):
+    import asyncio
+    import time
+
+    from sandbox_client import SandboxClient
+
+    async def main():
+        async with fleet_of(three_servers, probe_interval_s=600) as fleet:  # its health picture stays stale
+            await fleet.delete(await fleet.create({}))  # the one health round: every server empty
+            async with SandboxClient(three_servers[0].url, three_servers[0].token) as other:
+                filled = [await other.create({}) for _ in range(2)]  # another process fills s0
+                start = time.monotonic()
+                sandbox_id = await fleet.create({})  # s0 looks emptiest here, answers 429
+                elapsed = time.monotonic() - start
+                await fleet.delete(sandbox_id)
+                for other_id in filled:
+                    await other.delete(other_id)
+            return sandbox_id, elapsed
+
+    sandbox_id, elapsed = asyncio.run(main())
+    assert not sandbox_id.startswith("s0-")
+    assert elapsed < 1.5  # not after the server's Retry-After (2 s)
