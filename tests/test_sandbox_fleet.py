@@ -30,15 +30,15 @@ def episodes(run: Path, step: int) -> list[dict]:
 
 
 class ServerChaos:
-    """Plays the solving script and, on the rollout thread, SIGKILLs ``servers[victim]`` at the first
-    turn-2 action of policy version 1 (episodes hold sandboxes on it then) and restarts it on the same
-    port at the first action of version 2."""
+    """Plays the solving script and, on the rollout thread, SIGKILLs ``servers[victim]`` at the first turn-2
+    action of policy version 1 or 2 while episodes hold sandboxes on it, and restarts it on the same port at
+    the first action of the next version (two steps later, the fleet's health round has seen it back)."""
 
     def __init__(self, engine, servers: list, victim: int, starter) -> None:
         self.engine, self.servers, self.victim = engine, servers, victim
         self.starter = starter  # a thread that outlives the run: a server dies with the thread that started it
         self.spread_before_kill: list[int] | None = None
-        self.active_at_kill = 0
+        self.killed_at: int | None = None  # the policy version (= step) whose episodes lost their server
         self._turns: dict[str, int] = {}
 
     @property
@@ -47,13 +47,14 @@ class ServerChaos:
 
     async def generate(self, prompt_ids, sampling, session_id):
         turn = self._turns[session_id] = self._turns.get(session_id, 0) + 1
-        server = self.servers[self.victim]
-        if self.policy_version == 1 and turn == 2 and self.spread_before_kill is None:
+        server, version = self.servers[self.victim], self.policy_version
+        if (self.killed_at is None and 1 <= version <= 2 and turn == 2
+                and server.health()["sandboxes"]["active"] > 0):
             self.spread_before_kill = [created(s) for s in self.servers]
-            self.active_at_kill = server.health()["sandboxes"]["active"]
+            self.killed_at = version
             server.process.kill()  # SIGKILL: no goodbye, its sandboxes are lost
             server.process.wait()
-        if self.policy_version == 2 and server.process.poll() is not None:
+        if self.killed_at is not None and version > self.killed_at and server.process.poll() is not None:
             port = int(server.url.rsplit(":", 1)[1])
             self.servers[self.victim] = self.starter.submit(start_local_server, port=port, token=server.token).result()
         return await self.engine.generate(prompt_ids, sampling, session_id)
@@ -83,7 +84,7 @@ def test_fit_on_three_servers_goes_on_when_one_is_killed_and_uses_it_again_once_
         return chaos
 
     settings = learn_settings(tmp_path, f"--sandbox.urls={json.dumps([s.url for s in servers])}",
-                              f"--sandbox.token={first.token}", "--trainer.max_steps=5", "--rollout.group_size=3",
+                              f"--sandbox.token={first.token}", "--trainer.max_steps=6", "--rollout.group_size=3",
                               "--rollout.max_in_flight=6")
     log = StepLog()
     starter = ThreadPoolExecutor(max_workers=1)
@@ -94,19 +95,19 @@ def test_fit_on_three_servers_goes_on_when_one_is_killed_and_uses_it_again_once_
         for server in servers:
             server.stop()
         starter.shutdown()
-    assert result.global_step == 5
+    assert result.global_step == 6
+    assert chaos.killed_at is not None, "no episode held a sandbox on the victim at a turn-2 action of steps 1-2"
     assert all(count > 0 for count in chaos.spread_before_kill), chaos.spread_before_kill  # all three were used
-    assert chaos.active_at_kill > 0
-    run = settings.run.dir
-    lost = [e for e in episodes(run, 1) if e["termination"] == "sandbox_error"]
+    run, step = settings.run.dir, chaos.killed_at
+    lost = [e for e in episodes(run, step) if e["termination"] == "sandbox_error"]
     assert 0 < len(lost) < 6 and all(victim_url in e["info"]["sandbox_error"] for e in lost), [e["info"] for e in lost]
-    assert log.metrics[1]["termination/sandbox_error"] == len(lost)  # counted, and the breaker stayed closed
-    assert log.metrics[1]["filter/infra_error_frac_window"] == pytest.approx(len(lost) / 12)
+    assert log.metrics[step]["termination/sandbox_error"] == len(lost)  # counted, and the breaker stayed closed
+    assert log.metrics[step]["filter/infra_error_frac_window"] == pytest.approx(len(lost) / (6 * (step + 1)))
     # the run went on with the other two: every other episode scored, then and afterwards
-    for step in range(5):
-        kept = [e for e in episodes(run, step) if e["termination"] != "sandbox_error"]
-        assert [e["reward"] for e in kept] == [1.0] * len(kept) and len(kept) == (6 if step != 1 else 6 - len(lost))
-    assert after_restart > 0  # the restarted server took new sandboxes
+    for index in range(6):
+        kept = [e for e in episodes(run, index) if e["termination"] != "sandbox_error"]
+        assert [e["reward"] for e in kept] == [1.0] * len(kept) and len(kept) == (6 if index != step else 6 - len(lost))
+    assert after_restart > 0, step  # the restarted server took new sandboxes
 
 
 # -- the client on its own, against real servers ------------------------------------------------------
@@ -126,7 +127,7 @@ def fleet_of(servers, **options):
     return SandboxFleet([s.url for s in servers], servers[0].token, **options)
 
 
-def test_a_fleet_places_by_free_slots_routes_by_id_forks_in_place_and_sends_a_full_servers_create_on(three_servers):
+def test_a_fleet_places_by_free_slots_routes_by_id_forks_in_place_and_refuses_when_every_server_is_full(three_servers):
     import asyncio
 
     async def main():
