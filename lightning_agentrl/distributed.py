@@ -125,16 +125,21 @@ def _check_local_judge(url: str, token: str, policy: str | None) -> None:
 class NodeSandbox(L.Callback):
     """The sandbox service this process's environments talk to.
 
-    With ``url`` set, every rank uses it. Without, local rank 0 of each node starts the reference
-    server on loopback in :meth:`setup` (after the processes exist, before any episode) and stops it
-    in :meth:`teardown`; the node's other ranks learn its address and token from rank 0 of the
+    With ``url`` set, every rank uses it; with ``urls`` (several servers), every rank uses that fleet
+    through a :class:`~sandbox_client.SandboxFleet`. Without either, local rank 0 of each node starts the
+    reference server on loopback in :meth:`setup` (after the processes exist, before any episode) and
+    stops it in :meth:`teardown`; the node's other ranks learn its address and token from rank 0 of the
     node. :meth:`make_client` is what the rollout service and evaluation call.
     """
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
                  log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str | None = "require",
-                 tools_dir: Path | None = None, episode_timeout_s: float = 600.0) -> None:
+                 tools_dir: Path | None = None, episode_timeout_s: float = 600.0,
+                 urls: list[str] | None = None) -> None:
+        if url is not None and urls:
+            raise ValueError("give url or urls, not both")
         self.url, self.token = url, token
+        self.urls = list(urls or [])
         self.tools_dir = tools_dir  # mounted read-only at /tools in the local server's sandboxes
         self.episode_timeout_s = episode_timeout_s  # with tools_dir: the longest command the server must take
         self.judge_isolation = judge_isolation
@@ -146,7 +151,7 @@ class NodeSandbox(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.url is not None:
+        if self.url is not None or self.urls:
             return
         self.start(local_rank=trainer.local_rank, node_rank=trainer.node_rank)
 
@@ -191,12 +196,14 @@ class NodeSandbox(L.Callback):
     def make_client(self, **options):
         """A client of this node's service with the run's timeouts and retries; ``options`` override them
         (e.g. a health probe: ``timeout_s=5, max_retries=0, call_timeout_s=None``)."""
-        from sandbox_client import SandboxClient
+        from sandbox_client import SandboxClient, SandboxFleet
 
-        if self.url is None:
-            raise RuntimeError("the sandbox service is not started yet (NodeSandbox.setup runs with Trainer.fit)")
         options = {"timeout_s": self.timeout_s, "max_retries": self.max_retries,
                    "call_timeout_s": self.call_timeout_s, **options}
+        if self.urls:
+            return SandboxFleet(self.urls, self.token or "", **options)
+        if self.url is None:
+            raise RuntimeError("the sandbox service is not started yet (NodeSandbox.setup runs with Trainer.fit)")
         return SandboxClient(self.url, self.token or "", **options)
 
 

@@ -116,7 +116,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
     try:
         if not env_uses_sandbox(settings):
             pass  # the environment needs no sandbox service: none is started or checked
-        elif s.url is None:
+        elif not s.addresses:
             sandbox.start()
         else:  # the same health, token and judge-isolation checks as `fit` and `validate`
             check_sandbox(s, judge_policy(settings), harness=harness_timeout(settings))

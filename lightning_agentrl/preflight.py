@@ -295,36 +295,61 @@ def harness_timeout(settings: Settings) -> float | None:
 
 def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S,
                   harness: float | None = None) -> None:
-    """``sandbox.url`` answers ``GET /v1/health`` with ``sandbox.token`` and isolates its judges as ``judge``
-    (:func:`judge_policy`) asks, and with ``harness`` (``env.agent_in_sandbox``: its ``env.episode_timeout_s``)
-    can run one (unset url: the local server, started and checked later by ``NodeSandbox``)."""
-    if sandbox.url is None:
+    """Each of ``sandbox.url`` / ``sandbox.urls`` answers ``GET /v1/health`` with ``sandbox.token``, speaks this
+    client's protocol version, isolates its judges as ``judge`` (:func:`judge_policy`) asks and, with ``harness``
+    (``env.agent_in_sandbox``: its ``env.episode_timeout_s``), can run one (no address: the local server, started
+    and checked later by ``NodeSandbox``). Every server is asked at once; with several, one error names each
+    that fails."""
+    addresses = sandbox.addresses
+    if not addresses:
         return
+    setting = "sandbox.url" if sandbox.url is not None else "sandbox.urls"
     if not sandbox.token_value:
-        raise PreflightError("sandbox.token: sandbox.url is set but no token is (the service needs its bearer token; "
+        raise PreflightError(f"sandbox.token: {setting} is set but no token is (the service needs its bearer token; "
                              "a run folder never records it, so --resume last takes it again from --sandbox.token "
                              "or AGENTRL_SANDBOX__TOKEN)")
-    from sandbox_client import SandboxAuthError, SandboxClient
+    answers = asyncio.run(_health_of_each(addresses, sandbox.token_value, timeout_s))
+    failures: list[PreflightError] = []
+    for url, answer in zip(addresses, answers, strict=True):
+        try:
+            _check_one_sandbox(url, answer, judge, setting, timeout_s, harness)
+        except PreflightError as err:
+            failures.append(err)
+    if len(addresses) == 1 and failures:
+        raise failures[0]
+    if failures:
+        raise PreflightError(f"sandbox.urls: {len(failures)} of {len(addresses)} sandbox servers failed the start-up "
+                             "checks: " + " | ".join(str(err) for err in failures))
 
-    async def health() -> dict:
-        async with SandboxClient(sandbox.url, sandbox.token_value, timeout_s=timeout_s, max_retries=0) as client:
+
+async def _health_of_each(urls: list[str], token: str, timeout_s: float) -> list[dict | BaseException]:
+    from sandbox_client import SandboxClient
+
+    async def health(url: str) -> dict:
+        async with SandboxClient(url, token, timeout_s=timeout_s, max_retries=0) as client:
             return await client.health()
 
-    try:
-        answer = asyncio.run(health())
-    except SandboxAuthError as err:
-        raise PreflightError(f"sandbox.token: the sandbox service at {sandbox.url} refused it: {err}") from None
-    except Exception as err:  # unreachable, 5xx, not a URL: all mean "no service here"
-        raise PreflightError(
-            f"sandbox.url: the sandbox service at {sandbox.url} does not answer its health call within "
-            f"{timeout_s:g} s: {type(err).__name__}: {err}"
-        ) from None
+    return list(await asyncio.gather(*(health(url) for url in urls), return_exceptions=True))
+
+
+def _check_one_sandbox(url: str, answer: dict | BaseException, judge: str | None, setting: str,
+                       timeout_s: float, harness: float | None = None) -> None:
+    from sandbox_client import SandboxAuthError
+    from sandbox_client.client import PROTOCOL_VERSION
+
+    if isinstance(answer, SandboxAuthError):
+        raise PreflightError(f"sandbox.token: the sandbox service at {url} refused it: {answer}")
+    if isinstance(answer, BaseException):  # unreachable, 5xx, not a URL: all mean "no service here"
+        raise PreflightError(f"{setting}: the sandbox service at {url} does not answer its health call within "
+                             f"{timeout_s:g} s: {type(answer).__name__}: {answer}")
     if not isinstance(answer, dict) or answer.get("status") != "ok":
-        raise PreflightError(f"sandbox.url: the sandbox service at {sandbox.url} is not healthy: {answer!r}")
-    check_judge_isolation(answer, judge, where=f"the sandbox service at {sandbox.url}")
+        raise PreflightError(f"{setting}: the sandbox service at {url} is not healthy: {answer!r}")
+    if answer.get("protocol", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        raise PreflightError(f"{setting}: the sandbox service at {url} speaks protocol {answer['protocol']!r}; "
+                             f"this client speaks {PROTOCOL_VERSION!r}")
+    check_judge_isolation(answer, judge, where=f"the sandbox service at {url}")
     if harness is not None:
-        check_harness_support(answer, where=f"sandbox.url: the sandbox service at {sandbox.url}",
-                              episode_timeout_s=harness)
+        check_harness_support(answer, where=f"{setting}: the sandbox service at {url}", episode_timeout_s=harness)
 
 
 def check_harness_support(health: dict, *, where: str, episode_timeout_s: float) -> None:

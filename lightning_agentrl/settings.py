@@ -189,9 +189,16 @@ class EngineSettings(_Section):
 
 class SandboxSettings(_Section):
     url: str | None = None
-    """Sandbox service URL. Unset: start the reference server on a free 127.0.0.1 port for this run."""
+    """Sandbox service URL. Unset (and no `sandbox.urls`): start the reference server on a free 127.0.0.1 port for
+    this run."""
+    urls: list[str] = Field(default_factory=list)
+    """Several sandbox services, a fleet (e.g. the pods of `deploy/kubernetes/sandbox.yaml`), sharing `sandbox.token`:
+    each new sandbox goes to the live server with the most free slots (from its health answer), every later call
+    to the server that holds it (the sandbox id names it), forks included. A server whose calls stop answering
+    within the usual deadlines is left out (its episodes end `sandbox_error`) until its health call answers again
+    (docs/scaling.md). Set this or `sandbox.url`."""
     token: SecretStr | None = None
-    """Bearer token for `sandbox.url` (a random one is made for the local server). A secret: printed and
+    """Bearer token for `sandbox.url` or `sandbox.urls` (a random one is made for the local server). A secret: printed and
     recorded as `**********`, left out of the run folder's settings file (pass it again, or as
     `AGENTRL_SANDBOX__TOKEN`, to `--resume last`)."""
 
@@ -199,6 +206,11 @@ class SandboxSettings(_Section):
     def token_value(self) -> str | None:
         """The token itself (None when unset)."""
         return self.token.get_secret_value() if self.token is not None else None
+
+    @property
+    def addresses(self) -> list[str]:
+        """The servers to use: `sandbox.url` or `sandbox.urls` (empty: start the local server)."""
+        return [self.url] if self.url is not None else list(self.urls)
     request_timeout_s: float = Field(10.0, gt=0)
     """Deadline of one HTTP attempt (a command's own timeout comes on top)."""
     max_retries: int = Field(4, ge=0)
@@ -639,6 +651,7 @@ class Settings(BaseSettings):
                 f"sandbox.call_timeout_s ({self.sandbox.call_timeout_s:g}) must be >= sandbox.request_timeout_s "
                 f"({self.sandbox.request_timeout_s:g}): it is the deadline of a call, all its attempts included"
             )
+        _check_sandbox_urls(self.sandbox)
         _check_engine(self)
         _check_lora(self)
         _check_gateway(self)
@@ -720,11 +733,13 @@ def _check_gateway(settings: Settings) -> None:
 def _check_sandbox_tools(env: EnvSettings, sandbox: SandboxSettings) -> None:
     """With the local sandbox server, ``sandbox.tools_dir`` exists and holds a ``/tools/...`` harness the command names;
     a service of the user's runs on this host (the gateway listens on its loopback)."""
-    if sandbox.url is not None:
-        host = urlsplit(sandbox.url).hostname or ""
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise ValueError(f"sandbox.url: env.agent_in_sandbox needs the sandbox service on this host (the gateway "
-                             f"its sandboxes reach listens on 127.0.0.1), got host {host!r}")
+    if sandbox.addresses:
+        setting = "sandbox.url" if sandbox.url is not None else "sandbox.urls"
+        for url in sandbox.addresses:
+            host = urlsplit(url).hostname or ""
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                raise ValueError(f"{setting}: env.agent_in_sandbox needs the sandbox service on this host (the gateway "
+                                 f"its sandboxes reach listens on 127.0.0.1), got host {host!r}")
         return
     if not sandbox.tools_dir.is_dir():
         raise ValueError(f"sandbox.tools_dir: {str(sandbox.tools_dir)!r} is not a folder (env.agent_in_sandbox runs its "
@@ -733,6 +748,17 @@ def _check_sandbox_tools(env: EnvSettings, sandbox: SandboxSettings) -> None:
     if program.startswith("/tools/") and not (sandbox.tools_dir / program.removeprefix("/tools/")).exists():
         raise ValueError(f"env.agent_command: {program} is not in sandbox.tools_dir ({sandbox.tools_dir}) "
                          "(`make install` installs the recipe's harness)")
+
+
+def _check_sandbox_urls(s: SandboxSettings) -> None:
+    if s.url is not None and s.urls:
+        raise ValueError("sandbox.urls: set it or sandbox.url, not both (sandbox.url is the one-server case; "
+                         "--sandbox.url=null unsets a config's)")
+    for url in s.urls:
+        if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url):
+            raise ValueError(f"sandbox.urls: {url!r} is not a base URL like http://10.0.0.5:8000")
+    if len({url.rstrip("/") for url in s.urls}) != len(s.urls):
+        raise ValueError(f"sandbox.urls lists a server twice: {s.urls}")
 
 
 def _check_engine(settings: Settings) -> None:

@@ -524,7 +524,7 @@ class NoSandbox:
 
 
 def make_sandbox(settings: Settings, log_dir: Path):
-    """The node's sandbox service (started in ``setup`` when ``sandbox.url`` is unset), or :class:`NoSandbox`
+    """The node's sandbox service (started in ``setup`` when ``sandbox.url`` and ``urls`` are unset), or :class:`NoSandbox`
     when the environment uses none."""
     from lightning_agentrl.preflight import env_uses_sandbox, judge_policy
 
@@ -536,7 +536,7 @@ def make_sandbox(settings: Settings, log_dir: Path):
     return NodeSandbox(s.url, s.token_value, timeout_s=s.request_timeout_s, max_retries=s.max_retries,
                        call_timeout_s=s.call_timeout_s, log_dir=log_dir, judge_isolation=judge_policy(settings),
                        tools_dir=s.tools_dir if settings.env.agent_in_sandbox else None,
-                       episode_timeout_s=settings.env.episode_timeout_s)
+                       episode_timeout_s=settings.env.episode_timeout_s, urls=s.urls)
 
 
 def chat_codec(settings: Settings, tokenizer):

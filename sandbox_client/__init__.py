@@ -1,4 +1,5 @@
-"""Async client of the sandbox service (protocol v1), its error taxonomy and submission scoring."""
+"""Async client of the sandbox service (protocol v1) and of a fleet of them, its error taxonomy and submission
+scoring."""
 
 from sandbox_client.client import SandboxClient
 from sandbox_client.errors import (
@@ -10,7 +11,9 @@ from sandbox_client.errors import (
     SandboxInfraError,
     SandboxNotFound,
     SandboxRequestError,
+    SandboxUnreachable,
 )
+from sandbox_client.fleet import SandboxFleet
 from sandbox_client.models import ExecResult
 from sandbox_client.scoring import ScoreResult, score_submission
 
@@ -22,9 +25,11 @@ __all__ = [
     "SandboxCapacityError",
     "SandboxClient",
     "SandboxError",
+    "SandboxFleet",
     "SandboxInfraError",
     "SandboxNotFound",
     "SandboxRequestError",
+    "SandboxUnreachable",
     "ScoreResult",
     "score_submission",
 ]

@@ -29,13 +29,16 @@ import httpx2
 
 from sandbox_client.errors import (
     CommandTimeout,
+    SandboxCapacityError,
     SandboxError,
     SandboxInfraError,
     SandboxRequestError,
+    SandboxUnreachable,
     error_for,
 )
 from sandbox_client.models import ExecResult
 
+PROTOCOL_VERSION = "v1"  # what /v1/health's ``protocol`` must say
 _MAX_RETRY_AFTER_S = 30.0
 _FORK_MARGIN_S = 2.0  # of an attempt's time, left for a refused fork's answer to arrive
 
@@ -89,9 +92,9 @@ class SandboxClient:
         return min(self.max_backoff_s, self.backoff_s * (2**attempt)) * random.uniform(0.5, 1.5)
 
     async def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-                       extra_s: float = 0.0) -> tuple[httpx2.Response, int]:
+                       extra_s: float = 0.0, retry_full: bool = True) -> tuple[httpx2.Response, int]:
         """Send with retries; returns the final response (2xx or a non-retryable 4xx) and the attempt index.
-        ``extra_s`` (a command's own timeout) extends both deadlines."""
+        ``extra_s`` (a command's own timeout) extends both deadlines; ``retry_full`` False returns a 429 at once."""
         deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s + extra_s
         for attempt in range(self.max_retries + 1):
             attempt_s = self.timeout_s + extra_s
@@ -109,12 +112,14 @@ class SandboxClient:
             except httpx2.TransportError as exc:  # connect/read errors, resets, timeouts
                 if last or _expired(deadline):
                     within = "" if deadline is None else f" within call_timeout_s={self.call_timeout_s + extra_s:g} s"
-                    raise SandboxInfraError(
+                    raise SandboxUnreachable(
                         f"{method} {path}: sandbox server unreachable after {attempt + 1} attempts{within}: "
                         f"{type(exc).__name__}: {exc}") from exc
                 await _sleep(self._backoff(attempt), deadline)
                 continue
             status = response.status_code
+            if status == 429 and not retry_full:
+                return response, attempt
             if status == 429 or status >= 500:
                 if last or _expired(deadline):
                     raise _classify(response, method, path, attempts=attempt + 1)
@@ -148,7 +153,9 @@ class SandboxClient:
         return await self._answer("GET", "/v1/health")
 
     async def create(self, files: dict[str, str | bytes], *, ttl_s: float | None = None,
-                     network: bool = False) -> str:
+                     network: bool = False, wait_if_full: bool = True) -> str:
+        """A new sandbox holding ``files``; its id. ``wait_if_full`` False: a full server's 429 is a
+        :class:`SandboxCapacityError` at once (a fleet then asks another server) instead of a retry."""
         text: dict[str, str] = {}
         binary: dict[str, str] = {}
         for path, content in files.items():
@@ -160,7 +167,7 @@ class SandboxClient:
                 raise TypeError(f"files[{path!r}] must be str or bytes, got {type(content).__name__}")
         body = {"files": text, "binary_files": binary, "ttl_s": ttl_s, "network": network,
                 "idempotency_key": uuid.uuid4().hex}
-        return (await self._answer("POST", "/v1/sandboxes", "id", ok=201, json=body))["id"]
+        return (await self._answer("POST", "/v1/sandboxes", "id", ok=201, json=body, retry_full=wait_if_full))["id"]
 
     async def exec(self, sandbox_id: str, command: str | list[str], *, stdin: str | None = None,
                    timeout_s: float = 30.0, env: dict | None = None,
@@ -257,4 +264,7 @@ def _classify(response: httpx2.Response, method: str, path: str, attempts: int =
     text = f"{method} {path} -> {status}{f' {code}' if code else ''}: {message}"
     if attempts > 1:
         text += f" (after {attempts} attempts)"
-    return error_for(status, code, text)
+    error = error_for(status, code, text)
+    if isinstance(error, SandboxCapacityError):
+        error.retry_after_s = _retry_after(response)
+    return error

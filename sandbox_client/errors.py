@@ -32,12 +32,19 @@ class SandboxInfraError(SandboxError):
     """Infrastructure fault: not the agent's doing; exclude the trajectory from training."""
 
 
+class SandboxUnreachable(SandboxInfraError):
+    """The server did not answer within the call's deadlines (refused or reset connections, timeouts): it is
+    down or cut off. A fleet client stops placing sandboxes on it until its health call answers again."""
+
+
 class SandboxNotFound(SandboxInfraError):
     """The sandbox does not exist (any more): deleted, reaped after its TTL, or lost in a server restart."""
 
 
 class SandboxCapacityError(SandboxInfraError):
-    """The service stayed full (429) through every retry."""
+    """The service stayed full (429) through every retry. ``retry_after_s``: its last ``Retry-After``."""
+
+    retry_after_s: float = 1.0
 
 
 class SandboxAnswerDropped(SandboxInfraError):

@@ -259,7 +259,7 @@ def test_sandbox_service_killed_mid_run_trips_the_breaker_with_a_checkpoint(tmp_
     assert process.returncode == 3, output[-3000:]
     line = error_line(output)
     assert line.startswith("error: the sandbox service failed: every episode of the step (8) ended with sandbox_error;")
-    assert "last error: SandboxInfraError:" in line and "unreachable" in line
+    assert "last error: SandboxUnreachable:" in line and "unreachable" in line
     assert f"Checkpoint: {run / 'checkpoints' / 'last.ckpt'} (step 1)" in line
     assert not any(line.startswith("done") for line in output.splitlines()) and not (run / "summary.json").exists()
     import torch

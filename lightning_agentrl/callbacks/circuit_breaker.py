@@ -10,8 +10,10 @@ service does not crash a run: it silently trains on nothing, step after step. Tw
   a checkpoint and raises :class:`SandboxOutage` (exit status 3) naming the share and the last
   error; with ``wait`` it polls the service's health with exponential backoff (1 s to 60 s) for up
   to ``wait_s`` and goes on once it answers; a SIGTERM or SIGINT ends the wait at once (the run
-  checkpoints and exits with 143 / 130, ``shutdown.py``). A fleet that loses one server of several
-  behind its URL keeps the share low (it routes around the dead one), so the breaker stays closed.
+  checkpoints and exits with 143 / 130, ``shutdown.py``). A fleet (``sandbox.urls``, or one URL in front
+  of several servers) that loses one server keeps the share low (new sandboxes go to the others): only
+  the episodes on the dead one count, and the breaker stays closed; with ``wait``, a fleet is back once
+  any of its servers answers.
 - :class:`EmptyStepGuard`: a batch with no trainable token takes no optimizer step
   (``AgentRLModule.skipped_step``); the guard lets the rollout service start the next step's groups
   at the current weights (its staleness gate otherwise opens only on new weights) and stops the

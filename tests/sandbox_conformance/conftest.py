@@ -3,6 +3,9 @@
     pytest tests/sandbox_conformance --sandbox-url http://host:port --sandbox-token T
     SANDBOX_URL=... SANDBOX_TOKEN=... pytest tests/sandbox_conformance
 
+A fleet sharing one token (what ``sandbox.urls`` names) is checked server by server: give the URLs
+comma-separated, ``--sandbox-url http://a:8000,http://b:8000``, and every test runs against each.
+
 Without a URL, a local reference server is started for the session (``--sandbox-isolation`` picks its
 backend: auto, bwrap or process).
 """
@@ -23,10 +26,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         pass
 
 
+def _urls(config: pytest.Config) -> list[str]:
+    given = config.getoption("--sandbox-url", default=None) or os.environ.get("SANDBOX_URL") or ""
+    return [url.strip() for url in given.split(",") if url.strip()]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    urls = _urls(metafunc.config)
+    if len(urls) > 1 and "endpoint" in metafunc.fixturenames:  # one run of each test per server
+        metafunc.parametrize("endpoint", urls, indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
 def endpoint(request: pytest.FixtureRequest):
     """(url, token) of the service under test."""
-    url = request.config.getoption("--sandbox-url", default=None) or os.environ.get("SANDBOX_URL")
+    url = getattr(request, "param", None) or next(iter(_urls(request.config)), None)
     token = request.config.getoption("--sandbox-token", default=None) or os.environ.get("SANDBOX_TOKEN")
     if url:
         if not token:
