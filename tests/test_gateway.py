@@ -124,6 +124,27 @@ def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_
         assert batch.turn_traj.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)
 
 
+def test_a_reply_with_two_calls_reaches_the_openai_client_as_two_tool_calls(tmp_path):
+    """The policy writes two calls with number arguments in one reply: the agent gets two `tool_calls` with JSON
+    numbers, sends two results, and the conversation continues the segment; one turn per call to the model."""
+    two = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
+           '<tool_call>{"name": "add", "arguments": {"a": 10, "b": 20.5}}</tool_call>')
+    settings = gateway_settings(tmp_path, [{"id": "two", "question": "2+3 and 10+20.5?"}],
+                                "--env.agent=tests.gateway_agents:parallel_tools_agent", "--trainer.max_steps=1",
+                                "--rollout.groups_per_step=1", "--engine.max_new_tokens=64")
+    result, log, calls = gateway_fit(settings, {"e0": [two, "5 and 30.5."]})
+    assert result.global_step == 1
+    trajectories = log.batches[0].trajectories
+    assert_trains_what_was_sampled(trajectories, calls)
+    (scripted,) = [t for t in trajectories if t.episode_id.endswith("-e0")]
+    assert scripted.reward == 2.0 and [turn.tool for turn in scripted.turns] == ["add,add", None]
+    (segment,) = scripted.segments
+    first, second = segment.turns
+    codec = ChatCodec(__import__("transformers").AutoTokenizer.from_pretrained(resolve_model_path(settings)))
+    shown = codec.decode(segment.token_ids[first.action_end:second.action_start])
+    assert shown.index("5") < shown.index("30.5")  # both results, in the calls' order
+
+
 def test_agent_failures_end_their_episodes_not_the_run(tmp_path):
     tasks = [{"id": mode, "question": "2+3?", "mode": mode} for mode in ("raise", "nan", "silent", "long")]
     settings = gateway_settings(tmp_path, tasks, "--env.agent=tests.gateway_agents:faulty_agent",
