@@ -177,7 +177,9 @@ class CodingEnv(Environment):
                 calls = parse_tool_calls(step.get("action", ""), CODING_TOOLS, self.call_format)
             except ToolCallError:
                 continue
-            written.extend(c.arguments["path"] for c in calls if c.name == "write_file" and c.arguments["path"] not in written)
+            for call in calls:
+                if call.name == "write_file" and call.arguments["path"] not in written:
+                    written.append(call.arguments["path"])
         facts = ("Files written: " + (", ".join(written) or "none"),)
         return history_summary(history, max_observation_chars=max_observation_chars, facts=facts)
 
