@@ -240,11 +240,18 @@ class GptOss(CallFormat):
     ended by ``<|call|>`` (a stop token: one call per reply as sampled, several in a rendered history)::
 
         <|channel|>analysis<|message|>I should list the files.<|end|><|start|>assistant<|channel|>commentary to=functions.run <|constrain|>json<|message|>{"command": "ls"}<|call|>
+
+    The recipient may also open the header: ``<|start|>assistant to=functions.run<|channel|>commentary json<|message|>``.
+
+    >>> GptOss().read('<|start|>assistant to=functions.run<|channel|>commentary json<|message|>{"command": "ls"}<|call|>')
+    [('run', {'command': 'ls'})]
     """
 
     name = "gpt_oss"
     marker = "<|call|>"
-    pattern = re.compile(r"to=functions\.([\w.-]+)[^<]*(?:<\|constrain\|>\s*\w*\s*)?<\|message\|>(.*?)(?:<\|call\|>|$)", re.DOTALL)
+    # the recipient may come before the channel or after it; whatever header follows, up to the message
+    pattern = re.compile(r"to=functions\.([\w.-]+)(?:(?!<\|message\|>|<\|end\|>|<\|call\|>).)*<\|message\|>(.*?)"
+                         r"(?:<\|call\|>|$)", re.DOTALL)
 
     def read_one(self, match: re.Match) -> RawCall:
         return match.group(1), _json(match.group(2).strip(), "the tool call's arguments")
