@@ -73,8 +73,8 @@ def test_the_chat_templates_calls_are_read_back_in_the_family_found_from_it(fami
 def test_families_without_a_template_that_writes_calls_read_their_wire_form_through_the_real_vocabulary(family, name):
     """Llama 3's, GPT-OSS's packages ship no template that writes calls (Qwen3-Coder shares Qwen's vocabulary, GLM's
     ships none): the family's wire form, encoded and decoded as a sampled reply, gives its calls back."""
-    codec = ChatCodec(_tokenizer(family)) if family != "gptoss" else None
     tokenizer = _tokenizer(family)
+    codec = ChatCodec(tokenizer) if family != "gptoss" else None  # gpt-oss's package ships no chat template
     text = CALL_FORMATS[name].write(CALLS)
     ids = tokenizer.encode(text, add_special_tokens=False)
     decoded = tokenizer.decode(ids, skip_special_tokens=False) if codec is None else codec.decode_action(ids)
