@@ -36,6 +36,12 @@ def _conversation(episode: int, call: int) -> list[dict]:
             {"role": "user", "content": f"Task {episode}, step {call}: read the file and say what it does."}]
 
 
+def _per_call(cpu_start: float, calls: int) -> float:
+    """This process's CPU time (all its threads: the event loop, the engine's decode thread) per call since
+    ``cpu_start``, in ms: unlike latency, it barely moves with other processes' load."""
+    return 1000 * (time.process_time() - cpu_start) / calls
+
+
 def _quantiles(seconds: list[float]) -> dict[str, float]:
     ordered = sorted(seconds)
     return {"p50_ms": 1000 * statistics.median(ordered), "p99_ms": 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
@@ -76,7 +82,24 @@ class _WaitingAgent:
         return None
 
 
-async def _through_gateway(gateway, engine, codec, sampling, budget, in_flight: int, calls: int) -> list[float]:
+def _timed(app, seconds: list[float]):
+    """``app`` (ASGI) timed from a request's arrival to its reply's last byte: the call as the gateway serves it,
+    without the client library's own time (building, sending and parsing on the agent's side)."""
+
+    async def timed(scope, receive, send):
+        t0 = time.perf_counter()
+
+        async def sent(message):
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                seconds.append(time.perf_counter() - t0)
+
+        await app(scope, receive, sent)
+
+    return timed
+
+
+async def _through_gateway(gateway, engine, codec, sampling, budget, in_flight: int, calls: int) -> dict:
     handed, finished = asyncio.Queue(), asyncio.Event()
     plays = [asyncio.create_task(gateway.play(
         engine=engine, env=_WaitingAgent(i, handed, finished), codec=codec, sampling=sampling, budget=budget,
@@ -93,12 +116,18 @@ async def _through_gateway(gateway, engine, codec, sampling, budget, in_flight: 
     return json.loads(out)
 
 
-async def _client(plan: dict) -> list[float]:
+async def _client(plan: dict) -> dict:
     """The client process: every episode's agent at once, each call timed from the `openai` client's side."""
     from openai import AsyncOpenAI
 
-    async def agent(index: int, base_url: str, api_key: str) -> list[float]:
-        client, latencies = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0), []
+    # each agent's client is made before any call, as an agent makes it before its episode: building one
+    # (an SSL context, ~40 ms of CPU) is the agent's start-up, not a call's latency
+    clients = [AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) for _, base_url, api_key in plan["episodes"]]
+    ready = asyncio.Barrier(len(clients))
+
+    async def agent(index: int, client) -> list[float]:
+        latencies = []
+        await ready.wait()  # all start together, as the direct arm's episodes do
         for call in range(plan["calls"]):
             t0 = time.perf_counter()
             await client.chat.completions.create(model="policy", messages=_conversation(index, call),
@@ -107,8 +136,9 @@ async def _client(plan: dict) -> list[float]:
         await client.close()
         return latencies
 
-    per_agent = await asyncio.gather(*(agent(*episode) for episode in plan["episodes"]))
-    return [s for latencies in per_agent for s in latencies]
+    cpu = time.process_time()
+    per_agent = await asyncio.gather(*(agent(episode[0], client) for episode, client in zip(plan["episodes"], clients, strict=True)))
+    return {"seconds": [s for latencies in per_agent for s in latencies], "cpu_s": time.process_time() - cpu}
 
 
 async def measure(in_flights: list[int], calls: int, tokens: int) -> dict:
@@ -128,17 +158,26 @@ async def measure(in_flights: list[int], calls: int, tokens: int) -> dict:
                          max_batch_size=max(in_flights))
     sampling = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=codec.stop_token_ids)
     budget = EpisodeBudget(max_turns=calls, max_context_tokens=2048)
-    gateway = Gateway()
+    gateway, served = Gateway(), []
+    gateway.app = _timed(gateway.app, served)
     await gateway.start()
     await _direct(engine, codec, sampling, 2, 1)  # warm both paths
     await _through_gateway(gateway, engine, codec, sampling, budget, 2, 1)
     rows = {}
     for in_flight in in_flights:
+        prefills, cpu = engine.num_batches, time.process_time()
         direct = _quantiles(await _direct(engine, codec, sampling, in_flight, calls))
-        through = _quantiles(await _through_gateway(gateway, engine, codec, sampling, budget, in_flight, calls))
-        rows[str(in_flight)] = {"direct": direct, "gateway": through,
+        direct.update(engine_prefills=engine.num_batches - prefills, cpu_ms_per_call=_per_call(cpu, in_flight * calls))
+        prefills, cpu, served[:] = engine.num_batches, time.process_time(), []
+        client = await _through_gateway(gateway, engine, codec, sampling, budget, in_flight, calls)
+        through = _quantiles(client["seconds"])
+        through.update(engine_prefills=engine.num_batches - prefills, cpu_ms_per_call=_per_call(cpu, in_flight * calls),
+                       client_cpu_ms_per_call=1000 * client["cpu_s"] / (in_flight * calls))
+        server = _quantiles(served)
+        rows[str(in_flight)] = {"direct": direct, "gateway": through, "gateway_server_side": server,
                                 "p50_ratio": through["p50_ms"] / direct["p50_ms"],
-                                "p99_ratio": through["p99_ms"] / direct["p99_ms"]}
+                                "p99_ratio": through["p99_ms"] / direct["p99_ms"],
+                                "server_side_p50_ratio": server["p50_ms"] / direct["p50_ms"]}
     await gateway.close()
     await engine.close()
     return {"in_flight": rows, "calls_per_episode": calls, "max_new_tokens": tokens, "model": "tiny (torch engine, CPU)",

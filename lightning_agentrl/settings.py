@@ -285,6 +285,15 @@ class EnvSettings(_Section):
     """How the agent is told its tools: `template` = the chat template's own `tools=` rendering (the format the
     model family was trained on), `text` = described in the system prompt (`{tools}`), `auto` = `template` where
     the template renders tools, else `text`. `template` with a template that renders no tools is an error at start."""
+    tool_call_format: Literal["auto", "hermes", "qwen3_coder", "glm45", "deepseek_v3", "mistral", "gpt_oss",
+                              "llama3_json"] = "auto"
+    """How the model writes tool calls in a reply, several per reply, arguments of any JSON type (read alike by the
+    built-in loop and the gateway; `lightning_agentrl/envs/call_formats.py` shows each wire form): `hermes`
+    (Hermes, Qwen2.5, Qwen3: `<tool_call>` JSON), `qwen3_coder` (`<function=...><parameter=...>`), `glm45`
+    (`<arg_key>`/`<arg_value>`), `deepseek_v3`, `mistral` (`[TOOL_CALLS]`), `gpt_oss` (harmony), `llama3_json`.
+    `auto` = the format that reads back the chat template's own rendering of a call, else the one whose call token
+    is in the vocabulary, else `hermes` (the built-in tool text's); a template that writes calls in no known format
+    is an error at start."""
     summarizer: Literal["none", "policy", "rule"] = "none"
     """When the context would overflow: `none` ends the episode (`max_context`); `policy` has the policy write a summary (trained, mask 1); `rule` writes one from the tool history (mask 0). Either starts a new segment of the same episode."""
     summary_max_tokens: int = Field(128, ge=1)

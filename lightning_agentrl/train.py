@@ -542,13 +542,14 @@ def make_sandbox(settings: Settings, log_dir: Path):
 def chat_codec(settings: Settings, tokenizer):
     """The model's chat template as a :class:`ChatCodec`; a template that cannot hold the episode's
     conversation is a :class:`SettingsError` naming the setting."""
-    from lightning_agentrl.rollout.chat import ChatCodec, ChatTemplateError
+    from lightning_agentrl.rollout.chat import CallFormatError, ChatCodec, ChatTemplateError
 
     env = settings.env
     try:
-        codec = ChatCodec(tokenizer, observation_role=env.observation_role)
+        codec = ChatCodec(tokenizer, observation_role=env.observation_role, call_format=env.tool_call_format)
     except ChatTemplateError as err:
         setting = "env.observation_role" if env.observation_role is not None else "model.path"
+        setting = "env.tool_call_format" if isinstance(err, CallFormatError) else setting
         raise SettingsError(f"{setting}: unsupported chat template of {settings.model.path}: {err}") from None
     if env.tool_format == "template" and not codec.renders_tools:
         raise SettingsError(
@@ -580,6 +581,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
 
     def make_env(client, task):
         made = cls.from_settings(task, client=client, settings=env, native_tools=tools_in_template)
+        made.call_format = codec.call_format  # the model family's tool-call format (env.tool_call_format)
         if sub_agent is not None:
             made.sub_agent = sub_agent
         return made

@@ -85,6 +85,31 @@ async def tool_agent(task: dict, base_url: str, api_key: str) -> float:
     return reward
 
 
+NUMBER_TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+
+
+async def parallel_tools_agent(task: dict, base_url: str, api_key: str) -> float:
+    """Runs every call of a reply (numbers as JSON numbers), sends one result per call, reads the answer; its
+    reward is how many calls it got in one reply (-1 where an argument was not a number)."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = _question(task)
+    choice = await _ask(client, messages, False, tools=NUMBER_TOOLS, max_tokens=60)
+    calls = choice.message.tool_calls or []
+    if calls:
+        messages.append(choice.message.model_dump(exclude_none=True))
+        for call in calls:
+            arguments = json.loads(call.function.arguments)
+            if not all(isinstance(arguments[k], int | float) for k in "ab"):
+                return -1.0
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(arguments["a"] + arguments["b"])})
+        await _ask(client, messages, False, tools=NUMBER_TOOLS, max_tokens=40)
+    await client.close()
+    return float(len(calls))
+
+
 def faulty_agent(task: dict, base_url: str, api_key: str) -> float:
     """What can go wrong with an agent, by ``task["mode"]`` (a plain function with the synchronous client: it
     runs in a worker thread)."""

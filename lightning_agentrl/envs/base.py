@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from lightning_agentrl.envs.call_formats import CallFormat
     from lightning_agentrl.settings import EnvSettings
 
 SUMMARY_HEADER = "Earlier turns of this episode were summarized to fit the context."
@@ -53,6 +54,27 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=dict)
+    tool_results: tuple[str, ...] = ()
+    """One result per call where the action held several (:func:`step_each`): each is shown to the agent as a tool
+    message of its own; ``observation`` is then their text joined (what histories and summaries keep)."""
+
+
+async def step_each(calls: list, run_one) -> StepResult:
+    """Run an action's tool calls in order (``await run_one(call) -> StepResult``), up to the one that ends the
+    episode: one call's result as is; several as one result with each call's ``tool_results``, their rewards
+    summed, ``info["tool"]`` the tools called (comma-separated) and ``error`` only where every call failed."""
+    results = []
+    for call in calls:
+        results.append(await run_one(call))
+        if results[-1].done:
+            break
+    if len(results) == 1:
+        return results[0]
+    tools = [r.info["tool"] for r in results if r.info.get("tool")]
+    info = {k: v for r in results for k, v in r.info.items()}
+    info.update(tool=",".join(tools) or None, error=all(r.info.get("error") for r in results))
+    return StepResult("\n\n".join(r.observation for r in results), reward=sum(r.reward for r in results),
+                      done=results[-1].done, info=info, tool_results=tuple(r.observation for r in results))
 
 
 class EnvContractError(TypeError):
@@ -105,8 +127,14 @@ def checked_step(env: Environment, result: Any, *, max_observation_chars: int | 
     if tool is not None and not isinstance(tool, str):
         raise EnvContractError(f"{name} returned info['tool'] {_short(tool)}; it must be the tool's name (a str) "
                                "or None")
-    observation = result.observation if max_observation_chars is None else clip(result.observation, max_observation_chars)
-    return replace(result, observation=encodable(observation))
+    if not isinstance(result.tool_results, tuple) or not all(isinstance(r, str) for r in result.tool_results):
+        raise EnvContractError(f"{name} returned tool_results {_short(result.tool_results)}; it must be a tuple of str")
+
+    def checked(text: str) -> str:
+        return encodable(text if max_observation_chars is None else clip(text, max_observation_chars))
+
+    return replace(result, observation=checked(result.observation),
+                   tool_results=tuple(checked(text) for text in result.tool_results))
 
 
 def checked_critic_context(env: Environment) -> str | None:
@@ -173,6 +201,11 @@ class Environment(ABC):
     tests), read after :meth:`reset`; the policy never sees it. With ``algorithm.privileged_critic`` the value
     head reads it before every segment of the episode through a second forward of the trunk. None: nothing."""
 
+    call_format: CallFormat | None = None
+    """How the policy writes tool calls (``env.tool_call_format``, set on each episode's environment after
+    :meth:`from_settings`); pass it to :func:`~lightning_agentrl.envs.tools.parse_tool_calls`. None: Hermes,
+    Mistral or Llama 3 JSON."""
+
     tools: list[dict] | None = None
     """The tools as JSON schemas (OpenAI function format, :meth:`~lightning_agentrl.envs.tools.ToolSpec.schema`)
     for the chat template's ``tools=`` argument; None when the opening messages describe them."""
@@ -201,8 +234,9 @@ class Environment(ABC):
 
     @abstractmethod
     async def step(self, action_text: str) -> StepResult:
-        """Apply the agent's action (its decoded text; parse a tool call with
-        :func:`~lightning_agentrl.envs.tools.parse_tool_call`) and say what it led to."""
+        """Apply the agent's action (its decoded text; read its tool calls with
+        :func:`~lightning_agentrl.envs.tools.parse_tool_calls` in :attr:`call_format`, run them with
+        :func:`step_each`) and say what it led to."""
 
     async def close(self) -> None:
         """Release what the episode holds (called once, also after errors). Default: nothing to release."""

@@ -24,8 +24,9 @@ from lightning_agentrl.envs.base import (
     ToolTimeout,
     clip,
     history_summary,
+    step_each,
 )
-from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_call
+from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_calls
 from lightning_agentrl.tasks import Task
 
 if TYPE_CHECKING:
@@ -115,14 +116,17 @@ class CodingEnv(Environment):
         return f"{files[-half:]}[last observation]\n{self._last_observation[-half:]}"
 
     async def step(self, action_text: str) -> StepResult:
+        assert self.sandbox_id is not None, "reset() first"
+        try:
+            calls = parse_tool_calls(action_text, CODING_TOOLS, self.call_format)
+        except ToolCallError as err:
+            return self._observe(f"error: {err}", error=True)
+        return await step_each(calls, self._call)
+
+    async def _call(self, call) -> StepResult:
         from sandbox_client import SandboxRequestError
         from sandbox_client.scoring import score_submission
 
-        assert self.sandbox_id is not None, "reset() first"
-        try:
-            call = parse_tool_call(action_text)
-        except ToolCallError as err:
-            return self._observe(f"error: {err}", error=True)
         info = {"tool": call.name}
         try:
             if call.name == "submit":
@@ -170,11 +174,12 @@ class CodingEnv(Environment):
         written: list[str] = []
         for step in history:
             try:
-                call = parse_tool_call(step.get("action", ""))
+                calls = parse_tool_calls(step.get("action", ""), CODING_TOOLS, self.call_format)
             except ToolCallError:
                 continue
-            if call.name == "write_file" and call.arguments["path"] not in written:
-                written.append(call.arguments["path"])
+            for call in calls:
+                if call.name == "write_file" and call.arguments["path"] not in written:
+                    written.append(call.arguments["path"])
         facts = ("Files written: " + (", ".join(written) or "none"),)
         return history_summary(history, max_observation_chars=max_observation_chars, facts=facts)
 

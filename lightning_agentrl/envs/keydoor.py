@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_agentrl.envs.base import Environment, StepResult, load_jsonl_tasks
-from lightning_agentrl.envs.tools import ToolCallError, ToolSpec, parse_tool_call
+from lightning_agentrl.envs.base import Environment, StepResult, load_jsonl_tasks, step_each
+from lightning_agentrl.envs.tools import ToolCallError, ToolSpec, parse_tool_calls
 
 if TYPE_CHECKING:
     from lightning_agentrl.settings import EnvSettings
@@ -140,9 +140,12 @@ class KeyDoorEnv(Environment):
 
     async def step(self, action_text: str) -> StepResult:
         try:
-            call = parse_tool_call(action_text, KEYDOOR_TOOLS)
+            calls = parse_tool_calls(action_text, KEYDOOR_TOOLS, self.call_format)
         except ToolCallError as err:
             return StepResult(f"error: {err}", info={"tool": None, "error": True})
+        return await step_each(calls, self._call)
+
+    async def _call(self, call) -> StepResult:
         direction = call.arguments["direction"].strip().lower()
         if direction not in MOVES:
             return StepResult(f"error: direction must be one of {', '.join(MOVES)}", info={"tool": "move", "error": True})

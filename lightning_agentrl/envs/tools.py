@@ -1,23 +1,15 @@
-"""The tool-call formats the agent may write, and their parser (environments own their tools).
+"""The tools an agent may call, and the parser that checks its calls against them (environments own their tools).
 
-An action is free text that contains one call. Three families' formats are read::
+An action is free text that holds one or more calls, in its model family's format
+(:mod:`lightning_agentrl.envs.call_formats`), e.g. the Hermes/Qwen convention the built-in tool text teaches::
 
     I will read the file first.
     <tool_call>{"name": "read_file", "arguments": {"path": "utils.py"}}</tool_call>
 
-    <tool_call>[{"name": "read_file", "arguments": {"path": "utils.py"}}]</tool_call>
-
-    {"name": "read_file", "parameters": {"path": "utils.py"}}
-
-    [TOOL_CALLS] [{"name": "read_file", "arguments": {"path": "utils.py"}}]
-
-The first is the Hermes/Qwen convention (also what the built-in tool text teaches), with the list
-form SmolLM2 was trained on (its function-calling data wraps a list of calls in the tags); the second is
-Llama 3's JSON call (``parameters`` for ``arguments``, maybe after ``<|python_tag|>``); the third is
-Mistral's. A ``<tool_call>`` tag wins; without one, the first JSON object in the text with a
-``name`` is the call. Only the first call of an action is executed. A malformed call is not an
-exception for the episode: the parser raises :class:`ToolCallError`, and the environment shows its
-message to the agent as the observation (the agent can correct itself).
+Every call of an action is checked (a known tool, its required arguments, no others, each of its JSON type)
+and executed in order. A malformed call is not an exception for the episode: the parser raises
+:class:`ToolCallError`, and the environment shows its message to the agent as the observation (the agent
+can correct itself).
 """
 
 from __future__ import annotations
@@ -35,13 +27,20 @@ class ToolSpec:
     description: str
     parameters: dict[str, str] = field(default_factory=dict)  # argument name -> description
     example: dict[str, str] = field(default_factory=dict)  # argument name -> a value, for the copyable example
+    # argument name -> its JSON-schema type ("any": not checked); absent = string
+    types: dict[str, str] = field(default_factory=dict)
+    optional: tuple[str, ...] = ()  # arguments a call may leave out
+
+    @property
+    def required(self) -> list[str]:
+        return [k for k in self.parameters if k not in self.optional]
 
     def schema(self) -> dict:
         """The tool as a JSON schema in the OpenAI function format that chat templates' ``tools=`` take."""
-        properties = {k: {"type": "string", "description": v} for k, v in self.parameters.items()}
+        properties = {k: {"type": self.types.get(k, "string"), "description": v} for k, v in self.parameters.items()}
         return {"type": "function", "function": {
             "name": self.name, "description": self.description,
-            "parameters": {"type": "object", "properties": properties, "required": list(self.parameters)},
+            "parameters": {"type": "object", "properties": properties, "required": self.required},
         }}
 
     def render(self) -> str:
@@ -82,8 +81,32 @@ class ToolCallError(ValueError):
     """The action does not contain one well-formed call of a known tool."""
 
 
-def parse_tool_call(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> ToolCall:
-    """Return the first tool call in ``text``.
+JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,
+    "null": type(None),
+}
+"""JSON-schema type -> the Python types ``json.loads`` gives for it (``bool`` is refused where a number is asked)."""
+
+
+def parse_tool_calls(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS, call_format=None) -> list[ToolCall]:
+    """Every tool call in ``text``, in order, read in ``call_format`` (a
+    :class:`~lightning_agentrl.envs.call_formats.CallFormat`; None: Hermes, Mistral or Llama 3 JSON) and checked
+    against ``tools``. :class:`ToolCallError` when there is none or one is malformed (the agent sees why).
+
+    >>> [c.name for c in parse_tool_calls('<tool_call>{"name": "read_file", "arguments": {"path": "a.py"}}</tool_call>'
+    ...                                    '<tool_call>{"name": "submit", "arguments": {}}</tool_call>')]
+    ['read_file', 'submit']
+    """
+    from lightning_agentrl.envs.call_formats import read_calls
+
+    read_in, calls = read_calls(text, call_format)
+    if not calls:
+        raise ToolCallError('no tool call found in the reply: write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+    return [_checked(name, arguments, tools, typed=read_in.typed) for name, arguments in calls]
+
+
+def parse_tool_call(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS, call_format=None) -> ToolCall:
+    """The first tool call in ``text`` (:func:`parse_tool_calls`).
 
     >>> parse_tool_call('x <tool_call>{"name": "submit", "arguments": {}}</tool_call>')
     ToolCall(name='submit', arguments={})
@@ -92,54 +115,33 @@ def parse_tool_call(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> To
     >>> parse_tool_call('<tool_call>[{"name": "read_file", "arguments": {"path": "a.py"}}]</tool_call>')
     ToolCall(name='read_file', arguments={'path': 'a.py'})
     """
-    payload = _call_payload(text)
-    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-        raise ToolCallError('a tool call is a JSON object {"name": ..., "arguments": {...}}')
-    arguments = payload.get("arguments", payload.get("parameters", {}))
+    return parse_tool_calls(text, tools, call_format)[0]
+
+
+def _checked(name: str, arguments, tools: tuple[ToolSpec, ...], *, typed: bool) -> ToolCall:
     if not isinstance(arguments, dict):
         raise ToolCallError('"arguments" must be a JSON object')
     by_name = {tool.name: tool for tool in tools}
-    spec = by_name.get(payload["name"])
+    spec = by_name.get(name)
     if spec is None:
-        raise ToolCallError(f"unknown tool {payload['name']!r}; tools: {', '.join(by_name)}")
-    missing = [k for k in spec.parameters if k not in arguments]
+        raise ToolCallError(f"unknown tool {name!r}; tools: {', '.join(by_name)}")
+    missing = [k for k in spec.required if k not in arguments]
     if missing:
         raise ToolCallError(f"{spec.name} needs argument(s): {', '.join(missing)}")
     unknown = [k for k in arguments if k not in spec.parameters]
     if unknown:
         raise ToolCallError(f"{spec.name} takes no argument(s): {', '.join(unknown)}")
+    if not typed:  # values written as text: each read as its declared type
+        arguments = {k: v if spec.types.get(k, "string") == "string" else _typed(v) for k, v in arguments.items()}
     for key, value in arguments.items():
-        if not isinstance(value, str):
-            raise ToolCallError(f"{spec.name}: argument {key!r} must be a string")
+        kind = spec.types.get(key, "string")
+        wanted = JSON_TYPES.get(kind)
+        if wanted is not None and (not isinstance(value, wanted) or isinstance(value, bool) and kind != "boolean"):
+            raise ToolCallError(f"{spec.name}: argument {key!r} must be a JSON {kind}")
     return ToolCall(spec.name, arguments)
 
 
-_MAX_BARE_JSON_STARTS = 32  # braces tried as the start of a bare JSON call
+def _typed(text: str):
+    from lightning_agentrl.envs.call_formats import value_of
 
-
-def _call_payload(text: str):
-    """The JSON of the first call: inside ``<tool_call>`` tags if any, else the first bare JSON object
-    with a ``name`` (Llama 3 and Mistral write calls without tags)."""
-    match = CALL_PATTERN.search(text)
-    if match is not None:
-        try:
-            payload = json.loads(match.group(1))
-            # SmolLM2's form: a list of calls in the tags; the first is the call
-            return payload[0] if isinstance(payload, list) and payload else payload
-        except json.JSONDecodeError as err:
-            raise ToolCallError(f"the tool call is not valid JSON: {err.msg} at char {err.pos}") from None
-        except RecursionError:  # a sampled reply can nest deeper than the parser's stack
-            raise ToolCallError("the tool call nests too deeply to be read") from None
-    decoder = json.JSONDecoder()
-    start = text.find("{")
-    for _ in range(_MAX_BARE_JSON_STARTS):  # each try scans to the end: bounded, not quadratic in the reply
-        if start == -1:
-            break
-        try:
-            payload, _ = decoder.raw_decode(text, start)
-        except (json.JSONDecodeError, RecursionError):
-            payload = None
-        if isinstance(payload, dict) and "name" in payload:
-            return payload
-        start = text.find("{", start + 1)
-    raise ToolCallError('no tool call found in the reply: write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+    return value_of(text)

@@ -408,7 +408,7 @@ class Episode:
         if state.consecutive_errors >= self.budget.max_tool_errors:
             return self.end(TerminationReason.TOOL_ERROR)
         state.history.append({"action": action_text, "observation": result.observation, "tool": turn.tool})
-        await self.observe(segment, result.observation)
+        await self.observe(segment, result.observation, result.tool_results)
 
     async def env_step(self, turn: Turn, action_text: str):
         self.phase = "tool"
@@ -423,9 +423,10 @@ class Episode:
         turn.reward = result.reward
         return result
 
-    async def observe(self, segment: Segment, observation_text: str) -> None:
-        """Append the observation, or open a summarized segment when it would not fit."""
-        observation = self.codec.observation_ids(observation_text).all
+    async def observe(self, segment: Segment, observation_text: str, tool_results: tuple[str, ...] = ()) -> None:
+        """Append the observation (each of several calls' results as a tool message of its own), or open a
+        summarized segment when it would not fit."""
+        observation = self.codec.observation_ids(*(tool_results or (observation_text,))).all
         needed = len(observation) + (self.sampling.max_new_tokens if self.summarizer is not None else 0)
         if len(segment.token_ids) + needed < self.limit:
             segment.extend(observation, mask=0)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_agentrl.envs.call_formats import resolve_call_format
+
 _ACTION = "\u2063ACTION\u2063"
 _OBSERVATION = "\u2063OBSERVATION\u2063"
 _PROBE_TOOL = "probe_tool_\u2063"
@@ -39,6 +41,10 @@ OBSERVATION_ROLES = ("tool", "user")
 
 class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot hold a tool-calling conversation; the message says why."""
+
+
+class CallFormatError(ChatTemplateError):
+    """The chat template writes tool calls in no known format (``env.tool_call_format``)."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +64,11 @@ class ChatCodec:
     """Token ids for prompts and observations, derived from any HF tokenizer's chat template.
 
     ``observation_role``: the role tool results are rendered in; None = the first of
-    :data:`OBSERVATION_ROLES` the template renders.
+    :data:`OBSERVATION_ROLES` the template renders. ``call_format``: ``env.tool_call_format``, resolved into
+    :attr:`call_format` (:func:`~lightning_agentrl.envs.call_formats.resolve_call_format`).
     """
 
-    def __init__(self, tokenizer, observation_role: str | None = None) -> None:
+    def __init__(self, tokenizer, observation_role: str | None = None, call_format: str = "auto") -> None:
         if tokenizer.chat_template is None:
             raise ChatTemplateError("the tokenizer has no chat template (set tokenizer.chat_template)")
         self.tokenizer = tokenizer
@@ -75,11 +82,16 @@ class ChatCodec:
         end_text = tokenizer.decode([self.end_of_turn_id])
         self._before = self.encode(between[len(end_text):])
         self._after = self.encode(after)
+        self._joint = self._probe_joint()
         eos = tokenizer.eos_token_id
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
             [self.end_of_turn_id, *([eos] if eos is not None else [])]
         ))
         self.renders_tools = self._renders_tools()
+        try:  # how replies write tool calls: the template's own format (envs/call_formats.py)
+            self.call_format = resolve_call_format(call_format, tokenizer)
+        except ValueError as err:
+            raise CallFormatError(str(err)) from None
 
     # -- probing the template ----------------------------------------------------------------
     def _render(self, messages: list[dict], *, generation_prompt: bool = True, what: str, **kwargs) -> str:
@@ -111,6 +123,19 @@ class ChatCodec:
             between, after = rendered.split(_ACTION, 1)[1].split(_OBSERVATION, 1)
             return candidate, between, after
         raise ChatTemplateError("no observation role works (env.observation_role): " + "; ".join(problems))
+
+    def _probe_joint(self) -> list[int]:
+        """What the template writes between two results of one action's calls (Qwen puts both in one turn); a
+        template that refuses two in a row (Gemma's roles must alternate) gets them in one message, a blank line apart."""
+        result = {"role": self.observation_role, "content": _OBSERVATION}
+        conversation = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _ACTION}, result,
+                        {**result, "content": _OBSERVATION + "2"}]
+        try:
+            rendered = self._render(conversation, what="two results in a row")
+        except ChatTemplateError:
+            return self.encode("\n\n")
+        joint = rendered.split(_ACTION, 1)[1].split(_OBSERVATION, 1)[1]
+        return self.encode(joint.split(_OBSERVATION + "2", 1)[0]) if _OBSERVATION + "2" in joint else self.encode("\n\n")
 
     def _end_of_turn_id(self, closing: str, between: str) -> int:
         """The special token that starts what the template writes after an assistant's content."""
@@ -172,8 +197,12 @@ class ChatCodec:
             ids = ids["input_ids"]
         return list(ids)
 
-    def observation_ids(self, text: str) -> ObservationIds:
-        return ObservationIds(list(self._before), self.encode(text), list(self._after))
+    def observation_ids(self, text: str, *more: str) -> ObservationIds:
+        """A tool result's ids; with ``more``, one action's several results, joined as the template joins them."""
+        ids = self.encode(text)
+        for result in more:
+            ids += self._joint + self.encode(result)
+        return ObservationIds(list(self._before), ids, list(self._after))
 
     def close_action_ids(self, action_ids: list[int]) -> list[int]:
         """What ends an action that did not end with the end-of-turn id (cut by the token budget, or

@@ -28,8 +28,9 @@ Token-in/token-out through it (SPEC §5), the guarantees and how they are kept:
 - **One turn per call**, its GiGPO anchor the hash of the rendered prompt (calls from the same conversation
   state compare), its reward 0 except the last turn's, which is the episode's reward.
 
-Tool calls in a reply are read with the product's parser (:func:`~lightning_agentrl.envs.tools.parse_tool_call`)
-against the request's ``tools``; ``finish_reason`` is ``tool_calls``, ``stop`` or ``length``.
+Tool calls in a reply, several or one, are read in the policy's family format (``env.tool_call_format``,
+:mod:`~lightning_agentrl.envs.call_formats`) as the built-in loop reads them, and checked against the request's
+``tools`` (arguments of any JSON type); ``finish_reason`` is ``tool_calls``, ``stop`` or ``length``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ from fastapi import FastAPI, Request  # module level: the routes' annotations ar
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from lightning_agentrl.envs.base import EnvInfraError, encodable
+from lightning_agentrl.envs.call_formats import CallFormat, read_calls, rendered_probe
 from lightning_agentrl.envs.gateway import AgentError
-from lightning_agentrl.envs.tools import CALL_PATTERN, ToolCallError, ToolSpec, parse_tool_call
+from lightning_agentrl.envs.tools import JSON_TYPES, ToolCall, ToolCallError, ToolSpec, parse_tool_calls
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget, close_env, request_seed
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, Generation, GenerationEngine, SamplingParams
@@ -147,24 +149,35 @@ def tool_specs(tools: Any) -> tuple[ToolSpec, ...]:
         parameters = function.get("parameters")
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         properties = properties if isinstance(properties, dict) else {}
-        specs.append(ToolSpec(function["name"], str(function.get("description", "")), {
-            name: str(p.get("description", "")) if isinstance(p, dict) else "" for name, p in properties.items()}))
+        required = parameters.get("required") if isinstance(parameters, dict) else None
+        required = required if isinstance(required, list) else []
+        specs.append(ToolSpec(
+            function["name"], str(function.get("description", "")),
+            {name: str(p.get("description", "")) if isinstance(p, dict) else "" for name, p in properties.items()},
+            types={name: _json_type(p) for name, p in properties.items()},
+            optional=tuple(name for name in properties if name not in required)))
     return tuple(specs)
 
 
-def split_reply(text: str, specs: tuple[ToolSpec, ...]) -> tuple[str | None, list[dict]]:
-    """The reply's ``content`` and ``tool_calls``: the first call the parser reads against ``specs``
+def _json_type(schema: Any) -> str:
+    """A parameter's JSON type where its schema names one the parser checks, else ``any``."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind if isinstance(kind, str) and kind in JSON_TYPES else "any"
+
+
+def split_reply(text: str, specs: tuple[ToolSpec, ...], call_format: CallFormat) -> tuple[str | None, list[dict]]:
+    """The reply's ``content`` and ``tool_calls``: every call ``call_format`` reads, checked against ``specs``
     (a text that holds none, or a malformed one, is plain content)."""
     if not specs:
         return text, []
     try:
-        call = parse_tool_call(text, specs)
+        calls = parse_tool_calls(text, specs, call_format)
     except ToolCallError:
         return text, []
-    content = CALL_PATTERN.sub("", text).strip() if CALL_PATTERN.search(text) else ""
-    tool_call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-    return content or None, [tool_call]
+    content = read_calls(text, call_format)[0].content(text)
+    return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                              "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+                             for call in calls]
 
 
 def cut_at_stop(ids: list[int], stops: list[str], decode) -> int:
@@ -189,25 +202,16 @@ def tools_as_text(messages: list[dict], specs: tuple[ToolSpec, ...]) -> list[dic
     return [{"role": "system", "content": listing}, *messages]
 
 
-_PROBE_CALL = "probe_call_\u2063"
-
-
 @lru_cache(maxsize=8)
 def renders_tool_calls(codec: ChatCodec) -> bool:
-    """Whether the chat template writes an assistant message's ``tool_calls`` (Qwen, Llama 3.1 do; many do not)."""
-    call = {"type": "function", "function": {"name": _PROBE_CALL, "arguments": {}}}
-    messages = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-    try:
-        rendered = codec.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    except Exception:  # noqa: BLE001 - a template that raises on tool calls renders none
-        return False
-    return _PROBE_CALL in rendered
+    """Whether the chat template writes an assistant message's ``tool_calls`` (Qwen, DeepSeek do; many do not)."""
+    return rendered_probe(codec.tokenizer) is not None
 
 
-def calls_as_text(messages: list[dict], written: dict[str, str]) -> list[dict]:
+def calls_as_text(messages: list[dict], written: dict[str, str], call_format: CallFormat) -> list[dict]:
     """For a template that writes no ``tool_calls``: an assistant message with calls as text. A reply of this
     episode (its first call's id is in ``written``, call id -> the reply's text as decoded from the sampled
-    ids) gets that text back, the policy's own format; another gets each call in the ``<tool_call>`` format."""
+    ids) gets that text back, the policy's own; another gets its calls as ``call_format`` writes them."""
     converted = []
     for message in messages:
         calls = message.get("tool_calls")
@@ -216,8 +220,8 @@ def calls_as_text(messages: list[dict], written: dict[str, str]) -> list[dict]:
             if calls[0].get("id") in written:
                 message["content"] = written[calls[0]["id"]]
             else:
-                text = "".join("<tool_call>" + json.dumps({"name": c["function"].get("name"), "arguments":
-                               c["function"].get("arguments", {})}) + "</tool_call>" for c in calls)
+                text = call_format.write([ToolCall(c["function"].get("name"), c["function"].get("arguments", {}))
+                                          for c in calls])
                 message["content"] = (message["content"] + "\n" if message["content"] else "") + text
         converted.append(message)
     return converted
@@ -431,7 +435,7 @@ class Gateway:
                 options = body.get("stream_options") or {}
                 usage = options.get("include_usage", False) if isinstance(options, dict) else False
                 return StreamingResponse(sse_events(completion, include_usage=usage), media_type="text/event-stream")
-            return completion
+            return JSONResponse(completion)  # a response, not a dict: FastAPI's encoder walk is a third of its cost
 
         return app
 
@@ -455,11 +459,12 @@ class Gateway:
         text_of = episode.codec.decode_action
         keep = cut_at_stop(generation.token_ids, request.stop, text_of)
         text = text_of(generation.token_ids[:keep])
-        content, calls = split_reply(text, request.specs)
+        content, calls = split_reply(text, request.specs, episode.codec.call_format)
         if calls:
             episode.written[calls[0]["id"]] = text
         episode.record(segment, generation, keep, state_key=hashlib.sha256(str(ids).encode()).hexdigest()[:16],
-                       state_text=request.state_text, tool=calls[0]["function"]["name"] if calls else None,
+                       state_text=request.state_text,
+                       tool=",".join(c["function"]["name"] for c in calls) if calls else None,
                        generation_s=generation_s)
         cut = keep < len(generation.token_ids) or generation.finish_reason == "stop"
         reason = "tool_calls" if calls else ("stop" if cut else "length")
@@ -549,7 +554,9 @@ class CallRequest:
         if tools and not codec.renders_tools:
             messages, tools = tools_as_text(messages, self.specs), None
         if not renders_tool_calls(codec):
-            messages = calls_as_text(messages, written)
+            messages = calls_as_text(messages, written, codec.call_format)
+        elif codec.call_format.arguments_as_text:  # e.g. DeepSeek's template concatenates the JSON text
+            messages = [_arguments_as_text(m) if m.get("tool_calls") else m for m in messages]
         if codec.observation_role != "tool":  # e.g. Gemma's template knows no tool role: results as the codec shows them
             messages = [{**m, "role": codec.observation_role} if m["role"] == "tool" else m for m in messages]
         try:
@@ -557,6 +564,13 @@ class CallRequest:
         except Exception as err:  # jinja2's TemplateError, or what a template raises itself
             raise GatewayRefusal(400, f"the policy's chat template cannot render these messages: "
                                       f"{type(err).__name__}: {err}", param="messages") from None
+
+
+def _arguments_as_text(message: dict) -> dict:
+    calls = [{**c, "function": {**c["function"], "arguments": c["function"]["arguments"] if isinstance(
+        c["function"].get("arguments"), str) else json.dumps(c["function"].get("arguments", {}))}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
 
 
 def _note_sampling(body: dict, sampling: SamplingParams, warned: set[str]) -> None:

@@ -78,4 +78,5 @@ def build_sub_agent(settings: Settings) -> EngineSubAgent | None:
     engine = TorchEngine(model, pad_token_id=pad_token_id(tokenizer),
                          max_batch_size=settings.engine.max_batch_size)
     sampling = SamplingParams(max_new_tokens=sub.max_new_tokens, temperature=sub.temperature, seed=settings.run.seed)
-    return EngineSubAgent(engine, ChatCodec(tokenizer), sampling)
+    # its answer is text for the environment: no tool call is read from it, so its template's call format is not probed
+    return EngineSubAgent(engine, ChatCodec(tokenizer, call_format="hermes"), sampling)

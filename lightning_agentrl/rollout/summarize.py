@@ -62,7 +62,8 @@ class Summarizer:
         self.max_summary_tokens = max_summary_tokens
         self.max_observation_chars = max_observation_chars
         # The instruction is a user turn that follows an assistant turn, rendered by the template.
-        self._instruction = ChatCodec(codec.tokenizer, observation_role="user").observation_ids(SUMMARY_INSTRUCTION).all
+        self._instruction = ChatCodec(codec.tokenizer, observation_role="user", call_format=codec.call_format.name
+                                      ).observation_ids(SUMMARY_INSTRUCTION).all
 
     @property
     def writes_actions(self) -> bool:
