@@ -521,7 +521,8 @@ class TrainerSettings(_Section):
     micro_batch_tokens: int = Field(4096, ge=64)
     """Tokens per forward/backward pass; a batch is split into micro-batches of about this size."""
     logprob_chunk_tokens: int = Field(256, ge=1)
-    """Tokens per chunk when computing log-probs (bounds the [tokens, vocab] logits in memory)."""
+    """Tokens per chunk when computing log-probs (bounds the [tokens, vocab] logits in memory); at most as many as
+    keep one chunk's float32 logits within 32 MiB (55 tokens at a 152k vocabulary, all 256 at 32k)."""
     strategy: StrategyName = "auto"
     """Lightning strategy; DeepSpeed ZeRO-2/3 also run on CPU."""
     offload_optimizer: bool = False

@@ -9,7 +9,8 @@ Shapes:
 A 32k-token packed batch with a 150k vocabulary would need 32k x 150k x 4 bytes = 19 GB of fp32
 logits, and autograd would keep them for the backward pass. Here the positions are processed in
 chunks of ``chunk_size``; each chunk's logits live only inside that chunk and are recomputed during
-backward (activation checkpointing), so peak memory is one chunk's ``[chunk_size, V]``.
+backward, so peak memory is one chunk's ``[chunk_size, V]`` beside one ``[V, H]`` gradient of the output
+matrix, accumulated in place across chunks (:class:`_ChunkedLogprobs`).
 
 **The log-prob rule** (one for every engine and the trainer; ``engine.logprobs: softmax``, below, is
 the same rule without the filters): the log-prob of a token is its
@@ -57,7 +58,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 
 def sampling_logits(
@@ -173,7 +173,15 @@ def _chunk_logprobs(
     compute_entropy: bool,
 ) -> tuple[Tensor, Tensor]:
     """One chunk: hidden[C, H] -> (logprobs[C], entropy[C] or an empty tensor), in float32."""
-    logits = sampling_logits(F.linear(hidden, weight, bias), temperature, top_p, top_k, keep_ids=targets)  # [C, V]
+    return _chunk_logprobs_from_logits(F.linear(hidden, weight, bias), targets, temperature, top_p, top_k,
+                                       compute_entropy)
+
+
+def _chunk_logprobs_from_logits(
+    raw_logits: Tensor, targets: Tensor, temperature: float, top_p: float, top_k: int, compute_entropy: bool
+) -> tuple[Tensor, Tensor]:
+    """logits[C, V] -> (logprobs[C], entropy[C] or an empty tensor) under the log-prob rule, in float32."""
+    logits = sampling_logits(raw_logits, temperature, top_p, top_k, keep_ids=targets)  # [C, V]
     log_norm = torch.logsumexp(logits, dim=-1)  # [C]
     target_logits = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     logprobs = target_logits - log_norm
@@ -185,6 +193,36 @@ def _chunk_logprobs(
     kept_logits = torch.where(torch.isinf(logits), torch.zeros_like(logits), logits)
     entropy = log_norm - (probs * kept_logits).sum(dim=-1)
     return logprobs, entropy
+
+
+def _chunk_logits_grad(raw_logits: Tensor, targets: Tensor, temperature: float, top_p: float, top_k: int,
+                       grad_logprobs: Tensor, grad_entropy: Tensor | None) -> Tensor:
+    """dL/d(raw logits)[C, V] of one chunk, in closed form and in place (two ``[C, V]`` float32 tensors at
+    most, where autograd through :func:`_chunk_logprobs_from_logits` keeps four or five).
+
+    With ``z' = sampling_logits(z)`` (``z / T``, dropped ids at -inf), ``p = softmax(z')`` (0 on dropped
+    ids), ``g`` the upstream gradient of the log-probs and ``e`` that of the entropies:
+
+        d log pi(y) / dz_v = (1[v = y] - p_v) / T
+        d H / dz_v         = -p_v (z'_v - sum_u p_u z'_u) / T          (0 on dropped ids)
+
+    The kept set is held fixed, as in the forward's gradient (module docstring).
+    """
+    scaled = sampling_logits(raw_logits, temperature, top_p, top_k, keep_ids=targets)  # [C, V] float32
+    del raw_logits
+    probs = torch.softmax(scaled, dim=-1)  # [C, V]
+    if grad_entropy is not None:
+        kept = torch.where(torch.isinf(scaled), torch.zeros_like(scaled), scaled)  # no 0 * inf
+        del scaled
+        mean = (probs * kept).sum(-1, keepdim=True)  # [C, 1]
+        kept.sub_(mean).mul_(probs).mul_(-grad_entropy.float().unsqueeze(-1))  # e * dH/dz' (before / T)
+        grad = kept
+        grad.sub_(probs * grad_logprobs.float().unsqueeze(-1))
+    else:
+        del scaled
+        grad = probs.mul_(-grad_logprobs.float().unsqueeze(-1))
+    grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logprobs.float().unsqueeze(-1))
+    return grad.div_(temperature)
 
 
 def token_logprobs(
@@ -238,31 +276,74 @@ def token_logprobs(
     if target_ids.numel() and (target_ids.min() < 0 or target_ids.max() >= vocab_size):
         raise ValueError(f"target_ids must be in [0, {vocab_size})")
 
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, lm_head_weight, lm_head_bias)
-    )
-    logprob_chunks: list[Tensor] = []
-    entropy_chunks: list[Tensor] = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        args = (
-            hidden[start : start + chunk_size],
-            lm_head_weight,
-            lm_head_bias,
-            target_ids[start : start + chunk_size],
-            temperature,
-            top_p,
-            top_k,
-            compute_entropy,
-        )
-        if needs_grad:
-            # Keep only the chunk's inputs for backward; its [C, V] logits are recomputed there.
-            logprobs, entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            logprobs, entropy = _chunk_logprobs(*args)
-        logprob_chunks.append(logprobs)
-        entropy_chunks.append(entropy)
-
-    if not logprob_chunks:
+    if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
-    return torch.cat(logprob_chunks), (torch.cat(entropy_chunks) if compute_entropy else None)
+    options = (temperature, top_p, top_k, compute_entropy, chunk_rows(chunk_size, vocab_size))
+    logprobs, entropy = _ChunkedLogprobs.apply(hidden, lm_head_weight, lm_head_bias, target_ids, options)
+    return logprobs, (entropy if compute_entropy else None)
+
+
+CHUNK_LOGIT_BYTES = 32 * 2**20
+"""At most this many bytes of float32 logits per chunk: at a large vocabulary the chunk's ``[C, V]`` tensors,
+not the positions, bound the peak (two of them beside the ``[V, H]`` gradient in the backward)."""
+
+
+def chunk_rows(chunk_size: int, vocab_size: int) -> int:
+    """Positions per chunk: ``chunk_size``, fewer where ``[chunk, vocab]`` float32 logits would pass
+    :data:`CHUNK_LOGIT_BYTES`, at least 1.
+
+    >>> chunk_rows(256, 32_000), chunk_rows(256, 152_064), chunk_rows(8, 10**9)
+    (256, 55, 1)
+    """
+    return max(1, min(chunk_size, CHUNK_LOGIT_BYTES // (4 * vocab_size)))
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """:func:`token_logprobs`'s forward and backward, chunk by chunk, with the output matrix's gradient
+    accumulated in place (a fused linear log-prob, as Liger's fused linear cross-entropy).
+
+    Forward keeps only the inputs. Backward recomputes each chunk's logits ``z_c = h_c W^T + b``
+    ([C, V]), takes ``dL/dz_c`` through :func:`_chunk_logprobs` (the same math as forward, so the same
+    rule and filters), and then
+
+        dW += (dL/dz_c)^T h_c      [V, H], added in place into one buffer
+        dh_c = (dL/dz_c) W          [C, H]
+        db += sum_c dL/dz_c         [V]
+
+    so the backward holds one ``[V, H]`` gradient and one chunk's ``[C, V]`` tensors at a time, where
+    autograd over checkpointed chunks built a ``[V, H]`` gradient per chunk and then added it to the
+    running one (two at once: at a 152k vocabulary that second matrix was most of the peak).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, options):
+        temperature, top_p, top_k, compute_entropy, chunk_size = options
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.options = options
+        parts = [_chunk_logprobs(hidden[i : i + chunk_size], weight, bias, targets[i : i + chunk_size],
+                                 temperature, top_p, top_k, compute_entropy)
+                 for i in range(0, hidden.shape[0], chunk_size)]
+        return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        temperature, top_p, top_k, compute_entropy, chunk_size = ctx.options
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        for i in range(0, hidden.shape[0], chunk_size):
+            h = hidden[i : i + chunk_size]
+            g_ent = grad_entropy[i : i + chunk_size] if compute_entropy and grad_entropy is not None else None
+            grad_z = _chunk_logits_grad(F.linear(h, weight, bias), targets[i : i + chunk_size], temperature, top_p,
+                                        top_k, grad_logprobs[i : i + chunk_size], g_ent).to(weight.dtype)
+            if need_w:
+                grad_w.addmm_(grad_z.T, h.to(weight.dtype))
+            if need_h:
+                grad_h[i : i + chunk_size] = (grad_z @ weight).to(hidden.dtype)
+            if need_b:
+                grad_b += grad_z.sum(0).to(bias.dtype)
+            del grad_z
+        return grad_h, grad_w, grad_b, None, None

@@ -231,3 +231,26 @@ def test_a_row_keeps_the_same_ids_alone_or_beside_rows_that_need_the_sort():
     greedy_p = torch.cat([torch.full((16, 1), 0.8), torch.ones(1, 1)])  # top-p 1 (a greedy row): the sort
     beside_greedy = torch.isinf(logprobs.sampling_logits(torch.cat([rows, rows[:1]]), 1.0, greedy_p))[:16]
     assert torch.equal(alone, beside_flat) and torch.equal(alone, beside_greedy)
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(1.0, 0), (0.8, 0), (1.0, 7), (0.6, 12)])
+def test_closed_form_backward_equals_autograd_through_the_rule(top_p, top_k):
+    """The fused backward (dW accumulated in place, dL/dz in closed form) against plain autograd through
+    the same rule on full logits, with the nucleus and top-k filters, a temperature and both outputs."""
+    from lightning_agentrl.algorithms.logprobs import _chunk_logprobs
+
+    hidden, weight, bias, targets = inputs(n=29, v=61, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    up_lp, up_ent = torch.randn(29, generator=gen, dtype=torch.float64), torch.randn(29, generator=gen, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        h, w, b = (t.clone().requires_grad_(True) for t in (hidden, weight, bias))
+        if fused:
+            lp, ent = token_logprobs(h, w, targets, temperature=0.7, top_p=top_p, top_k=top_k, chunk_size=6, lm_head_bias=b)
+        else:
+            lp, ent = _chunk_logprobs(h, w, b, targets, 0.7, top_p, top_k, True)
+        ((lp.double() * up_lp).sum() + (ent.double() * up_ent).sum()).backward()
+        grads.append((lp.detach(), ent.detach(), h.grad, w.grad, b.grad))
+    for got, want in zip(*grads, strict=True):
+        # float32 inside both (the rule's contract): equal to float32 rounding of values up to ~10
+        assert torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-5), (got - want).abs().max()
