@@ -25,7 +25,7 @@ from lightning_agentrl.envs.base import (
     clip,
     history_summary,
 )
-from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_call
+from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_call, tool_spec
 from lightning_agentrl.tasks import Task
 
 if TYPE_CHECKING:
@@ -155,6 +155,17 @@ class CodingEnv(Environment):
     def _observe(self, text: str, error: bool = False, **info) -> StepResult:
         self._last_observation = clip(text, self.max_observation_chars)  # kept with a parked episode's state
         return StepResult(text, info={**info, "error": error})  # the agent loop clips what the agent sees
+
+    def demonstration(self, rng) -> list[str] | None:
+        """The task's reference fix (its ``solution/`` files) as calls: read every workspace file the fix does
+        not replace (what it needs to know, e.g. the key to copy), write each file of the fix, submit. None for a
+        task without a solution."""
+        if not self.task.solution_files:
+            return None
+        read, write, submit = (tool_spec(name) for name in ("read_file", "write_file", "submit"))
+        reads = [read.call(path=path) for path in sorted(set(self.task.files) - set(self.task.solution_files))]
+        writes = [write.call(path=path, content=text) for path, text in sorted(self.task.solution_files.items())]
+        return [*reads, *writes, submit.call()]
 
     def classify_error(self, err: Exception) -> EnvInfraError | ToolTimeout | None:
         from sandbox_client import CommandTimeout, SandboxInfraError
