@@ -304,7 +304,8 @@ def _demonstrations(settings: Settings, codec, tasks: list, run_dir: Path) -> li
 
     sandbox = make_sandbox(settings, run_dir)
     try:
-        sandbox.start()
+        if sandbox.url is None:  # sandbox.url unset: the reference server on loopback, as fit starts it
+            sandbox.start()
         demos, left_out = build_demonstrations(settings, codec, tasks, sandbox.make_client())
     finally:
         sandbox.close()
