@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,14 +115,18 @@ def test_fit_starts_from_the_sft_policy(sft_run, tmp_path):
 
 
 def test_coding_demonstrations_are_played_in_the_sandbox_and_solve_their_tasks(tmp_path):
-    run_dir = tmp_path / "sft"
+    run_dir, tasks = tmp_path / "sft", tmp_path / "tasks"
+    for name in ("train_000", "train_001", "test_040"):
+        shutil.copytree(REPO / "tasks" / "learn" / name, tasks / name)
     code = main(["sft", "--config", str(REPO / "configs" / "smoke.yaml"), f"--run.dir={run_dir}", CACHE, *TINY,
-                 "--trainer.threads=1", "--sft.steps=1", "--sft.batch_size=2", "--tracking.enabled=false"])
+                 f"--env.tasks={tasks}", "--trainer.threads=1", "--sft.steps=1", "--sft.batch_size=2",
+                 "--tracking.enabled=false"])
     assert code == 0
     demos = [json.loads(line) for line in (run_dir / "demonstrations.jsonl").read_text().splitlines()]
-    assert len(demos) == 40 and all(d["reward"] == 1.0 for d in demos)  # the hidden check passed: a real copy
+    assert [d["task_id"] for d in demos] == ["train_000", "train_001"]  # never the held-out task
+    assert all(d["reward"] == 1.0 for d in demos)  # the hidden check passed: a real copy
     first = demos[0]["text"]
-    key = (REPO / "tasks" / "learn" / demos[0]["task_id"] / "workspace" / "key.txt").read_text()
+    key = (tasks / "train_000" / "workspace" / "key.txt").read_text()
     assert f'"content": {json.dumps(key)}' in first and "<|im_start|>tool\n" + key in first  # read, then copied
 
 
