@@ -37,7 +37,8 @@ MODEL = "smollm2-135m-instruct"
 
 def product(*args: str, log: Path, timeout_s: float | None = None) -> int:
     """``python -m lightning_agentrl ARGS`` with its output in ``log``; SIGTERM after ``timeout_s`` (the run
-    checkpoints and exits 143), SIGKILL if it is still alive ``stop_grace`` later. Returns the exit status."""
+    checkpoints and exits 143; the config's ``trainer.stop_grace_s`` lets a slow step finish), SIGKILL if it is still
+    alive 1,000 s later. Returns the exit status."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "lightning_agentrl", *args], cwd=REPO, env=env,
@@ -47,7 +48,7 @@ def product(*args: str, log: Path, timeout_s: float | None = None) -> int:
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGTERM)
             try:
-                return process.wait(timeout=600)
+                return process.wait(timeout=1000)
             except subprocess.TimeoutExpired:
                 process.kill()
                 return process.wait()
