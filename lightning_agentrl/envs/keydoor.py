@@ -171,9 +171,11 @@ class KeyDoorEnv(Environment):
             reward, text = KEY_REWARD, f"You picked up key {glyph}."
         return text, reward, False
 
-    def demonstration(self, rng) -> list[str]:
-        """A shortest walk to the goal (:func:`solve`, moves tried in an order ``rng`` draws) as move calls."""
-        return [KEYDOOR_TOOLS[0].call(direction=direction) for direction in solve(self.task, rng)]
+    def demonstration(self, rng) -> list[str] | None:
+        """A shortest walk to the goal (:func:`solve`, moves tried in an order ``rng`` draws) as move calls; None
+        for a map without one."""
+        walk = solve(self.task, rng)
+        return None if walk is None else [KEYDOOR_TOOLS[0].call(direction=direction) for direction in walk]
 
     def state_dict(self) -> dict:
         return {"position": list(self.position), "keys": sorted(self.keys), "opened": sorted(self.opened)}
