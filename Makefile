@@ -16,7 +16,7 @@ export DS_ACCELERATOR ?= cpu
 
 # benchmarks/compare.py NAME, each a `make compare-NAME` target
 COMPARISONS = gigpo gigpo_detour mask truncation rooms_gigpo rooms_similarity rooms_truncation rooms_critic rooms_staleness
-.PHONY: install smoke test test-fast lint format bench mlflow-ui validate-tasks learn compare credit $(addprefix compare-,$(COMPARISONS)) clean
+.PHONY: install smoke test test-fast lint format bench mlflow-ui validate-tasks learn learn-real compare credit $(addprefix compare-,$(COMPARISONS)) clean
 
 install: $(STAMP) $(TOOLS_STAMP)
 
@@ -96,6 +96,11 @@ bench: $(BENCH_STAMP)
 # (benchmarks/results/learn_cpu.json and .png).
 learn: install
 	$(PY) benchmarks/learn_cpu.py --run-dir runs/learn_cpu-$(RUN_ID)
+
+# A real model: SmolLM2-135M-Instruct, per seed sft -> evaluate -> 60 minutes of RL -> evaluate, held-out
+# success before and after RL (benchmarks/results/learn_real.json and .png; about 3.5 hours on 2 cores).
+learn-real: install
+	$(PY) benchmarks/learn_real.py --run-dir runs/learn_real-$(RUN_ID)
 
 # Credit-assignment comparisons at equal rollout budget (held-out success, 3 seeds, mean ± std).
 # `make compare` runs the first three at once, one torch thread each (on 2 cores this finishes

@@ -1,6 +1,7 @@
-"""Command line: ``python -m lightning_agentrl {fit,validate,plan,inspect,credit,export,evaluate} ...``.
+"""Command line: ``python -m lightning_agentrl {fit,sft,validate,plan,inspect,credit,export,evaluate} ...``.
 
     python -m lightning_agentrl fit --config configs/smoke.yaml [--resume last] [--section.field=value ...]
+    python -m lightning_agentrl sft --config configs/sft_keydoor.yaml      # a warm start on demonstrations (sft.*)
     python -m lightning_agentrl validate --config configs/smoke.yaml      # settings, inputs, services [--offline]
     python -m lightning_agentrl plan --config configs/gpu_zero2.yaml --gpus 8 --gpu-memory 80GiB  # memory per GPU
     python -m lightning_agentrl inspect runs/smoke                          # a run folder or a .jsonl file
@@ -23,7 +24,8 @@ from lightning_agentrl.settings import SettingsError, load_settings, settings_he
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_agentrl", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("fit", "train a policy"), ("validate", "check settings and print them resolved")):
+    for name, text in (("fit", "train a policy"), ("validate", "check settings and print them resolved"),
+                       ("sft", "warm-start a policy on demonstrations of the training tasks (the sft section)")):
         p = sub.add_parser(
             name,
             help=text,
@@ -31,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
             description=f"{text}. Overrides: --section.field=value (see the list below).",
         )
         p.add_argument("--config", type=Path, help="YAML settings file")
-        p.add_argument("--resume", choices=["never", "last"], help="same as --run.resume")
+        if name != "sft":
+            p.add_argument("--resume", choices=["never", "last"], help="same as --run.resume")
         p.add_argument("-h", "--help", action="store_true", help="show this help and every setting")
         if name == "validate":
             p.add_argument("--offline", action="store_true", help="skip the network checks (services, hub)")
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print("Settings (YAML section.field, AGENTRL_SECTION__FIELD, or --section.field=value):")
         print("\n".join(settings_help()))
         return 0
-    if args.resume:
+    if getattr(args, "resume", None):
         rest.append(f"--run.resume={args.resume}")
     try:
         settings = load_settings(args.config or _resume_base(rest), rest)
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "validate":
         return _validate(settings, offline=args.offline)
-    return _fit(settings)
+    return _fit(settings, sft=args.command == "sft")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -260,8 +263,8 @@ def _validate(settings, *, offline: bool) -> int:
     return 0
 
 
-def _fit(settings) -> int:
-    """``fit``: train, then print where everything went; exit 2 for settings, 3 for a failed
+def _fit(settings, *, sft: bool = False) -> int:
+    """``fit`` (or ``sft``): train, then print where everything went; exit 2 for settings, 3 for a failed
     dependency, 128 + n for signal n."""
     from rich.console import Console
 
@@ -270,7 +273,11 @@ def _fit(settings) -> int:
 
     console = Console(stderr=True)
     try:
-        result = fit(settings)
+        if sft:
+            from lightning_agentrl.sft import sft as train
+        else:
+            train = fit
+        result = train(settings)
     except SettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

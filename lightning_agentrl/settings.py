@@ -552,6 +552,25 @@ class TrainerSettings(_Section):
     second signal, exits at once with that status, without a new checkpoint."""
 
 
+class SFTSettings(_Section):
+    """``python -m lightning_agentrl sft``: a supervised warm start on demonstrations the environment's own
+    solver writes (``Environment.demonstration``) for the tasks of the training split, rendered with the
+    policy's chat template and tools as ``fit`` prompts it; the loss is the mean negative log-likelihood of
+    the action tokens (loss mask 1, as in ``fit``). The run folder is laid out like ``fit``'s; ``fit
+    --model.path=<run.dir>/policy`` continues from it with RL."""
+
+    steps: int = Field(50, ge=1)
+    """Optimizer steps."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate (constant; ``trainer.weight_decay``, ``trainer.adam_eps`` and ``trainer.grad_clip``
+    apply)."""
+    batch_size: int = Field(8, ge=1)
+    """Demonstrations per optimizer step (drawn in a seeded shuffled order, again and again)."""
+    demos_per_task: int = Field(1, ge=1)
+    """Demonstrations written per training task; they differ where the solver has a choice (equally short
+    walks), else they repeat."""
+
+
 class TrackingSettings(_Section):
     enabled: bool = True
     """Record the run with MLflow."""
@@ -588,6 +607,8 @@ class Settings(BaseSettings):
     """Advantages and losses."""
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     """Optimization and Lightning."""
+    sft: SFTSettings = Field(default_factory=SFTSettings)
+    """The supervised warm start (`python -m lightning_agentrl sft`)."""
     tracking: TrackingSettings = Field(default_factory=TrackingSettings)
     """MLflow."""
 

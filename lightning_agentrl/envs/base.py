@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -240,6 +241,15 @@ class Environment(ABC):
 
     async def close(self) -> None:
         """Release what the episode holds (called once, also after errors). Default: nothing to release."""
+        return None
+
+    # -- demonstrations (``python -m lightning_agentrl sft``) -------------------------------------
+    def demonstration(self, rng: random.Random) -> list[str] | None:
+        """The actions of a solution of this episode's task, one per turn, written as the agent would write
+        them (the tool-call form :func:`~lightning_agentrl.envs.tools.parse_tool_call` reads); called after
+        :meth:`reset`. ``sft`` plays them through :meth:`step` (the observations are the environment's own) to
+        build supervised demonstrations. ``rng`` may choose among equally good solutions, so several
+        demonstrations of one task differ. Default: None, no solver (``sft`` refuses the environment)."""
         return None
 
     # -- GiGPO anchor states -----------------------------------------------------------------------

@@ -26,7 +26,12 @@ from lightning_agentrl.envs.base import (
     history_summary,
     step_each,
 )
-from lightning_agentrl.envs.tools import CODING_TOOLS, ToolCallError, parse_tool_calls
+from lightning_agentrl.envs.tools import (
+    CODING_TOOLS,
+    ToolCallError,
+    parse_tool_calls,
+    tool_spec,
+)
 from lightning_agentrl.tasks import Task
 
 if TYPE_CHECKING:
@@ -159,6 +164,17 @@ class CodingEnv(Environment):
     def _observe(self, text: str, error: bool = False, **info) -> StepResult:
         self._last_observation = clip(text, self.max_observation_chars)  # kept with a parked episode's state
         return StepResult(text, info={**info, "error": error})  # the agent loop clips what the agent sees
+
+    def demonstration(self, rng) -> list[str] | None:
+        """The task's reference fix (its ``solution/`` files) as calls: read every workspace file the fix does
+        not replace (what it needs to know, e.g. the key to copy), write each file of the fix, submit. None for a
+        task without a solution."""
+        if not self.task.solution_files:
+            return None
+        read, write, submit = (tool_spec(name) for name in ("read_file", "write_file", "submit"))
+        reads = [read.call(path=path) for path in sorted(set(self.task.files) - set(self.task.solution_files))]
+        writes = [write.call(path=path, content=text) for path, text in sorted(self.task.solution_files.items())]
+        return [*reads, *writes, submit.call()]
 
     def classify_error(self, err: Exception) -> EnvInfraError | ToolTimeout | None:
         from sandbox_client import CommandTimeout, SandboxInfraError

@@ -23,6 +23,7 @@ shortest solution (every shipped map has one).
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,12 @@ class KeyDoorEnv(Environment):
             reward, text = KEY_REWARD, f"You picked up key {glyph}."
         return text, reward, False
 
+    def demonstration(self, rng) -> list[str] | None:
+        """A shortest walk to the goal (:func:`solve`, moves tried in an order ``rng`` draws) as move calls; None
+        for a map without one."""
+        walk = solve(self.task, rng)
+        return None if walk is None else [KEYDOOR_TOOLS[0].call(direction=direction) for direction in walk]
+
     def state_dict(self) -> dict:
         return {"position": list(self.position), "keys": sorted(self.keys), "opened": sorted(self.opened)}
 
@@ -181,15 +188,19 @@ class KeyDoorEnv(Environment):
         self.keys, self.opened = set(state["keys"]), set(state["opened"])
 
 
-def solve(task: KeyDoorTask) -> list[str] | None:
-    """A shortest list of directions from S to G (breadth-first over square, keys and doors); None if none."""
+def solve(task: KeyDoorTask, rng: random.Random | None = None) -> list[str] | None:
+    """A shortest list of directions from S to G (breadth-first over square, keys and doors); None if none.
+    ``rng`` shuffles the order moves are tried in, which picks one of several shortest walks."""
+    moves = list(MOVES.items())
+    if rng is not None:
+        rng.shuffle(moves)
     env = KeyDoorEnv(task)
     start = (env.position, frozenset(), frozenset())
     paths: dict[tuple, list[str]] = {start: []}
     queue = deque([start])
     while queue:
         state = queue.popleft()
-        for direction, delta in MOVES.items():
+        for direction, delta in moves:
             env.load_state_dict({"position": state[0], "keys": state[1], "opened": state[2]})
             _, _, done = env._move(delta)
             if done:

@@ -26,6 +26,7 @@ Tasks are JSONL, one start a line, the world inline::
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,9 +88,10 @@ def load_rooms_tasks(path: str | Path, *, split: str | None = None) -> list[Room
     return load_jsonl_tasks(path, parse_task, split=split, what="rooms")
 
 
-def shortest_path(task: RoomsTask) -> list[str] | None:
+def shortest_path(task: RoomsTask, rng: random.Random | None = None) -> list[str] | None:
     """A shortest list of directions from the start to the goal (not through exit rooms); None if none.
-    Breadth-first with one back-pointer per room (memory linear in the rooms)."""
+    Breadth-first with one back-pointer per room (memory linear in the rooms); ``rng`` shuffles the order
+    exits are tried in, which picks one of several shortest paths."""
     came_from: dict[str, tuple[str, str] | None] = {task.start: None}
     queue = deque([task.start])
     while queue:
@@ -102,7 +104,10 @@ def shortest_path(task: RoomsTask) -> list[str] | None:
             return path[::-1]
         if room in task.exit_rooms:
             continue
-        for direction, following in task.rooms[room].items():
+        exits = list(task.rooms[room].items())
+        if rng is not None:
+            rng.shuffle(exits)
+        for direction, following in exits:
             if following not in came_from:
                 came_from[following] = (room, direction)
                 queue.append(following)
@@ -156,6 +161,10 @@ class RoomsEnv(Environment):
         reward = self.task.bonus_rooms.get(self.room, 0.0) if first_entry else 0.0
         self._view = self._describe()
         return StepResult(self._view, reward=reward, info={"tool": "move", "error": False})
+
+    def demonstration(self, rng) -> list[str]:
+        """A shortest path to the goal (:func:`shortest_path`), one bare direction per turn."""
+        return shortest_path(self.task, rng)
 
     def state_dict(self) -> dict:
         return {"room": self.room, "visited": sorted(self.visited), "clock": self.clock}

@@ -53,8 +53,18 @@ class ToolSpec:
         """
         arguments = {k: self.example.get(k, "") for k in self.parameters}
         signature = ", ".join(f"{k}: {v}" for k, v in self.parameters.items())
-        call = json.dumps({"name": self.name, "arguments": arguments})
-        return f"- {self.name}({signature}): {self.description}\n  <tool_call>{call}</tool_call>"
+        return f"- {self.name}({signature}): {self.description}\n  {self.call(**arguments)}"
+
+    def call(self, **arguments: str) -> str:
+        """The text of one call, in the form :meth:`render` shows and :func:`parse_tool_call` reads (what a
+        demonstration writes).
+
+        >>> ToolSpec("move", "walk", {"direction": "a direction"}).call(direction="east")
+        '<tool_call>{"name": "move", "arguments": {"direction": "east"}}</tool_call>'
+        """
+        if set(arguments) != set(self.parameters):
+            raise ValueError(f"{self.name} takes {sorted(self.parameters)}, got {sorted(arguments)}")
+        return "<tool_call>" + json.dumps({"name": self.name, "arguments": arguments}) + "</tool_call>"
 
 
 CODING_TOOLS: tuple[ToolSpec, ...] = (
@@ -69,6 +79,11 @@ CODING_TOOLS: tuple[ToolSpec, ...] = (
     ),
     ToolSpec("submit", "finish; hidden tests decide the reward", {}),
 )
+
+
+def tool_spec(name: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> ToolSpec:
+    """The tool of ``tools`` called ``name``."""
+    return next(tool for tool in tools if tool.name == name)
 
 
 @dataclass(frozen=True)
