@@ -709,6 +709,7 @@ def build_trainer(settings: Settings, run_dir: Path, service, sandbox, tokenizer
             offload_optimizer=t.offload_optimizer,
             accelerator=t.accelerator,
             gradient_clipping=t.grad_clip if deepspeed else None,
+            exclude_frozen_parameters=settings.model.lora,
         ),
         precision=t.precision,
         logger=False,  # rank 0's MLflow logger joins after construction (fit)
