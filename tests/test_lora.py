@@ -126,6 +126,10 @@ def test_the_engine_samples_with_the_trainers_adapters(lora_run):
     engine_state = engine.model.state_dict()
     # the last sync (after step 1) is what step 2 started from
     assert all(torch.equal(engine_state[name], value) for name, value in probe.adapters.items())
+    # merged into the engine's weights from the base as loaded: decoding runs no adapter matmul
+    weights = {k.replace(".base_layer.", "."): v for k, v in engine_state.items() if ".lora_" not in k}
+    assert weights.keys() == probe.merged.keys()
+    assert all(torch.equal(weights[name], value) for name, value in probe.merged.items())
     assert metrics[1]["mismatch/logprob_max"] < 1e-4  # lag-0 tokens sampled under the synced adapters
 
 
