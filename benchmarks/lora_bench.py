@@ -13,9 +13,9 @@ Each variant runs
 in a process of its own, so its peak resident memory (``VmHWM``) is its own: the model, the gradients, Adam's
 moments and the activations of one step.
 
-Measured per variant: seconds per step (the median of ``--steps`` after one warm-up step) and its stages (the
-forward pass alone, timed once without gradients; the backward pass, the forward and backward minus it; the
-optimizer update: clipping, step, zeroing), peak memory, bytes of optimizer state after a step, bytes sent per
+Measured per variant: seconds per step (the median of ``--steps`` after one warm-up step), wall and CPU time,
+and the CPU time of its stages (the forward pass alone, without gradients; the backward pass, the forward and
+backward minus it; the optimizer update: clipping, step, zeroing), peak memory, bytes of optimizer state after a step, bytes sent per
 weight sync. Targets (rank 8): steps >= 1.3x faster, >= 5x
 fewer optimizer-state bytes, >= 20x fewer bytes per sync. Writes ``benchmarks/results/lora.json`` and prints
 one line.
@@ -133,28 +133,29 @@ def run_variant(args: argparse.Namespace) -> dict:
     module.configure_model()
     optimizer = module.configure_optimizers()["optimizer"]
     batch = make_batch(module.policy, args)
-    seconds, cpu_seconds, update_seconds, optimizer_seconds = [], [], [], []
+    seconds, cpu_seconds, update_cpu, optimizer_cpu = [], [], [], []
     for step in range(args.steps + 1):
         started, cpu_started = time.perf_counter(), time.process_time()
         module.accumulate_gradients(batch)
-        stepping = time.perf_counter()
+        cpu_stepping = time.process_time()
         torch.nn.utils.clip_grad_norm_(module.parameters(), settings.trainer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step:  # the first step warms up (allocations, Adam's state)
             seconds.append(time.perf_counter() - started)
             cpu_seconds.append(time.process_time() - cpu_started)
-            update_seconds.append(stepping - started)
-            optimizer_seconds.append(time.perf_counter() - stepping)
-    forward = forward_seconds(module, batch)
+            update_cpu.append(cpu_stepping - cpu_started)
+            optimizer_cpu.append(time.process_time() - cpu_stepping)
+    forward = statistics.median(forward_cpu_seconds(module, batch) for _ in range(args.steps))
     # Adam's moments (exp_avg, exp_avg_sq); its per-tensor step counters are scalars of no weight
     state = [t for s in optimizer.state.values() for key, t in s.items() if torch.is_tensor(t) and key != "step"]
     sync = engine_weights(module.policy)
     return {
         "variant": args.variant,
         "seconds_per_step": statistics.median(seconds),
-        "stages_s": {"forward": forward, "backward": statistics.median(update_seconds) - forward,
-                     "optimizer": statistics.median(optimizer_seconds)},
+        # CPU seconds of each stage (wall time on a shared machine counts the others' load)
+        "stages_cpu_s": {"forward": forward, "backward": statistics.median(update_cpu) - forward,
+                         "optimizer": statistics.median(optimizer_cpu)},
         # CPU time of the process (all its threads): on a shared machine wall time also counts the others' load
         "cpu_seconds_per_step": statistics.median(cpu_seconds),
         "peak_rss_bytes": peak_rss_bytes(),
@@ -166,16 +167,16 @@ def run_variant(args: argparse.Namespace) -> dict:
     }
 
 
-def forward_seconds(module, batch) -> float:
-    """Seconds of the policy's forward pass over the batch (hidden states and log-probs), without gradients."""
+def forward_cpu_seconds(module, batch) -> float:
+    """CPU seconds of the policy's forward pass over the batch (hidden states and log-probs), without gradients."""
     import torch
 
-    started = time.perf_counter()
+    started = time.process_time()
     with torch.no_grad():
         targets_at = torch.nonzero(batch.loss_mask[1:] > 0).squeeze(-1) + 1
         hidden = module.hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
         module.token_logprobs_at(module.policy, hidden, batch.input_ids, targets_at)
-    return time.perf_counter() - started
+    return time.process_time() - started
 
 
 def main(argv: list[str] | None = None) -> dict:
