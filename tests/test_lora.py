@@ -451,3 +451,14 @@ def test_the_value_head_trains_in_full_beside_the_adapters(tiny_model_path):
     assert in_optimizer == {id(module.get_parameter(name)) for name in names}  # nothing of the frozen base
     module.accumulate_gradients(make_batch(module.policy, [1, 0, 1, 1]))
     assert module.value_head.weight.grad.abs().max() > 0
+
+
+def test_held_out_evaluation_plays_the_adapters_of_each_step(tmp_path):
+    """``eval.every_n_steps`` with LoRA: before an evaluation the engine gets the adapters (not the PeftModel's
+    whole state, whose names the engine lacks), so it evaluates the version just trained."""
+    settings = learn_settings(tmp_path, *LORA, "--algorithm.entropy_coef=0.01", "--eval.every_n_steps=1",
+                              "--eval.split=all", "--eval.samples_per_task=1", "--trainer.max_steps=1")
+    engines = []
+    result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
+    assert result.global_step == 1
+    assert engines[0].policy_version == 1  # no sync after the last step: the final evaluation pushed it
