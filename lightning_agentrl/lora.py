@@ -10,10 +10,9 @@ from the base model exactly). What this module keeps true:
 - The KL reference is the policy with its adapters disabled (``PeftModel.disable_adapter``): the base
   itself, with no second copy of the weights.
 - A weight sync sends the adapters only (:func:`engine_weights`). The torch engine holds its own base
-  with the same adapters injected, unmerged, and loads them by name: it then runs the trainer's own
-  arithmetic, so lag-0 log-probs agree to float rounding, and its base is never rewritten, so repeated
-  merges and unmerges cannot drift it (in bfloat16 they would). The price is the adapters' small extra
-  matmuls per decoded token.
+  with the same adapters injected, loads them by name and merges them out of place from the base as
+  loaded (:class:`MergedAdapters`): decoding runs no extra adapter matmul, lag-0 log-probs agree to float
+  rounding, and repeated syncs cannot drift the base.
 - A checkpoint holds the trainable tensors only; the base comes from ``model.path``, which a resume keeps.
 - ``<run.dir>/adapter/`` is peft's own folder (``PeftModel.from_pretrained`` loads it); ``<run.dir>/policy/``
   is the merged model, merged out of place (:func:`merged_state_dict`), so training weights stay unmerged.
@@ -50,10 +49,31 @@ def apply_lora(model: torch.nn.Module, settings: ModelSettings, *, seed: int = 0
     from peft import get_peft_model
 
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
         # model.gradient_checkpointing needs nothing more: transformers checkpoints non-reentrantly, so the
         # adapters inside a block get gradients although its input (a frozen embedding's output) needs none
-        return get_peft_model(model, lora_config(settings))
+        policy = get_peft_model(model, lora_config(settings))
+        torch.manual_seed(seed)
+        _initialize_adapters(policy)
+    return policy
+
+
+def _initialize_adapters(policy: torch.nn.Module) -> None:
+    """peft's start, drawn again layer by layer: A kaiming-uniform (as ``torch.nn.Linear``), B = 0. Under ZeRO-3
+    the adapters are partitioned as they are made (``deepspeed.zero.Init``), so peft's own initialization
+    writes into empty shards and leaves B random (the run would not start from the base): here each layer's
+    adapters are gathered, written, and partitioned back."""
+    import math
+
+    from peft.tuners.lora import LoraLayer
+
+    from lightning_agentrl.strategies import gathered_parameters
+
+    for module in policy.modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+            with torch.no_grad(), gathered_parameters([a, b], writable=True):
+                torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+                torch.nn.init.zeros_(b)
 
 
 def is_lora(policy: torch.nn.Module) -> bool:
@@ -77,29 +97,74 @@ def engine_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def merged_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full HF weights of a ``PeftModel`` with its adapters merged, ``W + (alpha / r) B A``, computed out of
-    place: the policy keeps its frozen base and its adapters. Detached CPU tensors under HF names."""
+    place: the policy keeps its frozen base and its adapters. Detached CPU tensors under HF names. Under ZeRO-3
+    a collective (every rank gathers the weights, layer by layer)."""
     from peft.tuners.lora import LoraLayer
 
+    from lightning_agentrl.strategies import gather_full_state_dict
+
     model = hf_model(policy)
-    deltas = {
-        f"{name}.weight": module.get_delta_weight(ADAPTER)
+    scaling = {
+        name: module.scaling[ADAPTER]
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A
     }
+    return merge_adapters(gather_full_state_dict(model), scaling)
+
+
+def merge_adapters(state: dict[str, torch.Tensor], scaling: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The merged weights of an adapted model's full state dict: for each adapted layer ``name`` (scale
+    ``s = scaling[name]``) ``name.weight = W + s B A`` with ``W = name.base_layer.weight`` [d, k],
+    ``A = name.lora_A.default.weight`` [r, k], ``B = name.lora_B.default.weight`` [d, r] (peft's
+    ``get_delta_weight``); other tensors keep their names minus ``.base_layer``; adapters leave."""
     merged = {}
     with torch.no_grad():
-        for name, tensor in model.state_dict().items():
+        for name, tensor in state.items():
             if ".lora_" in name:
                 continue
-            name = name.replace(".base_layer.", ".")
-            delta = deltas.get(name)
-            merged[name] = (tensor + delta.to(tensor.dtype) if delta is not None else tensor).detach().to("cpu", copy=True)
+            layer, _, leaf = name.rpartition(".base_layer.")
+            if layer in scaling and leaf == "weight":
+                a, b = state[f"{layer}.lora_A.{ADAPTER}.weight"], state[f"{layer}.lora_B.{ADAPTER}.weight"]
+                tensor = tensor + ((b @ a) * scaling[layer]).to(tensor.dtype)
+            merged[name.replace(".base_layer.", ".")] = tensor
     return merged
+
+
+def adapter_state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters of a ``PeftModel`` as whole CPU tensors under the ``PeftModel``'s own names (what
+    :func:`save_adapter` writes). Under ZeRO-3 a collective."""
+    from lightning_agentrl.strategies import gather_full_state_dict
+
+    return gather_full_state_dict(policy, trainable_only=True)
 
 
 def trainable_names(module: torch.nn.Module) -> set[str]:
     """State-dict names of the parameters that train (what a LoRA checkpoint holds)."""
     return {name for name, parameter in module.named_parameters() if parameter.requires_grad}
+
+
+class MergedAdapters:
+    """The torch engine's adapters, merged: each adapted layer's weight is ``W0 + (alpha / r) B A``, computed
+    out of place from the base ``W0`` as loaded (kept aside) after every sync, and peft marks the layer merged,
+    so decoding runs the plain matmuls of a full model: no extra adapter matmuls per token (on CPU they cost
+    ~18% of the decode time of SmolLM2-135M at rank 8). Since every merge starts from ``W0``, repeated syncs never
+    drift the base (merging into and unmerging from the weight in place would, visibly in bfloat16). The price
+    is a second copy of the adapted weights. The engine's log-probs differ from the trainer's unmerged
+    arithmetic by float rounding only (``(W + s B A) x`` against ``W x + s B (A x)``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        self.layers = [m for m in model.modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A]
+        self.base = [layer.base_layer.weight.detach().clone() for layer in self.layers]
+        self.merge()
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Write ``W0 + s B A`` of the adapters the layers now hold into their weights."""
+        for layer, base in zip(self.layers, self.base, strict=True):
+            layer.base_layer.weight.copy_(base + layer.get_delta_weight(ADAPTER).to(base.dtype))
+            layer.merged_adapters = [ADAPTER]  # peft's forward then runs the base layer alone
 
 
 def check_lora(model: ModelSettings, model_path: str) -> None:
@@ -136,10 +201,11 @@ def check_lora(model: ModelSettings, model_path: str) -> None:
             )
 
 
-def save_adapter(policy: torch.nn.Module, directory: Path) -> None:
+def save_adapter(policy: torch.nn.Module, directory: Path, adapters: dict[str, torch.Tensor] | None = None) -> None:
     """peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained``
-    on the base model, or ``vllm serve --lora-modules``."""
-    policy.save_pretrained(directory)
+    on the base model, or ``vllm serve --lora-modules``. ``adapters``: :func:`adapter_state`, gathered by every rank
+    under ZeRO-3 (by default read from ``policy``, whose tensors are then whole)."""
+    policy.save_pretrained(directory, state_dict=adapters if adapters is not None else adapter_state(policy))
 
 
 #: ``max_lora_rank`` values vLLM accepts; it holds adapters up to that rank.

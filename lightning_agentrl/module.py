@@ -89,8 +89,12 @@ class AgentRLModule(L.LightningModule):
         if self.settings.model.value_head:
             # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
             self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1, dtype=dtype)
-            torch.nn.init.zeros_(self.value_head.weight)
-            torch.nn.init.zeros_(self.value_head.bias)
+            from lightning_agentrl.strategies import gathered_parameters
+
+            # under ZeRO-3 the head is partitioned as it is made: zeros written into its shards alone are lost
+            with torch.no_grad(), gathered_parameters(list(self.value_head.parameters()), writable=True):
+                torch.nn.init.zeros_(self.value_head.weight)
+                torch.nn.init.zeros_(self.value_head.bias)
         if self.settings.algorithm.kl_coef > 0 and not self.settings.model.lora:  # LoRA: the base, adapters off
             self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs).eval()
             self.reference.requires_grad_(False)
@@ -145,6 +149,8 @@ class AgentRLModule(L.LightningModule):
         if trained_from != self.model_path:
             raise SettingsError(f"model.path: the checkpoint's LoRA adapters were trained on {trained_from}, this run "
                                 f"loads {self.model_path}; resume with the same model.path")
+        if "state_dict" not in checkpoint:  # DeepSpeed: its engine loaded the adapters, non-strictly
+            return
         missing = sorted(trainable_names(self) - set(checkpoint["state_dict"]))
         if missing:
             raise SettingsError(f"model.lora_rank: the checkpoint lacks {len(missing)} trainable tensors of this run "
@@ -565,9 +571,14 @@ class AgentRLModule(L.LightningModule):
         loss = logprobs.sum() + hidden.sum()
         if self.value_head is not None:
             loss = loss + self.value_head(hidden).sum()
-        if self.settings.algorithm.privileged_critic:  # a real micro-batch runs the trunk twice (ZeRO-3 gathers in each)
+        # a real micro-batch runs the trunk again for these (ZeRO-3 gathers the weights in each forward)
+        if self.settings.algorithm.privileged_critic:
             with torch.no_grad():
                 self.hidden_states(self.policy, input_ids, batch.position_ids[:n], batch.segment_ids[:n])
+        if self.uses_reference:
+            with torch.no_grad(), self._reference_model() as reference:
+                ref_hidden = self.hidden_states(reference, input_ids, batch.position_ids[:n], batch.segment_ids[:n])
+                self.token_logprobs_at(reference, ref_hidden, input_ids, torch.arange(1, n, device=hidden.device))
         return loss * 0.0
 
     def _turn_values(self, batch: RolloutBatch, sl: slice, hidden, turns) -> torch.Tensor:

@@ -563,7 +563,7 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     plan = MemoryPlan(model or m.path, num_params, num_gpus, gpu_bytes, placement="")
     add = plan.parts.append
     if m.lora:
-        _plan_lora_state(plan, settings, shape)
+        _plan_lora_state(plan, settings, shape, stage=stage, num_gpus=num_gpus)
     else:
         add(Part("parameters", state.params, "both", f"{b}*P{whole_or_sharded}"))
         add(Part("gradients", state.grads, "both", f"{b}*P{sharded}"))
@@ -607,18 +607,25 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     return plan
 
 
-def _plan_lora_state(plan: MemoryPlan, settings: Settings, shape: ModelShape) -> None:
-    """LoRA (``model.lora_rank``): the frozen base once, whole (the KL reference is the same weights); the
-    adapters ``P_A`` in fp32 (peft keeps them so beside a 16-bit base; ``*-true`` 16-bit precision casts them
-    too, ``a = 2``), their gradients and AdamW's two moments, nothing of the base."""
-    m, b = settings.model, param_bytes_of(settings)
-    a = 2 if settings.trainer.precision in ("bf16-true", "16-true", "bf16", "16") else 4
+def _plan_lora_state(plan: MemoryPlan, settings: Settings, shape: ModelShape, *, stage: int, num_gpus: int) -> None:
+    """LoRA (``model.lora_rank``): the frozen base once (the KL reference is the same weights), sharded by ZeRO-3
+    like any parameter; the adapters ``P_A`` in fp32 (peft keeps them so beside a 16-bit base; ``*-true`` 16-bit
+    precision casts them too, ``a = 2``), their gradients and optimizer states, sharded as
+    :func:`trainer_state_bytes` says; nothing of the base beyond its weights (no gradient, no optimizer state)."""
+    m, t, b = settings.model, settings.trainer, param_bytes_of(settings)
+    a = 2 if t.precision in ("bf16-true", "16-true", "bf16", "16") else 4
     adapters = shape.lora_parameters(m.lora_rank, m.lora_target_modules)
+    k = optimizer_bytes_per_parameter(a, t.uses_deepspeed)
+    state = trainer_state_bytes(adapters, param_bytes=a, stage=stage, num_gpus=num_gpus, optimizer_per_param=k,
+                                offload_optimizer=t.offload_optimizer)
+    whole_or_sharded, sharded = ("/N" if stage == 3 else ""), ("/N" if stage else "")
+    base = b * shape.num_parameters() // (num_gpus if stage == 3 else 1)
     add = plan.parts.append
-    add(Part("parameters", b * shape.num_parameters() + a * adapters, "both",
-             f"{b}*P (frozen base) + {a}*P_A (adapters, P_A = {_count(adapters)})"))
-    add(Part("gradients", a * adapters, "both", f"{a}*P_A"))
-    add(Part("optimizer states", 2 * a * adapters, "both", f"{2 * a}*P_A"))
+    add(Part("parameters", base + state.params, "both", f"{b}*P{whole_or_sharded} (frozen base) + "
+             f"{a}*P_A{whole_or_sharded} (adapters, P_A = {_count(adapters)})"))
+    add(Part("gradients", state.grads, "both", f"{a}*P_A{sharded}"))
+    add(Part("optimizer states", state.optimizer, "both",
+             f"{k}*P_A{sharded}" + (" (offloaded to CPU)" if t.offload_optimizer else ""), cpu_bytes=state.optimizer_cpu))
 
 
 def _plan_engine(plan: MemoryPlan, settings: Settings, shape: ModelShape) -> None:

@@ -83,7 +83,8 @@ class ModelSettings(_Section):
     only; checkpoints hold the adapters and their optimizer state, not the base, so a resume needs the same
     `model.path`; `<run.dir>/adapter/` is a peft adapter folder and `<run.dir>/policy/` the merged model. vLLM
     engines take each sync as a new adapter named after its policy version (servers in `engine.urls` must run with
-    `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). Not with DeepSpeed strategies yet."""
+    `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). Under DeepSpeed ZeRO-2/3 the optimizer state (and
+    under ZeRO-3 the base too) is partitioned over the processes and checkpoints leave the frozen base out."""
     lora_alpha: float = Field(16.0, gt=0)
     """LoRA scale: each adapted layer computes W x + (lora_alpha / lora_rank) B A x."""
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -833,9 +834,6 @@ def _check_lora(settings: Settings) -> None:
     if m.lora_target_modules is not None and not m.lora_target_modules:
         raise ValueError("model.lora_target_modules is empty: name at least one layer, or null for every "
                          "attention and MLP projection")
-    if settings.trainer.uses_deepspeed:
-        raise ValueError(f"model.lora_rank: trainer.strategy={settings.trainer.strategy} does not train LoRA adapters "
-                         "yet (use ddp or auto, or model.lora_rank=0)")
 
 
 class SettingsError(ValueError):

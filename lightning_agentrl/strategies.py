@@ -49,6 +49,7 @@ def make_strategy(
     offload_parameters: bool = False,
     accelerator: str = "auto",
     gradient_clipping: float | None = None,
+    exclude_frozen_parameters: bool = False,
 ) -> str | Strategy:
     """The Lightning strategy for ``name`` on ``accelerator`` ("auto" means CUDA if available).
 
@@ -56,6 +57,8 @@ def make_strategy(
     return a strategy object: Lightning's ``DeepSpeedStrategy`` on GPUs, :class:`CPUDeepSpeedStrategy`
     on CPU. ``offload_parameters`` only exists in ZeRO-3. ``gradient_clipping`` goes into the
     DeepSpeed config (with ZeRO the gradients are partitioned, so only DeepSpeed can clip them).
+    ``exclude_frozen_parameters``: checkpoints leave out what does not train (a LoRA run's base, which a
+    resume loads from the model path again).
     """
     if name not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {name!r}; valid choices: {', '.join(STRATEGY_NAMES)}")
@@ -79,6 +82,7 @@ def make_strategy(
         offload_parameters=offload_parameters,
         # one RolloutBatch per step: the loader has no batch size for Lightning to read
         logging_batch_size_per_gpu=1,
+        exclude_frozen_parameters=exclude_frozen_parameters,
     )
     if gradient_clipping is not None:
         strategy.config["gradient_clipping"] = gradient_clipping
@@ -187,14 +191,24 @@ def iter_full_state(
 
 @contextlib.contextmanager
 def _gathered(tensors: list[torch.Tensor]) -> Iterator[None]:
+    # read-only: no rank's edits are written back to the shards
+    with gathered_parameters(tensors, writable=False):
+        yield
+
+
+@contextlib.contextmanager
+def gathered_parameters(tensors: list[torch.Tensor], *, writable: bool) -> Iterator[None]:
+    """Inside the context the ZeRO-3 partitioned ``tensors`` are whole (others are as they are). ``writable``:
+    what rank 0 writes into them is partitioned back to every rank on exit (every rank must enter: a
+    collective); else edits are lost. Parameters made under ZeRO-3 (``deepspeed.zero.Init``) are partitioned
+    as they are created, so an initialization written into them afterwards needs this."""
     partitioned = [t for t in tensors if hasattr(t, "ds_id")]  # ZeRO-3 marks its parameters
     if not partitioned:
         yield
         return
     import deepspeed
 
-    # modifier_rank=None: read-only gather, no rank's edits are written back to the shards.
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0 if writable else None):
         yield
 
 
@@ -217,6 +231,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "CPUDeepSpeedStrategy",
     "gather_full_state_dict",
+    "gathered_parameters",
     "iter_full_state",
     "make_strategy",
     "prepare_cpu_deepspeed_environment",

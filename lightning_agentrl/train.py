@@ -177,11 +177,14 @@ def make_engine(settings: Settings, model_path: str, tokenizer, *, urls: list[st
     from lightning_agentrl.rollout.engine import TorchEngine
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.model.dtype))
-    if settings.model.lora:  # the same adapters, unmerged: a sync loads them by name (lightning_agentrl/lora.py)
-        from lightning_agentrl.lora import apply_lora, hf_model
+    merge = None
+    if settings.model.lora:  # the same adapters, loaded by name and merged after each sync (lightning_agentrl/lora.py)
+        from lightning_agentrl.lora import MergedAdapters, apply_lora, hf_model
 
         model = hf_model(apply_lora(model, settings.model, seed=settings.run.seed))
-    return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=e.max_batch_size)
+        merge = MergedAdapters(model).merge
+    return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=e.max_batch_size,
+                       after_update=merge)
 
 
 def _vllm_adapters(settings: Settings, folder: Path, model_path: str):
@@ -713,6 +716,7 @@ def build_trainer(settings: Settings, run_dir: Path, service, sandbox, tokenizer
             offload_optimizer=t.offload_optimizer,
             accelerator=t.accelerator,
             gradient_clipping=t.grad_clip if deepspeed else None,
+            exclude_frozen_parameters=settings.model.lora,
         ),
         precision=t.precision,
         logger=False,  # rank 0's MLflow logger joins after construction (fit)

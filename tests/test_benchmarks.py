@@ -426,7 +426,7 @@ def test_lora_benchmark_counts_what_each_variant_holds_and_sends(tmp_path):
     from lightning_agentrl.plan import ModelShape
 
     out = tmp_path / "lora.json"
-    run_benchmark("benchmarks/lora_bench.py", "--layers", "1", "--hidden", "128", "--intermediate", "256",
+    run_benchmark("benchmarks/lora_bench.py", "--model-path", "random", "--layers", "1", "--hidden", "128", "--intermediate", "256",
                   "--vocab", "512", "--tokens", "32", "--episodes", "2", "--steps", "1", "--threads", "1",
                   "--out", str(out))
     record = json.loads(out.read_text())
@@ -440,6 +440,7 @@ def test_lora_benchmark_counts_what_each_variant_holds_and_sends(tmp_path):
     assert lora["sync_bytes"] == 4 * adapters
     assert record["ratios"]["sync_ratio"] == full["sync_bytes"] / lora["sync_bytes"]
     assert full["seconds_per_step"] > 0 and lora["peak_rss_bytes"] > 0
+    assert set(lora["stages_cpu_s"]) == {"forward", "backward", "optimizer"} and lora["stages_cpu_s"]["forward"] > 0
 
 
 def test_gateway_benchmark_times_both_arms_on_the_same_calls(tmp_path):

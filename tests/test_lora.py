@@ -126,6 +126,10 @@ def test_the_engine_samples_with_the_trainers_adapters(lora_run):
     engine_state = engine.model.state_dict()
     # the last sync (after step 1) is what step 2 started from
     assert all(torch.equal(engine_state[name], value) for name, value in probe.adapters.items())
+    # merged into the engine's weights from the base as loaded: decoding runs no adapter matmul
+    weights = {k.replace(".base_layer.", "."): v for k, v in engine_state.items() if ".lora_" not in k}
+    assert weights.keys() == probe.merged.keys()
+    assert all(torch.equal(weights[name], value) for name, value in probe.merged.items())
     assert metrics[1]["mismatch/logprob_max"] < 1e-4  # lag-0 tokens sampled under the synced adapters
 
 
@@ -206,7 +210,6 @@ def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
         (["--model.lora_alpha=32"], "model.lora_alpha applies to model.lora_rank > 0 only"),
         (["--model.lora_target_modules=[q_proj]"], "model.lora_target_modules applies to model.lora_rank > 0"),
         (["--model.lora_rank=4", "--model.lora_target_modules=[]"], "model.lora_target_modules is empty"),
-        (["--model.lora_rank=4", "--trainer.strategy=deepspeed_stage_2"], "model.lora_rank: trainer.strategy="),
     ],
 )
 def test_lora_settings_that_cannot_run_are_refused(overrides, message):
@@ -264,6 +267,73 @@ def test_lora_with_two_processes_trains_like_one_and_resumes(tmp_path):
     assert (two / "adapter" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_lora_under_zero2_and_zero3_trains_like_one_process_and_resumes_after_sigkill(tmp_path, tiny_model_path):
+    """DeepSpeed with the base frozen, 2 processes, a KL term (the base with the adapters off) and a value head:
+    ZeRO-2 and ZeRO-3 (the base partitioned too, gathered for the reference forward, each sync and the export)
+    each take one process's first step on the whole batch, so the adapters and the head start where one process
+    starts them. Checkpoints hold the adapters and the head, not the base; the base is as loaded and the adapters
+    moved. A ZeRO-3 run SIGKILLed (every process of it) during its third step and resumed takes the third step
+    of the uninterrupted ZeRO-2 run."""
+    import shutil
+    import time
+
+    pytest.importorskip("deepspeed")
+    import psutil  # deepspeed's own dependency
+    from safetensors.torch import load_file
+
+    from lightning_agentrl.export import export_policy, load_checkpoint
+    from tests.test_scale_out import REPO, TASKS, fit, metric, ok, weights
+
+    for name in TASKS:
+        shutil.copytree(REPO / "tasks" / "bugfix" / name, tmp_path / "tasks" / name)
+    common = [*LORA, "--algorithm.kl_coef=0.1", "--model.value_head=true", "--algorithm.advantage=gae"]
+    two = ["--trainer.devices=2", *common]
+    ok(fit(tmp_path, "one", *common))
+    ok(fit(tmp_path, "zero2", "--trainer.strategy=deepspeed_stage_2", "--trainer.max_steps=3", *two))
+    killed = fit(tmp_path, "zero3", "--trainer.strategy=deepspeed_stage_3", "--trainer.max_steps=3", *two,
+                 wait=False, quiet=True)
+    deadline = time.monotonic() + 900  # step 2's trajectories are written after step 1's checkpoint
+    while not (tmp_path / "zero3" / "trajectories" / "step_000002.jsonl").exists() and killed.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert killed.poll() is None, "the run ended before it could be killed"
+    for process in [*psutil.Process(killed.pid).children(recursive=True), psutil.Process(killed.pid)]:
+        process.kill()  # SIGKILL: both training processes and the sandbox server, as a scheduler would
+    killed.wait()
+    ok(fit(tmp_path, "zero3", "--resume", "last", config=False))
+
+    one = tmp_path / "one"
+    for name in ("zero2", "zero3"):
+        run = tmp_path / name
+        assert metric(run, "tokens/train")[0] == metric(one, "tokens/train")[0] > 0
+        assert metric(run, "loss/total")[0] == pytest.approx(metric(one, "loss/total")[0], abs=1e-5), name
+        assert metric(run, "policy/grad_norm")[0] == pytest.approx(metric(one, "policy/grad_norm")[0], rel=1e-4), name
+        assert max(metric(run, "mismatch/logprob_max").values()) < 1e-4, name  # the engines ran the adapters
+    after_kill = {key: metric(tmp_path / "zero3", key)[2] for key in ("loss/total", "policy/grad_norm")}
+    assert after_kill["loss/total"] == pytest.approx(metric(tmp_path / "zero2", "loss/total")[2], abs=1e-5)
+    assert after_kill["policy/grad_norm"] == pytest.approx(metric(tmp_path / "zero2", "policy/grad_norm")[2], rel=1e-3)
+
+    run = tmp_path / "zero3"
+    saved = load_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"]
+    assert {"value_head.weight", "value_head.bias"} < saved.keys()
+    assert all(".lora_" in key for key in saved.keys() - {"value_head.weight", "value_head.bias"})  # no base
+    adapters = load_file(run / "adapter" / "adapter_model.safetensors")
+    assert len(adapters) == 28 and all(v.abs().max() > 0 for v in adapters.values())  # 2 layers x 7 x (A, B) moved
+    policy, base = weights(run / "policy"), weights(tiny_model_path)
+    assert policy.keys() == base.keys()
+    for key, tensor in base.items():
+        layer = f"base_model.model.{key.removesuffix('.weight')}"
+        if f"{layer}.lora_B.weight" in adapters:  # the base as loaded, plus (alpha / r) B A
+            delta = ALPHA / RANK * adapters[f"{layer}.lora_B.weight"] @ adapters[f"{layer}.lora_A.weight"]
+            assert (policy[key] - tensor - delta).abs().max() < 1e-6, key
+        else:
+            assert torch.equal(policy[key], tensor), key  # bitwise: nothing but the adapters trained
+    exported = weights(export_policy(run / "checkpoints" / "last.ckpt", tmp_path / "exported"))
+    assert max(float((exported[k] - policy[k]).abs().max()) for k in policy) < 1e-6
+
+
 def test_the_memory_plan_counts_the_base_once_and_the_adapters_with_their_states(tiny_model_path):
     import json
 
@@ -285,6 +355,15 @@ def test_the_memory_plan_counts_the_base_once_and_the_adapters_with_their_states
     assert gpu["gradients"] == 4 * adapters
     assert gpu["optimizer states"] == 8 * adapters
     assert "reference model" not in gpu  # the base with the adapters disabled
+    for stage, shards in (("deepspeed_stage_2", (1, 4)), ("deepspeed_stage_3", (4, 4))):  # base, adapter states
+        zero = load_settings(overrides=[*LORA, "--algorithm.kl_coef=0.1", f"--trainer.strategy={stage}",
+                                        "--trainer.offload_optimizer=true"])
+        on_4 = memory_plan(zero, shape, num_gpus=4, gpu_bytes=80 * GiB)
+        gpu = {p.name: p.gpu_bytes for p in on_4.parts}
+        assert gpu["parameters"] == 4 * base // shards[0] + 4 * adapters // shards[0], stage
+        assert gpu["gradients"] == 4 * adapters // shards[1], stage
+        assert gpu["optimizer states"] == 0 and on_4.part("optimizer states").cpu_bytes == 8 * adapters // shards[1]
+        assert "reference model" not in gpu
     only_q = load_settings(overrides=[*LORA, "--model.lora_target_modules=[q_proj]"])
     q = memory_plan(only_q, shape, num_gpus=1, gpu_bytes=80 * GiB)
     assert q.part("gradients").gpu_bytes == 4 * shape.num_layers * RANK * sum(shape.projections()["q_proj"])
@@ -372,3 +451,14 @@ def test_the_value_head_trains_in_full_beside_the_adapters(tiny_model_path):
     assert in_optimizer == {id(module.get_parameter(name)) for name in names}  # nothing of the frozen base
     module.accumulate_gradients(make_batch(module.policy, [1, 0, 1, 1]))
     assert module.value_head.weight.grad.abs().max() > 0
+
+
+def test_held_out_evaluation_plays_the_adapters_of_each_step(tmp_path):
+    """``eval.every_n_steps`` with LoRA: before an evaluation the engine gets the adapters (not the PeftModel's
+    whole state, whose names the engine lacks), so it evaluates the version just trained."""
+    settings = learn_settings(tmp_path, *LORA, "--algorithm.entropy_coef=0.01", "--eval.every_n_steps=1",
+                              "--eval.split=all", "--eval.samples_per_task=1", "--trainer.max_steps=1")
+    engines = []
+    result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
+    assert result.global_step == 1
+    assert engines[0].policy_version == 1  # no sync after the last step: the final evaluation pushed it

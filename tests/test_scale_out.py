@@ -49,7 +49,7 @@ def root(tmp_path_factory, tiny_model_path) -> Path:
 
 
 def fit(root: Path, run: str, *overrides: str, config: bool = True, env: dict | None = None,
-        wait: bool = True):
+        wait: bool = True, quiet: bool = False):
     command = [sys.executable, "-m", "lightning_agentrl", "fit", f"--run.dir={root / run}", *overrides]
     if config:
         command[4:4] = [
@@ -59,8 +59,9 @@ def fit(root: Path, run: str, *overrides: str, config: bool = True, env: dict | 
             "--algorithm.entropy_coef=0.01", "--engine.max_new_tokens=24", "--env.max_turns=2",
         ]
     full_env = {**os.environ, "PYTHONHASHSEED": "0", **(env or {})}
-    if not wait:
-        return subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:  # quiet: nobody reads its output (a pipe nobody reads would block it)
+        out = subprocess.DEVNULL if quiet else subprocess.PIPE
+        return subprocess.Popen(command, cwd=REPO, env=full_env, stdout=out, stderr=out, text=True)
     return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
 
 

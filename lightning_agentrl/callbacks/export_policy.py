@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 from typing_extensions import override
 
-from lightning_agentrl.lora import hf_model, is_lora, merged_state_dict, save_adapter
+from lightning_agentrl.lora import adapter_state, hf_model, is_lora, merged_state_dict, save_adapter
 from lightning_agentrl.strategies import gather_full_state_dict
 
 
@@ -26,11 +26,12 @@ class ExportPolicy(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         policy = pl_module.policy
-        if is_lora(policy):  # LoRA runs no ZeRO (settings): every rank holds whole tensors
+        if is_lora(policy):  # gathered by every rank (collectives under ZeRO-3), written by rank 0
+            merged, adapters = merged_state_dict(policy), adapter_state(policy)
             if trainer.is_global_zero:
-                save_policy(hf_model(policy).config, merged_state_dict(policy), self.directory, self.tokenizer)
+                save_policy(hf_model(policy).config, merged, self.directory, self.tokenizer)
                 if self.adapter_directory is not None:
-                    save_adapter(policy, self.adapter_directory)
+                    save_adapter(policy, self.adapter_directory, adapters)
             return
         weights = gather_full_state_dict(policy)  # a collective under ZeRO-3: every rank
         if trainer.is_global_zero:

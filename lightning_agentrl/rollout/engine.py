@@ -193,19 +193,21 @@ class TorchEngine:
     meanwhile. A weight update closes the batch to new requests and waits for its rows: no
     generation mixes two policy versions.
 
-    The model is the engine's own copy; the trainer pushes new weights with :meth:`update_weights`.
+    The model is the engine's own copy; the trainer pushes new weights with :meth:`update_weights`, after
+    which ``after_update()`` runs (under LoRA: :class:`lightning_agentrl.lora.MergedAdapters` merges them).
     ``num_batches`` counts prefills (a batch, or a group of requests that joined one), and
     ``num_joins`` those that joined a batch in flight.
     """
 
     def __init__(
-        self, model, *, pad_token_id: int, max_batch_size: int = 16, policy_version: int = 0
+        self, model, *, pad_token_id: int, max_batch_size: int = 16, policy_version: int = 0, after_update=None
     ) -> None:
         import threading
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
+        self._after_update = after_update  # called once a weight update is written (LoRA: merge the adapters)
         self._vocab_size = model.get_input_embeddings().num_embeddings
         # a prefill needs the last position's logits only: [B, 1, V], not [B, T, V]
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -362,6 +364,8 @@ class TorchEngine:
                 with torch.no_grad():
                     for name, tensor in incoming:
                         targets[name].copy_(tensor)
+                    if self._after_update is not None:
+                        self._after_update()
                 self.policy_version = version
         finally:
             self._updates_waiting -= 1
