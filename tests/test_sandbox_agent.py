@@ -151,10 +151,28 @@ def test_mini_swe_agent_trains_unchanged_in_the_sandbox(tmp_path):
       f"--sandbox.tools_dir={REPO / 'tests'}"], "/tools/no-such-harness is not in sandbox.tools_dir"),
     (["--env.kind=gateway", "--env.agent_command=[sh]", "--env.agent_in_sandbox=true",
       "--sandbox.url=http://10.1.2.3:8080"], "needs the sandbox service on this host"),
+    (["--env.kind=gateway", "--env.agent_command=[sh, -c, 'cd /tmp && python /tools/no-such.py --x']",
+      "--env.agent_in_sandbox=true", f"--sandbox.tools_dir={REPO / 'tests'}"], "/tools/no-such.py is not in sandbox.tools_dir"),
 ])
 def test_sandbox_agent_settings_are_checked_before_work_starts(overrides, message):
     with pytest.raises(SettingsError, match=message):
         load_settings(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml", overrides)
+
+
+@pytest.mark.parametrize("where", ["same", "tools_inside_tasks", "tasks_inside_tools"])
+def test_validate_refuses_a_tools_folder_that_overlaps_the_tasks(tmp_path, capsys, where):
+    """Every sandbox sees ``sandbox.tools_dir`` as /tools: holding the tasks, it would hand a harness their solutions."""
+    from lightning_agentrl.__main__ import main
+
+    tools, suite = scripted_tools(tmp_path)
+    tools_dir, tasks = {"same": (suite, suite), "tools_inside_tasks": (suite / "parse_date_day_first", suite),
+                        "tasks_inside_tools": (tmp_path / "." / "", suite)}[where]
+    shutil.copy(tools / "sandbox_harness.py", tools_dir / "sandbox_harness.py")
+    code = main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", "--env.kind=gateway",
+                 "--env.agent_in_sandbox=true", f"--env.tasks={tasks}", f"--sandbox.tools_dir={tools_dir}",
+                 "--env.agent_command=[python, /tools/sandbox_harness.py]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "sandbox.tools_dir:" in err and "overlaps env.tasks" in err, err
 
 
 def test_a_sandbox_service_without_a_tools_folder_is_refused_before_work_starts(tmp_path):
