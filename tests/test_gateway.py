@@ -361,8 +361,10 @@ def test_the_circuit_breaker_counts_agent_errors(tmp_path):
                                 "--env.agent=tests.gateway_agents:faulty_agent", "--rollout.groups_per_step=2")
     with pytest.raises(SandboxOutage) as err:
         gateway_fit(settings)
-    assert str(err.value).startswith("the environment's infrastructure failed: every episode of the step (4) ended "
-                                     "with agent_error; last error: faulty_agent raised RuntimeError: KeyError: 'answer'")
+    assert str(err.value).startswith("the agent (env.agent / env.agent_command) failed, not the environment's "
+                                     "infrastructure: every episode of the step (4) ended with agent_error; last error: "
+                                     "faulty_agent raised RuntimeError: KeyError: 'answer'")
+    assert "--resume last" not in str(err.value)
 
 
 def test_a_synchronous_agent_hung_past_its_timeout_does_not_keep_the_run_from_exiting(tmp_path):

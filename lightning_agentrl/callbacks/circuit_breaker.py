@@ -121,15 +121,17 @@ class InfraCircuitBreaker(L.Callback):
             return
         last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
         agents = any(t.termination is TerminationReason.AGENT_ERROR for t in batch.trajectories)  # env.kind: gateway
-        what = f"{self.what} failed: {why} with {'agent_error' if agents else 'sandbox_error'}; last error: {last_error}"
+        what = (f"the agent (env.agent / env.agent_command) failed, not {self.what}: {why} with agent_error; last "
+                f"error: {last_error}") if agents else f"{self.what} failed: {why} with sandbox_error; last error: {last_error}"
         self.num_trips += 1
-        if self.on_failure == "wait" and self._service_came_back(trainer, what):
+        if self.on_failure == "wait" and not agents and self._service_came_back(trainer, what):
             self.window.clear()
             return
         if self._saved_step != trainer.global_step:
             trainer.save_checkpoint(self.checkpoint)
-        raise SandboxOutage(f"{what}. Checkpoint: {self.checkpoint} (step {trainer.global_step}); "
-                            "continue with --resume last once it is back")
+        # an agent's failure is no outage to wait out: no hint to resume once a service is back
+        resume = "" if agents else "; continue with --resume last once it is back"
+        raise SandboxOutage(f"{what}. Checkpoint: {self.checkpoint} (step {trainer.global_step}){resume}")
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -211,7 +213,7 @@ def _group_counts(batch: RolloutBatch) -> list[tuple[int, int]]:
 
 
 def _last_error(batch: RolloutBatch) -> str | None:
-    errors = [t.info.get("sandbox_error") or t.info["agent_error"] for t in batch.trajectories
+    errors = [t.info.get("agent_error") or t.info["sandbox_error"] for t in batch.trajectories
               if t.info.get("sandbox_error") or t.info.get("agent_error")]
     return errors[-1] if errors else None
 
