@@ -32,14 +32,17 @@ def sandbox_settings(root: Path, suite: Path, *overrides: str):
     )
 
 
-def scripted_tools(root: Path) -> tuple[Path, Path]:
-    """A tools folder with the scripted harness, its modes and the tasks' fixes; a suite of those tasks."""
+def scripted_tools(root: Path, modes: dict[str, str] = MODES) -> tuple[Path, Path]:
+    """A tools folder with the scripted harness, its modes and the tasks' fixes; a suite of those tasks (each keeping
+    6 s of an episode for its scoring)."""
     tools, suite = root / "tools", root / "suite"
     tools.mkdir(parents=True)
     shutil.copy(REPO / "tests" / "sandbox_harness.py", tools / "sandbox_harness.py")
-    (tools / "modes.json").write_text(json.dumps(MODES))
-    for task in MODES:
+    (tools / "modes.json").write_text(json.dumps(modes))
+    for task in modes:
         shutil.copytree(REPO / "tasks" / "bugfix" / task, suite / task)
+        spec = json.loads((suite / task / "task.json").read_text())
+        (suite / task / "task.json").write_text(json.dumps({**spec, "scoring_timeout_s": 6}))
         shutil.copytree(REPO / "tasks" / "bugfix" / task / "solution", tools / "fix" / task)
     return tools, suite
 
@@ -116,6 +119,31 @@ def test_a_harness_in_the_sandbox_reaches_only_its_gateway_and_is_scored_by_the_
     included = {t.task_id for t, keep in zip(trajectories, log.batches[0].include.tolist(), strict=True) if keep}
     assert "chunked_drops_tail" not in included and "parse_date_day_first" in included
     assert log.metrics[0]["termination/agent_error"] == 2
+
+
+def test_a_harness_that_fixes_the_bug_just_before_its_limit_is_scored(tmp_path):
+    """The scoring's time is kept out of the harness's: one ending 1 s before its limit (``AGENT_TIMEOUT_S``) is
+    scored, not cut off as a timeout by the scoring's ~2 s."""
+    tools, suite = scripted_tools(tmp_path, {"parse_date_day_first": "late"})
+    with start_local_server(tools_dir=str(tools), log_file=tmp_path / "sandbox.log") as service:
+        port = service.url.rsplit(":", 1)[1]
+        settings = sandbox_settings(
+            tmp_path, suite, f"--sandbox.url={service.url}", f"--sandbox.token={service.token}",
+            f"--env.agent_command=[python, /tools/sandbox_harness.py, '{port}']", "--trainer.max_steps=1",
+            "--env.episode_timeout_s=10")
+        _, log, _ = gateway_fit(settings)
+    ends = [(t.termination, t.reward) for t in log.batches[0].trajectories]
+    assert len(ends) >= 2 and set(ends) == {(TerminationReason.SUBMITTED, 1.0)}, ends
+
+
+def test_an_episode_too_short_for_the_scoring_is_refused_before_work_starts(tmp_path):
+    from lightning_agentrl.preflight import PreflightError, check_tasks
+
+    tools, suite = scripted_tools(tmp_path)
+    settings = sandbox_settings(tmp_path, suite, "--env.agent_command=[sh]", "--env.episode_timeout_s=6",
+                                f"--sandbox.tools_dir={tools}")
+    with pytest.raises(PreflightError, match="env.episode_timeout_s: 6 s leaves the harness no time: task "):
+        check_tasks(settings)
 
 
 @pytest.mark.skipif(not (TOOLS / "bin" / "python").exists(), reason="make install installs mini-swe-agent into .tools")
