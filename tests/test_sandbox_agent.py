@@ -256,3 +256,20 @@ def test_the_harness_reaches_the_gateway_on_its_own_loopback_as_documented():
 
     result = doctest.testmod(sandbox_agent, raise_on_error=False, verbose=False)
     assert (result.attempted, result.failed) == (1, 0)
+
+
+def test_evaluate_shows_a_harness_that_scores_without_calling_the_model(tmp_path, capsys):
+    """A harness that solves the task from what it brings, never asking the policy: success 1, called_model_frac 0."""
+    from lightning_agentrl.__main__ import main
+
+    tools, suite = scripted_tools(tmp_path, {"parse_date_day_first": "fix"})
+    (tools / "copy_fix.py").write_text("import json, shutil, sys\ntask = json.load(sys.stdin)\n"
+                                       "shutil.copytree(f\"/tools/fix/{task['id']}\", '.', dirs_exist_ok=True)\n")
+    settings = sandbox_settings(tmp_path, suite, "--env.agent_command=[sh]", f"--sandbox.tools_dir={tools}")
+    code = main(["evaluate", resolve_model_path(settings), "--config", "tests/fixtures/tiny_bugfix.yaml", "--split",
+                 "all", "--samples", "2", "--json", "--env.kind=gateway", "--env.agent_in_sandbox=true",
+                 f"--env.tasks={suite}", f"--sandbox.tools_dir={tools}", "--env.agent_command=[python, /tools/copy_fix.py]",
+                 f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}", "--trainer.threads=1", *TINY])
+    assert code == 0, capsys.readouterr().err
+    scores = json.loads(capsys.readouterr().out)
+    assert (scores["episodes"], scores["success"], scores["called_model_frac"]) == (2, 1.0, 0.0)
