@@ -239,6 +239,14 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
                 seen["no_key"] = await post("/chat/completions", json={"messages": hello}, headers={"Authorization": ""})
                 seen["elsewhere"] = await http.get(base_url.replace("/episodes/e/", "/episodes/other/") + "/models")
                 seen["deep"] = await post("/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+                huge = json.dumps({"messages": [{"role": "user", "content": "a" * (4 << 20)}]}).encode()
+                seen["huge"] = await post("/chat/completions", content=huge)
+
+                async def chunks():  # no Content-Length: refused once the limit is read
+                    for _ in range(5):
+                        yield b" " * (1 << 20)
+
+                seen["huge_chunked"] = await post("/chat/completions", content=chunks())
                 seen["bad_calls"] = await post("/chat/completions", json={"messages": [
                     {"role": "assistant", "content": None, "tool_calls": {"id": "x"}}, *hello]})
                 seen["odd_tools"] = await post("/chat/completions", json={  # a schema we cannot read: no call parsed
@@ -264,7 +272,8 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     trajectory = asyncio.run(play())
     for name, param, status in [("not_json", None, 400), ("no_messages", "messages", 400), ("zero_tokens", "max_tokens", 400),
                                 ("bad_stop", "stop", 400), ("no_key", None, 401), ("elsewhere", None, 404),
-                                ("deep", None, 400), ("bad_calls", "messages", 400)]:
+                                ("deep", None, 400), ("bad_calls", "messages", 400), ("huge", None, 413),
+                                ("huge_chunked", None, 413)]:
         response = seen[name]
         assert response.status_code == status, (name, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"} and response.json()["error"]["param"] == param
