@@ -758,7 +758,7 @@ def _check_sandbox_tools(env: EnvSettings, sandbox: SandboxSettings) -> None:
         raise ValueError(f"sandbox.tools_dir: {str(sandbox.tools_dir)!r} overlaps env.tasks ({env.tasks}): every sandbox "
                          "sees it as /tools, so a harness could read the hidden tests and solutions there")
     # every /tools path the command names, also inside a shell string (`sh -c "python /tools/x.py"`)
-    for program in re.findall(r"/tools/[^\s'\";|&)]+", " ".join(env.agent_command or ())):
+    for program in re.findall(r"(?<![\w./-])/tools/[^\s'\";|&)]+", " ".join(env.agent_command or ())):
         if not (sandbox.tools_dir / program.removeprefix("/tools/")).exists():
             raise ValueError(f"env.agent_command: {program} is not in sandbox.tools_dir ({sandbox.tools_dir}) "
                              "(`make install` installs the recipe's harness)")

@@ -114,13 +114,15 @@ class InfraCircuitBreaker(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        every_rank = all_gather((_group_counts(batch), _last_error(batch)))
-        why = self.window.add([group for counts, _ in every_rank for group in counts])
+        every_rank = all_gather((_group_counts(batch), _last_error(batch), _agent_errors(batch)))
+        why = self.window.add([group for counts, _, _ in every_rank for group in counts])
         pl_module.log("filter/infra_error_frac_window", self.window.share, on_step=True, batch_size=1)
         if why is None:
             return
-        last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
-        agents = any(t.termination is TerminationReason.AGENT_ERROR for t in batch.trajectories)  # env.kind: gateway
+        last_error = next((e for _, e, _ in reversed(every_rank) if e), "none recorded")
+        # mostly the agents' own failures (env.kind: gateway, a harness missing or crashing): decided on what
+        # every rank saw, so all take the same branch below (waiting is a collective)
+        agents = sum(n for *_, (n, _) in every_rank) > sum(n for *_, (_, n) in every_rank)
         what = (f"the agent (env.agent / env.agent_command) failed, not {self.what}: {why} with agent_error; last "
                 f"error: {last_error}") if agents else f"{self.what} failed: {why} with sandbox_error; last error: {last_error}"
         self.num_trips += 1
@@ -210,6 +212,12 @@ def _group_counts(batch: RolloutBatch) -> list[tuple[int, int]]:
         counts[0] += t.termination in (TerminationReason.SANDBOX_ERROR, TerminationReason.AGENT_ERROR)
         counts[1] += 1
     return [(errors, total) for errors, total in groups.values()]
+
+
+def _agent_errors(batch: RolloutBatch) -> tuple[int, int]:
+    """``(agent_error, sandbox_error)`` episodes of the batch."""
+    ends = [t.termination for t in batch.trajectories]
+    return ends.count(TerminationReason.AGENT_ERROR), ends.count(TerminationReason.SANDBOX_ERROR)
 
 
 def _last_error(batch: RolloutBatch) -> str | None:
