@@ -109,6 +109,7 @@ def _evaluate(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"  success     {scores['success']:.3f}")
     print(f"  pass@{k:<6d} {scores['pass_at_k']:.3f}")
     print(f"  submitted   {scores['submitted_frac']:.3f}")
+    print(f"  called model {scores['called_model_frac']:.3f} (episodes with at least one reply of the policy)")
     print(f"  episodes    {scores['episodes']} ({scores['infra_errors']} broken by infrastructure, not scored)")
     kinds = ", ".join(f"{kind} {count}" for kind, count in scores["timeouts"].items())
     print("  ended       " + ", ".join(f"{reason} {count}" + (f" ({kinds})" if reason == "timeout" else "")

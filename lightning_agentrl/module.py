@@ -565,8 +565,12 @@ class AgentRLModule(L.LightningModule):
         """A loss of exactly 0 that still reaches every trainable parameter: the backward pass of a
         rank that has run out of micro-batches while others have not (each backward is a collective)."""
         n = min(2, batch.input_ids.numel())
-        input_ids = batch.input_ids[:n]
-        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[:n], batch.segment_ids[:n])
+        input_ids, position_ids, segment_ids = batch.input_ids[:n], batch.position_ids[:n], batch.segment_ids[:n]
+        if n == 0:  # a rank whose episodes produced no token (gateway agents that never called the model)
+            n, device = 2, next(self.policy.parameters()).device
+            input_ids = torch.zeros(n, dtype=torch.long, device=device)
+            position_ids, segment_ids = torch.arange(n, device=device), torch.zeros(n, dtype=torch.long, device=device)
+        hidden = self.hidden_states(self.policy, input_ids, position_ids, segment_ids)
         logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, torch.arange(1, n, device=hidden.device))
         loss = logprobs.sum() + hidden.sum()
         if self.value_head is not None:
@@ -574,10 +578,10 @@ class AgentRLModule(L.LightningModule):
         # a real micro-batch runs the trunk again for these (ZeRO-3 gathers the weights in each forward)
         if self.settings.algorithm.privileged_critic:
             with torch.no_grad():
-                self.hidden_states(self.policy, input_ids, batch.position_ids[:n], batch.segment_ids[:n])
+                self.hidden_states(self.policy, input_ids, position_ids, segment_ids)
         if self.uses_reference:
             with torch.no_grad(), self._reference_model() as reference:
-                ref_hidden = self.hidden_states(reference, input_ids, batch.position_ids[:n], batch.segment_ids[:n])
+                ref_hidden = self.hidden_states(reference, input_ids, position_ids, segment_ids)
                 self.token_logprobs_at(reference, ref_hidden, input_ids, torch.arange(1, n, device=hidden.device))
         return loss * 0.0
 

@@ -90,6 +90,18 @@ def check_tasks(settings: Settings) -> None:
             raise PreflightError(f"env.tasks: {err}") from None
         if not tasks:
             raise PreflightError(f"{setting}: no {split} tasks in {root}")
+        _check_scoring_fits(settings, tasks)
+
+
+def _check_scoring_fits(settings: Settings, tasks) -> None:
+    """A harness in the sandbox gets the episode's time less its task's scoring time: some must be left."""
+    if not settings.env.agent_in_sandbox:
+        return
+    longest = max(tasks, key=lambda task: task.scoring_timeout_s)
+    if longest.scoring_timeout_s >= settings.env.episode_timeout_s:
+        raise PreflightError(f"env.episode_timeout_s: {settings.env.episode_timeout_s:g} s leaves the harness no time: "
+                             f"task {longest.id!r} keeps {longest.scoring_timeout_s:g} s (its scoring_timeout_s) "
+                             "of each episode for its scoring")
 
 
 def check_model_path(path: str, *, network: bool = True, safetensors: bool = False,

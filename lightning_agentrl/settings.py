@@ -776,10 +776,15 @@ def _check_sandbox_tools(env: EnvSettings, sandbox: SandboxSettings) -> None:
     if not sandbox.tools_dir.is_dir():
         raise ValueError(f"sandbox.tools_dir: {str(sandbox.tools_dir)!r} is not a folder (env.agent_in_sandbox runs its "
                          "harness from it; `make install` installs the recipe's into .tools)")
-    program = env.agent_command[0] if env.agent_command else ""
-    if program.startswith("/tools/") and not (sandbox.tools_dir / program.removeprefix("/tools/")).exists():
-        raise ValueError(f"env.agent_command: {program} is not in sandbox.tools_dir ({sandbox.tools_dir}) "
-                         "(`make install` installs the recipe's harness)")
+    tools, tasks = sandbox.tools_dir.resolve(), Path(env.tasks).resolve()
+    if tools == tasks or tools in tasks.parents or tasks in tools.parents:
+        raise ValueError(f"sandbox.tools_dir: {str(sandbox.tools_dir)!r} overlaps env.tasks ({env.tasks}): every sandbox "
+                         "sees it as /tools, so a harness could read the hidden tests and solutions there")
+    # every /tools path the command names, also inside a shell string (`sh -c "python /tools/x.py"`)
+    for program in re.findall(r"(?<![\w./-])/tools/[^\s'\";|&)]+", " ".join(env.agent_command or ())):
+        if not (sandbox.tools_dir / program.removeprefix("/tools/")).exists():
+            raise ValueError(f"env.agent_command: {program} is not in sandbox.tools_dir ({sandbox.tools_dir}) "
+                             "(`make install` installs the recipe's harness)")
 
 
 def _check_sandbox_urls(s: SandboxSettings) -> None:

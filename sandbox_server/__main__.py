@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {exc}")
     # Access logs carry method, path and status only; headers (and so the token) are never logged.
     protocol = bounded_protocol(options.header_timeout_s, options.max_connections_per_client)
-    uvicorn.run(app, host=command.host, port=command.port, log_level=command.log_level, timeout_graceful_shutdown=5,
+    # A stop (or a parent's death, PR_SET_PDEATHSIG) waits 1 s for requests in flight, not for a long exec: the
+    # sandboxes (and their commands) are removed right after, so a killed trainer leaves nothing running for long.
+    uvicorn.run(app, host=command.host, port=command.port, log_level=command.log_level, timeout_graceful_shutdown=1,
                 http=protocol)
 
 

@@ -31,9 +31,11 @@ SOCKET_DIR = "/run/gateway"
 SOCKET_NAME = "gateway.sock"
 FORWARD_SOURCE = (Path(__file__).resolve().parent / "loopback_forward.py").read_text(encoding="utf-8")
 _MAX_HEAD_BYTES = 64 << 10
-_MAX_BODY_BYTES = 32 << 20
+MAX_BODY_BYTES = 4 << 20
+"""A request body's limit: a chat request past a long context's worth of text (the gateway keeps the same)."""
+_MAX_BUFFERED_BYTES = 16 << 20  # of bodies held at once per exec: a few requests at the limit, never more
 _HEAD_TIMEOUT_S = 60.0
-_MAX_CONNECTIONS = 64  # open at once per exec: a harness makes a few; each may hold a 64 KiB head buffer
+_MAX_CONNECTIONS = 16  # open at once per exec: a harness makes a few; each may hold a 64 KiB head buffer
 _HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade", b"host"})
 
 
@@ -81,7 +83,8 @@ def allowed_target(target: bytes, prefix: str) -> bool:
 
 
 def _answer(status: int, reason: str, message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": "forbidden",
+    code = {413: "request_too_large", 429: "rate_limit_exceeded"}.get(status, "forbidden")
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code,
                                  "param": None}}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             f"Connection: close\r\n\r\n").encode() + body
@@ -96,6 +99,8 @@ class GatewayProxy:
         self.folder = folder
         self._server: asyncio.AbstractServer | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._buffered = 0  # bytes of request bodies held now
 
     async def __aenter__(self) -> GatewayProxy:
         self.folder.mkdir(mode=0o755, exist_ok=True)
@@ -110,6 +115,8 @@ class GatewayProxy:
         self._server.close()
         for writer in list(self._open):  # a harness killed mid-call leaves its connection open
             writer.close()
+        for task in list(self._tasks):  # and a body half sent: its buffer goes with the exec
+            task.cancel()
         with contextlib.suppress(OSError):
             (self.folder / SOCKET_NAME).unlink()
 
@@ -118,17 +125,23 @@ class GatewayProxy:
             writer.close()
             return
         self._open.add(writer)
+        self._tasks.add(asyncio.current_task())
         try:
             request = await self._read_request(reader)
             if isinstance(request, bytes):
-                await self._forward(request, writer)
+                try:
+                    await self._forward(request, writer)
+                finally:
+                    self._buffered -= len(request) - request.index(b"\r\n\r\n") - 4
             else:
                 writer.write(_answer(*request))
                 await writer.drain()
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
-            pass  # the sandbox side hung up or sent garbage: nothing to answer
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError,
+                asyncio.CancelledError):
+            pass  # the sandbox side hung up or sent garbage, or the exec ended (__aexit__): nothing to answer
         finally:
             self._open.discard(writer)
+            self._tasks.discard(asyncio.current_task())
             writer.close()
 
     async def _read_request(self, reader: asyncio.StreamReader) -> bytes | tuple[int, str, str]:
@@ -143,9 +156,16 @@ class GatewayProxy:
         if b"transfer-encoding" in names:
             return 411, "Length Required", "send the body with a Content-Length"
         length = int(names.get(b"content-length", b"0") or b"0")
-        if not 0 <= length <= _MAX_BODY_BYTES:
-            return 413, "Payload Too Large", f"bodies are limited to {_MAX_BODY_BYTES} bytes"
-        body = await asyncio.wait_for(reader.readexactly(length), _HEAD_TIMEOUT_S)
+        if not 0 <= length <= MAX_BODY_BYTES:
+            return 413, "Payload Too Large", f"request bodies are limited to {MAX_BODY_BYTES} bytes"
+        if self._buffered + length > _MAX_BUFFERED_BYTES:
+            return 429, "Too Many Requests", f"other requests of this sandbox hold {self._buffered} bytes of bodies"
+        self._buffered += length  # until the request is sent on (_serve)
+        try:
+            body = await asyncio.wait_for(reader.readexactly(length), _HEAD_TIMEOUT_S)
+        except BaseException:
+            self._buffered -= length
+            raise
         host = f"Host: {self.host}:{self.port}".encode()
         return b"\r\n".join([b" ".join([method, target, b"HTTP/1.1"]), host, *headers, b"Connection: close"]) + \
             b"\r\n\r\n" + body

@@ -6,7 +6,7 @@ Every mode first reports what the sandbox lets it see and reach, in its first ca
 in the trained trajectory): its episode's ``/models`` (200), the group's other episode's (403), the sandbox
 service's port, an external address, the workspace's files. Then by mode:
 ``fix`` applies the fix in episode 0 of its group only, then exits 0; ``hang`` starts a process tree (a detached
-``sleep 987654``) and sleeps past any timeout; ``fail`` exits 3.
+``sleep 987654``) and sleeps past any timeout; ``fail`` exits 3; ``late`` applies the fix, then exits 1 s before its limit (``AGENT_TIMEOUT_S``, else 10 s).
 """
 
 import json
@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 
 BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+STARTED = time.monotonic()
 
 
 def status(url: str) -> str:
@@ -70,8 +71,10 @@ def main() -> int:
     if mode == "hang":
         subprocess.Popen(["sleep", "987654"], start_new_session=True)  # detached: must die with the tree anyway
         time.sleep(3600)
-    if episode.endswith("e0"):
+    if episode.endswith("e0") or mode == "late":
         shutil.copytree(f"/tools/fix/{task['id']}", ".", dirs_exist_ok=True)
+    if mode == "late":  # done 1 s before its limit
+        time.sleep(max(float(os.environ.get("AGENT_TIMEOUT_S", 10)) - (time.monotonic() - STARTED) - 1, 0))
     return 0
 
 

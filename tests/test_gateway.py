@@ -239,6 +239,14 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
                 seen["no_key"] = await post("/chat/completions", json={"messages": hello}, headers={"Authorization": ""})
                 seen["elsewhere"] = await http.get(base_url.replace("/episodes/e/", "/episodes/other/") + "/models")
                 seen["deep"] = await post("/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+                huge = json.dumps({"messages": [{"role": "user", "content": "a" * (4 << 20)}]}).encode()
+                seen["huge"] = await post("/chat/completions", content=huge)
+
+                async def chunks():  # no Content-Length: refused once the limit is read
+                    for _ in range(5):
+                        yield b" " * (1 << 20)
+
+                seen["huge_chunked"] = await post("/chat/completions", content=chunks())
                 seen["bad_calls"] = await post("/chat/completions", json={"messages": [
                     {"role": "assistant", "content": None, "tool_calls": {"id": "x"}}, *hello]})
                 seen["odd_tools"] = await post("/chat/completions", json={  # a schema we cannot read: no call parsed
@@ -264,7 +272,8 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     trajectory = asyncio.run(play())
     for name, param, status in [("not_json", None, 400), ("no_messages", "messages", 400), ("zero_tokens", "max_tokens", 400),
                                 ("bad_stop", "stop", 400), ("no_key", None, 401), ("elsewhere", None, 404),
-                                ("deep", None, 400), ("bad_calls", "messages", 400)]:
+                                ("deep", None, 400), ("bad_calls", "messages", 400), ("huge", None, 413),
+                                ("huge_chunked", None, 413)]:
         response = seen[name]
         assert response.status_code == status, (name, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"} and response.json()["error"]["param"] == param
@@ -361,8 +370,10 @@ def test_the_circuit_breaker_counts_agent_errors(tmp_path):
                                 "--env.agent=tests.gateway_agents:faulty_agent", "--rollout.groups_per_step=2")
     with pytest.raises(SandboxOutage) as err:
         gateway_fit(settings)
-    assert str(err.value).startswith("the environment's infrastructure failed: every episode of the step (4) ended "
-                                     "with agent_error; last error: faulty_agent raised RuntimeError: KeyError: 'answer'")
+    assert str(err.value).startswith("the agent (env.agent / env.agent_command) failed, not the environment's "
+                                     "infrastructure: every episode of the step (4) ended with agent_error; last error: "
+                                     "faulty_agent raised RuntimeError: KeyError: 'answer'")
+    assert "--resume last" not in str(err.value)
 
 
 def test_a_synchronous_agent_hung_past_its_timeout_does_not_keep_the_run_from_exiting(tmp_path):

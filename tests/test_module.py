@@ -158,3 +158,17 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, base, att
             where = batch.segment_ids == segment
             alone = module.policy.get_decoder()(input_ids=batch.input_ids[where][None]).last_hidden_state[0]
             torch.testing.assert_close(packed[where], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_a_rank_without_tokens_still_joins_the_backward_with_a_zero_loss(base):
+    """Gateway episodes that never called the model leave a rank an empty batch; its backward (a collective with
+    several ranks) must still run, reaching every trainable parameter with a zero gradient."""
+    module, _ = base
+    empty = pack([Trajectory(episode_id="e0", task_id="t", group_id=0, segments=[], reward=0.0,
+                             termination=TerminationReason.AGENT_ERROR)])
+    assert empty.input_ids.numel() == 0
+    module.zero_grad(set_to_none=True)
+    loss = module._zero_loss(empty)
+    loss.backward()
+    grads = [p.grad for p in module.parameters() if p.requires_grad]
+    assert loss.item() == 0.0 and grads and all(g is not None and not g.any() for g in grads)

@@ -32,14 +32,17 @@ def sandbox_settings(root: Path, suite: Path, *overrides: str):
     )
 
 
-def scripted_tools(root: Path) -> tuple[Path, Path]:
-    """A tools folder with the scripted harness, its modes and the tasks' fixes; a suite of those tasks."""
+def scripted_tools(root: Path, modes: dict[str, str] = MODES) -> tuple[Path, Path]:
+    """A tools folder with the scripted harness, its modes and the tasks' fixes; a suite of those tasks (each keeping
+    6 s of an episode for its scoring)."""
     tools, suite = root / "tools", root / "suite"
     tools.mkdir(parents=True)
     shutil.copy(REPO / "tests" / "sandbox_harness.py", tools / "sandbox_harness.py")
-    (tools / "modes.json").write_text(json.dumps(MODES))
-    for task in MODES:
+    (tools / "modes.json").write_text(json.dumps(modes))
+    for task in modes:
         shutil.copytree(REPO / "tasks" / "bugfix" / task, suite / task)
+        spec = json.loads((suite / task / "task.json").read_text())
+        (suite / task / "task.json").write_text(json.dumps({**spec, "scoring_timeout_s": 6}))
         shutil.copytree(REPO / "tasks" / "bugfix" / task / "solution", tools / "fix" / task)
     return tools, suite
 
@@ -118,6 +121,31 @@ def test_a_harness_in_the_sandbox_reaches_only_its_gateway_and_is_scored_by_the_
     assert log.metrics[0]["termination/agent_error"] == 2
 
 
+def test_a_harness_that_fixes_the_bug_just_before_its_limit_is_scored(tmp_path):
+    """The scoring's time is kept out of the harness's: one ending 1 s before its limit (``AGENT_TIMEOUT_S``) is
+    scored, not cut off as a timeout by the scoring's ~2 s."""
+    tools, suite = scripted_tools(tmp_path, {"parse_date_day_first": "late"})
+    with start_local_server(tools_dir=str(tools), log_file=tmp_path / "sandbox.log") as service:
+        port = service.url.rsplit(":", 1)[1]
+        settings = sandbox_settings(
+            tmp_path, suite, f"--sandbox.url={service.url}", f"--sandbox.token={service.token}",
+            f"--env.agent_command=[python, /tools/sandbox_harness.py, '{port}']", "--trainer.max_steps=1",
+            "--env.episode_timeout_s=10")
+        _, log, _ = gateway_fit(settings)
+    ends = [(t.termination, t.reward) for t in log.batches[0].trajectories]
+    assert len(ends) >= 2 and set(ends) == {(TerminationReason.SUBMITTED, 1.0)}, ends
+
+
+def test_an_episode_too_short_for_the_scoring_is_refused_before_work_starts(tmp_path):
+    from lightning_agentrl.preflight import PreflightError, check_tasks
+
+    tools, suite = scripted_tools(tmp_path)
+    settings = sandbox_settings(tmp_path, suite, "--env.agent_command=[sh]", "--env.episode_timeout_s=6",
+                                f"--sandbox.tools_dir={tools}")
+    with pytest.raises(PreflightError, match="env.episode_timeout_s: 6 s leaves the harness no time: task "):
+        check_tasks(settings)
+
+
 @pytest.mark.skipif(not (TOOLS / "bin" / "python").exists(), reason="make install installs mini-swe-agent into .tools")
 def test_mini_swe_agent_trains_unchanged_in_the_sandbox(tmp_path):
     """The recipe (configs/mini_swe_agent.yaml): mini-swe-agent from the registry, in the sandbox, two steps."""
@@ -151,10 +179,28 @@ def test_mini_swe_agent_trains_unchanged_in_the_sandbox(tmp_path):
       f"--sandbox.tools_dir={REPO / 'tests'}"], "/tools/no-such-harness is not in sandbox.tools_dir"),
     (["--env.kind=gateway", "--env.agent_command=[sh]", "--env.agent_in_sandbox=true",
       "--sandbox.url=http://10.1.2.3:8080"], "needs the sandbox service on this host"),
+    (["--env.kind=gateway", "--env.agent_command=[sh, -c, 'cd /tmp && python /tools/no-such.py --x']",
+      "--env.agent_in_sandbox=true", f"--sandbox.tools_dir={REPO / 'tests'}"], "/tools/no-such.py is not in sandbox.tools_dir"),
 ])
 def test_sandbox_agent_settings_are_checked_before_work_starts(overrides, message):
     with pytest.raises(SettingsError, match=message):
         load_settings(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml", overrides)
+
+
+@pytest.mark.parametrize("where", ["same", "tools_inside_tasks", "tasks_inside_tools"])
+def test_validate_refuses_a_tools_folder_that_overlaps_the_tasks(tmp_path, capsys, where):
+    """Every sandbox sees ``sandbox.tools_dir`` as /tools: holding the tasks, it would hand a harness their solutions."""
+    from lightning_agentrl.__main__ import main
+
+    tools, suite = scripted_tools(tmp_path)
+    tools_dir, tasks = {"same": (suite, suite), "tools_inside_tasks": (suite / "parse_date_day_first", suite),
+                        "tasks_inside_tools": (tmp_path / "." / "", suite)}[where]
+    shutil.copy(tools / "sandbox_harness.py", tools_dir / "sandbox_harness.py")
+    code = main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", "--env.kind=gateway",
+                 "--env.agent_in_sandbox=true", f"--env.tasks={tasks}", f"--sandbox.tools_dir={tools_dir}",
+                 "--env.agent_command=[python, /tools/sandbox_harness.py]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "sandbox.tools_dir:" in err and "overlaps env.tasks" in err, err
 
 
 def test_a_sandbox_service_without_a_tools_folder_is_refused_before_work_starts(tmp_path):
@@ -210,3 +256,20 @@ def test_the_harness_reaches_the_gateway_on_its_own_loopback_as_documented():
 
     result = doctest.testmod(sandbox_agent, raise_on_error=False, verbose=False)
     assert (result.attempted, result.failed) == (1, 0)
+
+
+def test_evaluate_shows_a_harness_that_scores_without_calling_the_model(tmp_path, capsys):
+    """A harness that solves the task from what it brings, never asking the policy: success 1, called_model_frac 0."""
+    from lightning_agentrl.__main__ import main
+
+    tools, suite = scripted_tools(tmp_path, {"parse_date_day_first": "fix"})
+    (tools / "copy_fix.py").write_text("import json, shutil, sys\ntask = json.load(sys.stdin)\n"
+                                       "shutil.copytree(f\"/tools/fix/{task['id']}\", '.', dirs_exist_ok=True)\n")
+    settings = sandbox_settings(tmp_path, suite, "--env.agent_command=[sh]", f"--sandbox.tools_dir={tools}")
+    code = main(["evaluate", resolve_model_path(settings), "--config", "tests/fixtures/tiny_bugfix.yaml", "--split",
+                 "all", "--samples", "2", "--json", "--env.kind=gateway", "--env.agent_in_sandbox=true",
+                 f"--env.tasks={suite}", f"--sandbox.tools_dir={tools}", "--env.agent_command=[python, /tools/copy_fix.py]",
+                 f"--model.cache_dir={REPO / '.cache' / 'lightning_agentrl'}", "--trainer.threads=1", *TINY])
+    assert code == 0, capsys.readouterr().err
+    scores = json.loads(capsys.readouterr().out)
+    assert (scores["episodes"], scores["success"], scores["called_model_frac"]) == (2, 1.0, 0.0)

@@ -114,22 +114,26 @@ class InfraCircuitBreaker(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        every_rank = all_gather((_group_counts(batch), _last_error(batch)))
-        why = self.window.add([group for counts, _ in every_rank for group in counts])
+        every_rank = all_gather((_group_counts(batch), _last_error(batch), _agent_errors(batch)))
+        why = self.window.add([group for counts, _, _ in every_rank for group in counts])
         pl_module.log("filter/infra_error_frac_window", self.window.share, on_step=True, batch_size=1)
         if why is None:
             return
-        last_error = next((e for _, e in reversed(every_rank) if e), "none recorded")
-        agents = any(t.termination is TerminationReason.AGENT_ERROR for t in batch.trajectories)  # env.kind: gateway
-        what = f"{self.what} failed: {why} with {'agent_error' if agents else 'sandbox_error'}; last error: {last_error}"
+        last_error = next((e for _, e, _ in reversed(every_rank) if e), "none recorded")
+        # mostly the agents' own failures (env.kind: gateway, a harness missing or crashing): decided on what
+        # every rank saw, so all take the same branch below (waiting is a collective)
+        agents = sum(n for *_, (n, _) in every_rank) > sum(n for *_, (_, n) in every_rank)
+        what = (f"the agent (env.agent / env.agent_command) failed, not {self.what}: {why} with agent_error; last "
+                f"error: {last_error}") if agents else f"{self.what} failed: {why} with sandbox_error; last error: {last_error}"
         self.num_trips += 1
-        if self.on_failure == "wait" and self._service_came_back(trainer, what):
+        if self.on_failure == "wait" and not agents and self._service_came_back(trainer, what):
             self.window.clear()
             return
         if self._saved_step != trainer.global_step:
             trainer.save_checkpoint(self.checkpoint)
-        raise SandboxOutage(f"{what}. Checkpoint: {self.checkpoint} (step {trainer.global_step}); "
-                            "continue with --resume last once it is back")
+        # an agent's failure is no outage to wait out: no hint to resume once a service is back
+        resume = "" if agents else "; continue with --resume last once it is back"
+        raise SandboxOutage(f"{what}. Checkpoint: {self.checkpoint} (step {trainer.global_step}){resume}")
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -210,8 +214,14 @@ def _group_counts(batch: RolloutBatch) -> list[tuple[int, int]]:
     return [(errors, total) for errors, total in groups.values()]
 
 
+def _agent_errors(batch: RolloutBatch) -> tuple[int, int]:
+    """``(agent_error, sandbox_error)`` episodes of the batch."""
+    ends = [t.termination for t in batch.trajectories]
+    return ends.count(TerminationReason.AGENT_ERROR), ends.count(TerminationReason.SANDBOX_ERROR)
+
+
 def _last_error(batch: RolloutBatch) -> str | None:
-    errors = [t.info.get("sandbox_error") or t.info["agent_error"] for t in batch.trajectories
+    errors = [t.info.get("agent_error") or t.info["sandbox_error"] for t in batch.trajectories
               if t.info.get("sandbox_error") or t.info.get("agent_error")]
     return errors[-1] if errors else None
 

@@ -35,7 +35,8 @@ def score_episodes(trajectories: list[Trajectory]) -> dict:
 
     ``success`` is the mean final reward; ``solved`` the share of episodes with the full reward (>= 1: all
     hidden tests passed, the goal reached; a partial reward such as a cheap exit's counts in ``success`` but
-    not here); ``pass_at_k`` the mean over tasks of the best reward among the task's samples (with 0/1 rewards and n = k samples, the unbiased pass@k estimator of Chen et
+    not here); ``called_model_frac`` the share that got at least one reply of the policy (an agent may end
+    without calling the model); ``pass_at_k`` the mean over tasks of the best reward among the task's samples (with 0/1 rewards and n = k samples, the unbiased pass@k estimator of Chen et
     al. 2021 is exactly this), so ``pass_at_k >= success``. Infrastructure failures are left out of
     both (a task with no other sample is left out of ``pass_at_k``).
 
@@ -56,6 +57,8 @@ def score_episodes(trajectories: list[Trajectory]) -> dict:
         "solved": sum(t.reward >= 1.0 for t in scored) / max(len(scored), 1),
         "pass_at_k": sum(best.values()) / max(len(best), 1),
         "submitted_frac": sum(t.termination is TerminationReason.SUBMITTED for t in scored) / max(len(scored), 1),
+        # an agent scoring without the model (env.kind: gateway) shows here: no reply of the policy in its episode
+        "called_model_frac": sum(bool(t.segments) for t in scored) / max(len(scored), 1),
         "episodes": len(trajectories),
         "infra_errors": len(trajectories) - len(scored),
         **termination_counts(trajectories),

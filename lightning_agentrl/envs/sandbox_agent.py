@@ -8,8 +8,9 @@ its episode's gateway URL (``sandbox_server.gateway_proxy``): each episode
 2. runs ``env.agent_command`` there (working folder: the workspace; the harness itself comes from the service's
    read-only ``/tools``, installed by the operator, never by the task) with ``OPENAI_BASE_URL`` (the episode's
    gateway URL as the sandbox reaches it, ``http://127.0.0.1:PORT/episodes/<id>/v1``), ``OPENAI_API_KEY``,
-   ``TASK_PROMPT`` (the task's prompt) and the task ``{"id", "prompt"}`` as JSON on stdin, for at most the
-   episode's time left (past it the service kills the command's whole process tree);
+   ``TASK_PROMPT`` (the task's prompt), ``AGENT_TIMEOUT_S`` (its limit in seconds) and the task ``{"id", "prompt"}``
+   as JSON on stdin, for at most the episode's time left less the task's ``scoring_timeout_s`` (kept for step 3;
+   past it the service kills the command's whole process tree);
 3. when the harness exits 0, scores the workspace with the hidden tests exactly as the coding environment's
    ``submit`` does (:func:`sandbox_client.scoring.score_submission`: a copy of the sandbox, the judge under
    another uid): that is the episode's reward.
@@ -73,9 +74,10 @@ class SandboxAgentEnv(GatewayEnv):
         started = time.monotonic()
         try:
             self.sandbox_id = await self.client.create(dict(self.task.files))
-            left = max(self.episode_timeout_s - (time.monotonic() - started), 0.1)
+            # the scoring runs inside the episode's time: a harness that ends within its own limit is always scored
+            left = max(self.episode_timeout_s - (time.monotonic() - started) - self.task.scoring_timeout_s, 0.1)
             environment = {"OPENAI_BASE_URL": url_inside(base_url), "OPENAI_API_KEY": api_key,
-                           "TASK_PROMPT": self.task.prompt}
+                           "TASK_PROMPT": self.task.prompt, "AGENT_TIMEOUT_S": f"{left:.1f}"}
             result = await self.client.exec(
                 self.sandbox_id, self.agent_command, stdin=json.dumps({"id": self.task.id, "prompt": self.task.prompt}),
                 env=environment, timeout_s=left, gateway_url=base_url)

@@ -79,6 +79,25 @@ UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "seed", "r
 """Request fields the gateway serves without (a penalty or bias would change the sampled distribution)."""
 
 
+MAX_BODY_BYTES = 4 << 20
+"""A request body's limit: past a long context's worth of text, and parsed on the trainer's event loop."""
+
+
+async def _capped_body(request: Request) -> bytes:
+    """The request's body, refused (413) past :data:`MAX_BODY_BYTES` before it is read (``Content-Length``) or
+    as soon as it is (a chunked one)."""
+    refusal = GatewayRefusal(413, f"request bodies are limited to {MAX_BODY_BYTES} bytes", code="request_too_large")
+    with contextlib.suppress(ValueError):
+        if int(request.headers.get("content-length", "0")) > MAX_BODY_BYTES:
+            raise refusal
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise refusal
+    return bytes(body)
+
+
 class GatewayRefusal(Exception):
     """A request refused with OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
@@ -425,7 +444,7 @@ class Gateway:
         async def chat_completions(episode_id: str, request: Request):
             episode = self._episode(episode_id, request.headers.get("authorization"))
             try:
-                body = await request.json()
+                body = json.loads(await _capped_body(request))
             except (ValueError, RecursionError):
                 raise GatewayRefusal(400, "the request body is not JSON (or nests too deeply)") from None
             if not isinstance(body, dict):

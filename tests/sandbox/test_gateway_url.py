@@ -96,3 +96,35 @@ def test_a_command_reaches_only_its_gateway_urls_path_whatever_it_writes(upstrea
 
 def test_the_gateway_proxys_rules_hold_as_documented():
     assert doctest.testmod(gateway_proxy, raise_on_error=False, verbose=False).failed == 0
+
+
+def test_the_proxy_bounds_the_bodies_it_holds_and_drops_them_with_the_exec(upstream, tmp_path):
+    """A body past the limit is answered 413 unread; stalled bodies hold at most 16 MiB per exec (past it 429);
+    the exec's end releases them."""
+    limit = gateway_proxy.MAX_BODY_BYTES
+    head = b"POST /episodes/e1/v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n"
+
+    async def send(data: bytes):
+        reader, writer = await asyncio.open_unix_connection(str(tmp_path / "gw" / gateway_proxy.SOCKET_NAME))
+        writer.write(data)
+        await writer.drain()
+        return reader, writer
+
+    async def main():
+        async with gateway_proxy.GatewayProxy(f"http://127.0.0.1:{upstream}/episodes/e1/v1", tmp_path / "gw") as proxy:
+            reader, _ = await send(head % (limit + 1))
+            oversized = await reader.read()
+            stalled = [await send(head % limit + b"x" * (limit - 1)) for _ in range(4)]  # one byte short each
+            await asyncio.sleep(0.5)
+            held = proxy._buffered
+            late_reader, late_writer = await send(head % 10)
+            refused = await asyncio.wait_for(late_reader.read(), 5)
+            del stalled, late_writer  # held open until here
+        await asyncio.sleep(0.1)
+        return oversized, held, refused, proxy._buffered, len(proxy._tasks)
+
+    oversized, held, refused, after, tasks = asyncio.run(main())
+    assert oversized.startswith(b"HTTP/1.1 413 ") and json.loads(oversized.split(b"\r\n\r\n", 1)[1])["error"]["code"] \
+        == "request_too_large"
+    assert held == 4 * limit == 16 << 20 and refused.startswith(b"HTTP/1.1 429 ")
+    assert (after, tasks) == (0, 0)

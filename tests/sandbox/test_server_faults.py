@@ -367,3 +367,56 @@ def test_a_fork_cut_by_the_clients_wait_is_the_service_busy_not_the_agents_slow_
         busy, live = asyncio.run(main())
         assert not isinstance(busy, SandboxRequestError) and "service_busy" in str(busy), busy
         assert live == 1  # no copy left behind
+
+
+PARENT = """
+import asyncio, sys
+from sandbox_client import SandboxClient
+from sandbox_server.launch import start_local_server
+
+async def main(server):
+    async with SandboxClient(server.url, server.token, timeout_s=600) as client:
+        box = await client.create({"a.txt": "x"})
+        print(server.process.pid, flush=True)
+        await client.exec(box, ["sh", "-c", "sleep " + sys.argv[1]], timeout_s=500)
+
+with start_local_server() as server:
+    asyncio.run(main(server))
+"""
+
+
+def test_a_local_server_and_its_sandboxes_go_within_seconds_of_a_killed_parent(tmp_path):
+    """A trainer killed by SIGKILL leaves no server (parent pid 1) nor command behind: the server gets SIGTERM
+    (PR_SET_PDEATHSIG) and stops at once, an exec in flight or not."""
+    import subprocess
+    import sys
+
+    marker = str(700000 + os.getpid() % 99999)  # this test's own sleep
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, marker], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    server_pid = int(parent.stdout.readline())
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+
+    def sleeping() -> bool:
+        for p in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if p.name.isdigit() and (p / "cmdline").read_bytes() == f"sleep\0{marker}\0".encode() and alive(int(p.name)):
+                    return True
+        return False
+
+    deadline = time.monotonic() + 30
+    while not sleeping() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sleeping()
+    parent.kill()
+    parent.wait()
+    killed = time.monotonic()
+    while time.monotonic() - killed < 10 and (alive(server_pid) or sleeping()):
+        time.sleep(0.1)
+    gone_after = time.monotonic() - killed
+    assert gone_after < 3.5 and not sleeping(), gone_after
