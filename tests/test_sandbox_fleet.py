@@ -309,3 +309,148 @@ def test_a_429_from_a_server_another_process_filled_sends_the_create_to_the_next
     sandbox_id, elapsed = asyncio.run(main())
     assert not sandbox_id.startswith("s0-")
     assert elapsed < 1.5  # not after the server's Retry-After (2 s)
+
+
+class _FakeServer:
+    """A service answering health with ``health`` (bytes, or a callable giving them) and every create with a 500
+    (``create="fail"``) or never (``create="hang"``)."""
+
+    def __init__(self, health, create: str = "fail", token: str = "x") -> None:
+        import time
+        from http.server import BaseHTTPRequestHandler
+
+        self.creates, self.token = 0, token
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                self._answer(200, health() if callable(health) else health)
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.creates += 1
+                if create == "hang":
+                    time.sleep(30)
+                self._answer(500, b'{"error": {"code": "internal", "message": "broken"}}')
+
+            def log_message(self, *args):
+                pass
+
+        self.server, self.url = _serve(Handler)
+
+
+@pytest.mark.parametrize("sandboxes", ['{"active": "n/a", "max": 8}', '{"active": [1], "max": 8}',
+                                       '{"active": 0, "max": true}', '[1]'])
+def test_a_server_whose_health_answer_is_malformed_is_left_out_with_the_reason(three_servers, sandboxes):
+    import asyncio
+
+    odd = _FakeServer(f'{{"status": "ok", "protocol": "v1", "sandboxes": {sandboxes}}}'.encode(),
+                      token=three_servers[0].token)
+
+    async def main():
+        async with fleet_of([odd, three_servers[0]]) as fleet:
+            sandbox_id = await fleet.create({})
+            await fleet.delete(sandbox_id)
+            return sandbox_id, (await fleet.health())["servers"][0]["error"]
+
+    sandbox_id, why = asyncio.run(main())
+    odd.server.shutdown()
+    assert sandbox_id.startswith("s1-") and odd.creates == 0
+    assert why.startswith("malformed health answer: sandboxes="), why
+
+
+def test_a_server_that_later_speaks_another_protocol_takes_no_sandbox(three_servers):
+    import asyncio
+
+    said = {"protocol": "v1"}
+    health = lambda: json.dumps({"status": "ok", "protocol": said["protocol"],  # noqa: E731
+                                 "sandboxes": {"active": 0, "max": 50}}).encode()
+    other = _FakeServer(health, token=three_servers[0].token)
+
+    async def main():
+        async with fleet_of([other, three_servers[0]]) as fleet:
+            await fleet.health()  # v1 at first: the emptiest server
+            said["protocol"] = "v2"
+            why = (await fleet.health())["servers"][0]["error"]  # the next health round sees v2
+            sandbox_id = await fleet.create({})
+            await fleet.delete(sandbox_id)
+            return sandbox_id, why
+
+    sandbox_id, why = asyncio.run(main())
+    other.server.shutdown()
+    assert sandbox_id.startswith("s1-") and other.creates == 0
+    assert why == "speaks protocol 'v2'; this client speaks 'v1'"
+
+
+def test_a_server_that_stalls_past_the_deadline_gets_every_delete_and_ends_empty(three_servers):
+    import asyncio
+    import signal
+
+    from sandbox_client import SandboxUnreachable
+
+    first, second = three_servers[0], three_servers[1]
+
+    async def main():
+        async with fleet_of([first, second], timeout_s=1, max_retries=0) as fleet:
+            ids = [await fleet.create({}) for _ in range(4)]  # two on each
+            os.kill(first.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(SandboxUnreachable):
+                    await fleet.exec(ids[0], "true", timeout_s=1)  # marks it down
+                with pytest.raises(SandboxUnreachable, match="deleted when it answers again"):
+                    await fleet.delete(ids[0])  # still stalled: tried, then remembered
+            finally:
+                os.kill(first.process.pid, signal.SIGCONT)
+            for sandbox_id in ids[1:]:
+                await fleet.delete(sandbox_id)  # not refused although it is still marked down
+            await fleet.health()  # it answers: the remembered delete is done
+            return [s.health()["sandboxes"]["active"] for s in (first, second)], [s.free for s in fleet.servers]
+
+    active, free = asyncio.run(main())
+    assert active == [0, 0] and free == [2, 2]
+
+
+def test_a_server_that_hangs_on_create_is_kept_out_for_a_growing_back_off(three_servers):
+    import asyncio
+    import time
+
+    hung = _FakeServer(b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": 0, "max": 50}}', create="hang",
+                       token=three_servers[0].token)
+
+    async def main():
+        async with fleet_of([hung, three_servers[0]], timeout_s=1, max_retries=0, probe_interval_s=0.2) as fleet:
+            ids = []
+            for _ in range(6):  # 0.3 s apart: health rounds see the hung server "ok" each time
+                ids.append(await fleet.create({}))
+                await asyncio.sleep(0.3)
+            out_s = fleet.servers[0].out_until - time.monotonic()
+            for sandbox_id in ids:
+                await fleet.delete(sandbox_id)
+            return ids, out_s, fleet.live_servers
+
+    ids, out_s, live = asyncio.run(main())
+    hung.server.shutdown()
+    assert hung.creates == 2, hung.creates  # at 0 s, then after 0.2 s out; the next back-off (0.4 s) outlasts the rest
+    assert all(i.startswith("s1-") for i in ids) and out_s > 0 and live == 1
+
+
+def test_an_id_with_a_huge_or_odd_server_number_is_not_found(three_servers):
+    import asyncio
+
+    from sandbox_client import SandboxNotFound
+
+    async def main():
+        async with fleet_of(three_servers) as fleet:
+            for bad in ("s" + "9" * 5000 + "-x", "s\u0661-x", "s-1-x", "s0-"):
+                for call in (fleet.delete(bad), fleet.fork(bad), fleet.exec(bad, "true")):
+                    with pytest.raises(SandboxNotFound, match="its id names no server of this fleet"):
+                        await call
+
+    asyncio.run(main())
