@@ -313,7 +313,7 @@ def test_a_429_from_a_server_another_process_filled_sends_the_create_to_the_next
 
 class _FakeServer:
     """A service answering health with ``health`` (bytes, or a callable giving them) and every create with a 500
-    (``create="fail"``) or never (``create="hang"``)."""
+    (``create="fail"``), never (``create="hang"``) or a new id (``create="ok"``); every delete with a 204."""
 
     def __init__(self, health, create: str = "fail", token: str = "x") -> None:
         import time
@@ -338,7 +338,12 @@ class _FakeServer:
                 outer.creates += 1
                 if create == "hang":
                     time.sleep(30)
+                if create == "ok":
+                    return self._answer(201, json.dumps({"id": f"f{outer.creates}"}).encode())
                 self._answer(500, b'{"error": {"code": "internal", "message": "broken"}}')
+
+            def do_DELETE(self):  # noqa: N802
+                self._answer(204, b"")
 
             def log_message(self, *args):
                 pass
@@ -454,3 +459,21 @@ def test_an_id_with_a_huge_or_odd_server_number_is_not_found(three_servers):
                         await call
 
     asyncio.run(main())
+
+
+def test_free_slots_never_exceed_the_servers_reported_max():
+    import asyncio
+
+    lagging = _FakeServer(b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": 0, "max": 2}}', create="ok")
+
+    async def main():
+        async with fleet_of([lagging]) as fleet:
+            ids = [await fleet.create({}) for _ in range(2)]
+            await fleet.health()  # its count lags the two creates: 2 free
+            for sandbox_id in ids:
+                await fleet.delete(sandbox_id)
+            return fleet.servers[0].free
+
+    free = asyncio.run(main())
+    lagging.server.shutdown()
+    assert free == 2
