@@ -230,15 +230,27 @@ def test_start_up_checks_probe_every_server_and_name_each_that_fails(three_serve
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ('--sandbox.urls=["http://a:1"] --sandbox.url=http://b:1', "sandbox.urls: set it or sandbox.url, not both"),
+    ('--sandbox.urls=["http://a:1"] --sandbox.url=http://b:1', "sandbox.urls: set it or sandbox.url, not both "
+     "(sandbox.url is the one-server case; unset the one a config file sets with --sandbox.urls=[] or"),
     ('--sandbox.urls=["a:1"]', "sandbox.urls: 'a:1' is not a base URL like http://10.0.0.5:8000"),
+    ('--sandbox.urls=["http://a:99999"]', "sandbox.urls: 'http://a:99999' is not a base URL"),
     ('--sandbox.urls=["http://a:1","http://a:1/"]', "sandbox.urls lists a server twice"),
+    ('--sandbox.urls=["http://A:1","HTTP://a:01"]', "sandbox.urls lists a server twice"),
+    ('--sandbox.urls=["http://a","http://a:80"]', "sandbox.urls lists a server twice"),
+    ('--engine.kind=vllm_server --engine.urls=["http://[::1]:1","http://[::1]:1/"]', "engine.urls lists a server twice"),
 ])
 def test_sandbox_urls_that_cannot_work_are_refused_before_anything_starts(override, message):
     from lightning_agentrl.settings import load_settings
 
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
         load_settings(None, override.split(" "))
+
+
+def test_sandbox_urls_take_bracketed_ipv6_hosts_and_tell_servers_apart_by_scheme_and_port():
+    from lightning_agentrl.settings import load_settings
+
+    urls = ["http://[::1]:8000", "http://[fd00::5]:8000/", "https://a:8000", "http://a:8000", "http://a:8001"]
+    assert load_settings(None, [f"--sandbox.urls={json.dumps(urls)}"]).sandbox.urls == urls
 
 
 class _FailingCreates:
