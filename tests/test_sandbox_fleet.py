@@ -489,3 +489,28 @@ def test_free_slots_never_exceed_the_servers_reported_max():
     free = asyncio.run(main())
     lagging.server.shutdown()
     assert free == 2
+
+
+def test_scoring_with_a_full_holding_server_snapshots_fresh_on_another(three_servers):
+    import asyncio
+
+    from sandbox_client import SandboxClient, score_submission
+
+    task = {"m.py": "X = 1\n"}
+    hidden = {"hidden_tests/test_h.py": "from m import X\n\ndef test_x():\n    assert X == 1\n"}
+
+    async def main():
+        async with fleet_of(three_servers[:2], max_retries=0) as fleet:
+            agent = await fleet.create(task)  # on s0
+            async with SandboxClient(three_servers[0].url, three_servers[0].token) as other:
+                filler = await other.create({})  # another process fills s0 (2 of 2)
+                try:
+                    return agent, await score_submission(fleet, task_files=task, hidden_files=hidden,
+                                                         agent_sandbox_id=agent, timeout_s=60,
+                                                         test_command="python -m pytest -q hidden_tests")
+                finally:
+                    await other.delete(filler)
+                    await fleet.delete(agent)
+
+    agent, result = asyncio.run(main())
+    assert agent.startswith("s0-") and result.snapshot == "fresh" and result.reward == 1.0, result
