@@ -514,3 +514,20 @@ def test_scoring_with_a_full_holding_server_snapshots_fresh_on_another(three_ser
 
     agent, result = asyncio.run(main())
     assert agent.startswith("s0-") and result.snapshot == "fresh" and result.reward == 1.0, result
+
+
+def test_fit_goes_on_when_one_server_answers_health_with_a_malformed_count(tmp_path, three_servers):
+    """One server of two says ``"active": "n/a"``: left out, with the reason; every sandbox goes to the other."""
+    odd = _FakeServer(b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": "n/a", "max": 8}}',
+                      token=three_servers[0].token)
+    good = three_servers[0]
+    before = created(good)
+    settings = learn_settings(tmp_path, f"--sandbox.urls={json.dumps([good.url, odd.url])}",
+                              f"--sandbox.token={good.token}", "--trainer.max_steps=1")
+    try:
+        result = fit(settings)
+    finally:
+        odd.server.shutdown()
+    terminations = [e["termination"] for e in episodes(settings.run.dir, 0)]
+    assert result.global_step == 1 and "sandbox_error" not in terminations and len(terminations) == 4
+    assert odd.creates == 0 and created(good) - before >= 4  # each episode's sandbox (and its scoring copy)
