@@ -524,10 +524,12 @@ def test_fit_goes_on_when_one_server_answers_health_with_a_malformed_count(tmp_p
     before = created(good)
     settings = learn_settings(tmp_path, f"--sandbox.urls={json.dumps([good.url, odd.url])}",
                               f"--sandbox.token={good.token}", "--trainer.max_steps=1")
+    log = StepLog()
     try:
-        result = fit(settings)
+        result = fit(settings, callbacks=[log])
     finally:
         odd.server.shutdown()
     terminations = [e["termination"] for e in episodes(settings.run.dir, 0)]
     assert result.global_step == 1 and "sandbox_error" not in terminations and len(terminations) == 4
     assert odd.creates == 0 and created(good) - before >= 4  # each episode's sandbox (and its scoring copy)
+    assert log.metrics[0]["sandbox/servers_live"] == 1.0
