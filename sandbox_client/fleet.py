@@ -56,7 +56,7 @@ from sandbox_client.errors import (
 from sandbox_client.models import ExecResult
 
 T = TypeVar("T")
-_FLEET_ID = re.compile(r"s([0-9]{1,6})-(.+)", re.ASCII | re.DOTALL)
+_FLEET_ID = re.compile(r"s([0-9]{1,6})-(.+)", re.ASCII)
 log = logging.getLogger(__name__)
 
 
@@ -65,7 +65,7 @@ def _health_problem(answer: Any) -> str | None:
     ``sandboxes`` count that is not a non-negative integer (a bool is not a count)."""
     if not isinstance(answer, dict) or answer.get("status") != "ok":
         return f"not healthy: {answer!r}"[:300]
-    if answer.get("protocol") != PROTOCOL_VERSION:
+    if answer.get("protocol", PROTOCOL_VERSION) != PROTOCOL_VERSION:  # as the start-up checks read it
         return f"speaks protocol {answer.get('protocol')!r}; this client speaks {PROTOCOL_VERSION!r}"[:300]
     counts = answer.get("sandboxes")
     if counts is None:
@@ -152,8 +152,8 @@ class SandboxFleet:
                 log.warning("sandbox server %s answers again; calls go to it", server.url)
             server.down = None  # back (or never gone): calls and placement use it again
             sandboxes = answer.get("sandboxes")
-            if sandboxes is not None:
-                server.max, server.free = sandboxes.get("max"), sandboxes.get("max", 0) - sandboxes.get("active", 0)
+            if sandboxes is not None and "max" in sandboxes:  # checked: non-negative integers
+                server.max, server.free = sandboxes["max"], sandboxes["max"] - sandboxes.get("active", 0)
             await self._delete_undeleted(server)
         return answer
 
@@ -197,7 +197,8 @@ class SandboxFleet:
         usable = [server for server in self.servers if server.usable]
         if not usable:  # only backed-off ones answer: try them, soonest back first, rather than fail at once
             waiting = [server for server in self.servers if server.answered and server.down is None]
-            return sorted(waiting, key=lambda server: server.out_until)
+            if waiting:
+                return sorted(waiting, key=lambda server: server.out_until)
         if not usable:
             raise SandboxUnreachable(f"no sandbox server of {len(self.servers)} answers: " + "; ".join(
                 f"{server.url}: {server.down or server.why}" for server in self.servers))

@@ -442,20 +442,25 @@ def test_a_server_that_hangs_on_create_is_kept_out_for_a_growing_back_off(three_
                        token=three_servers[0].token)
 
     async def main():
-        async with fleet_of([hung, three_servers[0]], timeout_s=1, max_retries=0, probe_interval_s=0.2) as fleet:
-            ids = []
-            for _ in range(6):  # 0.3 s apart: health rounds see the hung server "ok" each time
-                ids.append(await fleet.create({}))
-                await asyncio.sleep(0.3)
-            out_s = fleet.servers[0].out_until - time.monotonic()
-            for sandbox_id in ids:
-                await fleet.delete(sandbox_id)
-            return ids, out_s, fleet.live_servers
+        async with fleet_of([hung, three_servers[0]], timeout_s=1, max_retries=0, probe_interval_s=1) as fleet:
+            tried, out_s = [], []
 
-    ids, out_s, live = asyncio.run(main())
+            async def create_after_a_health_round() -> None:
+                await fleet.health()  # the hung server answers "ok" each time
+                await fleet.delete(await fleet.create({}))  # it has the most free slots
+                tried.append(hung.creates)
+                out_s.append(round(fleet.servers[0].out_until - time.monotonic()))
+
+            await create_after_a_health_round()  # tried, failed: out 1 s
+            await create_after_a_health_round()  # kept out although its health answered
+            await asyncio.sleep(1.1)
+            await create_after_a_health_round()  # tried again, failed again: out 2 s
+            await create_after_a_health_round()
+            return tried, out_s, fleet.live_servers
+
+    tried, out_s, live = asyncio.run(main())
     hung.server.shutdown()
-    assert hung.creates == 2, hung.creates  # at 0 s, then after 0.2 s out; the next back-off (0.4 s) outlasts the rest
-    assert all(i.startswith("s1-") for i in ids) and out_s > 0 and live == 1
+    assert tried == [1, 1, 2, 2] and out_s[2] == 2 and live == 1, (tried, out_s)
 
 
 def test_an_id_with_a_huge_or_odd_server_number_is_not_found(three_servers):
@@ -465,7 +470,7 @@ def test_an_id_with_a_huge_or_odd_server_number_is_not_found(three_servers):
 
     async def main():
         async with fleet_of(three_servers) as fleet:
-            for bad in ("s" + "9" * 5000 + "-x", "s\u0661-x", "s-1-x", "s0-"):
+            for bad in ("s" + "9" * 5000 + "-x", "s\u0661-x", "s-1-x", "s0-", "s0-x\n"):
                 for call in (fleet.delete(bad), fleet.fork(bad), fleet.exec(bad, "true")):
                     with pytest.raises(SandboxNotFound, match="its id names no server of this fleet"):
                         await call
