@@ -195,8 +195,9 @@ class SandboxSettings(_Section):
     """Several sandbox services, a fleet (e.g. the pods of `deploy/kubernetes/sandbox.yaml`), sharing `sandbox.token`:
     each new sandbox goes to the live server with the most free slots (from its health answer), every later call
     to the server that holds it (the sandbox id names it), forks included. A server whose calls stop answering
-    within the usual deadlines is left out (its episodes end `sandbox_error`) until its health call answers again
-    (docs/scaling.md). Set this or `sandbox.url`."""
+    within the usual deadlines is left out (its episodes end `sandbox_error`) until its health call answers again,
+    one whose creates fail for a back-off that doubles with each failure; deletes are never refused, only deferred
+    until a stalled server answers (docs/scaling.md). Set this or `sandbox.url`."""
     token: SecretStr | None = None
     """Bearer token for `sandbox.url` or `sandbox.urls` (a random one is made for the local server). A secret: printed and
     recorded as `**********`, left out of the run folder's settings file (pass it again, or as
