@@ -42,6 +42,7 @@ import asyncio
 import logging
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -89,6 +90,7 @@ class _Server:
         self.create_failures = 0  # creates failed in a row: the back-off doubles with each
         self.out_until = 0.0  # monotonic time before which no create goes here
         self.undeleted: set[str] = set()  # server ids whose delete found it unreachable: retried when it answers
+        self.lost_creates: list[tuple[str, dict]] = []  # (key, call) of creates whose answer never came
 
     @property
     def url(self) -> str:
@@ -164,7 +166,17 @@ class SandboxFleet:
         server.answered, server.why = answered, why
 
     async def _delete_undeleted(self, server: _Server) -> None:
-        """Delete what earlier deletes could not, now that the server answers (one try each)."""
+        """Delete what earlier deletes could not, now that the server answers (one try each), and what
+        creates whose answer was lost made: the same create with the same key names it (or makes it now)."""
+        while server.lost_creates:
+            key, call = server.lost_creates[0]
+            try:
+                server.undeleted.add(await server.probe.create(**call, wait_if_full=False, idempotency_key=key))
+            except SandboxUnreachable:
+                return  # gone again: the next answer tries the rest
+            except Exception:  # noqa: BLE001 - refused (full, its key expired): nothing of it to find
+                pass
+            server.lost_creates.pop(0)
         for raw in list(server.undeleted):
             try:
                 await server.probe.delete(raw)
@@ -221,14 +233,16 @@ class SandboxFleet:
             full = []
             for server in await self._candidates():  # none answers: raises, naming each
                 server.free -= 1  # taken now: concurrent creates see it before this one's answer comes
+                call, key = {"files": files, "ttl_s": ttl_s, "network": network}, uuid.uuid4().hex
                 try:
-                    raw = await server.client.create(files, ttl_s=ttl_s, network=network, wait_if_full=False)
+                    raw = await server.client.create(**call, wait_if_full=False, idempotency_key=key)
                 except SandboxCapacityError as err:
                     server.free = 0
                     full.append(err)
                     continue
-                except SandboxUnreachable as err:
+                except SandboxUnreachable as err:  # it may still make the sandbox once it answers
                     server.free += 1
+                    server.lost_creates.append((key, call))
                     self._mark_down(server, err)
                     self._back_off(server, err)
                     continue
