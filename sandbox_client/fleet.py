@@ -23,7 +23,8 @@ or ``fork``; the routing lives here. Each guarantee, then how it is kept:
   create would otherwise cost every health round one full call deadline. A create there resets it.
 - **Deletes are never refused.** A delete to a server marked down is still tried, once, within
   ``timeout_s``; an id whose delete found the server unreachable is kept and deleted when its
-  health next answers, so a stalled server's sandboxes do not wait for their TTL.
+  health next answers, so a stalled server's sandboxes do not wait for their TTL. So is the sandbox
+  of a create it never answered: the same create, sent again with its idempotency key, names it.
 - **Full servers.** A 429 from one server sends the create to the next (so does a 5xx that outlasted
   its retries); when every live server is full, the create waits the shortest ``Retry-After`` and asks
   again, ``max_retries`` times.
