@@ -169,15 +169,12 @@ class SandboxFleet:
     async def _delete_undeleted(self, server: _Server) -> None:
         """Delete what earlier deletes could not, now that the server answers (one try each), and what
         creates whose answer was lost made: the same create with the same key names it (or makes it now)."""
-        while server.lost_creates:
-            key, call = server.lost_creates[0]
+        while server.lost_creates:  # one try each: a server that hangs on create costs one deadline per lost one
+            key, call = server.lost_creates.pop(0)
             try:
                 server.undeleted.add(await server.probe.create(**call, wait_if_full=False, idempotency_key=key))
-            except SandboxUnreachable:
-                return  # gone again: the next answer tries the rest
-            except Exception:  # noqa: BLE001 - refused (full, its key expired): nothing of it to find
+            except Exception:  # noqa: BLE001 - unreachable again, or refused (full, its key expired): let it go
                 pass
-            server.lost_creates.pop(0)
         for raw in list(server.undeleted):
             try:
                 await server.probe.delete(raw)

@@ -331,7 +331,7 @@ class _FakeServer:
         import time
         from http.server import BaseHTTPRequestHandler
 
-        self.creates, self.token = 0, token
+        self.creates, self.token, self.keys = 0, token, set()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -346,7 +346,7 @@ class _FakeServer:
                 self._answer(200, health() if callable(health) else health)
 
             def do_POST(self):  # noqa: N802
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.keys.add(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))["idempotency_key"])
                 outer.creates += 1
                 if create == "hang":
                     time.sleep(30)
@@ -441,25 +441,26 @@ def test_a_server_that_hangs_on_create_is_kept_out_for_a_growing_back_off(three_
                        token=three_servers[0].token)
 
     async def main():
-        async with fleet_of([hung, three_servers[0]], timeout_s=1, max_retries=0, probe_interval_s=1) as fleet:
+        async with fleet_of([hung, three_servers[0]], timeout_s=1, max_retries=0, probe_interval_s=3) as fleet:
             tried, out_s = [], []
 
             async def create_after_a_health_round() -> None:
-                await fleet.health()  # the hung server answers "ok" each time
+                await fleet.health()  # the hung server answers "ok" each time (and is sent the lost create again)
                 await fleet.delete(await fleet.create({}))  # it has the most free slots
-                tried.append(hung.creates)
+                tried.append(len(hung.keys))  # creates, not counting a lost one sent again with its key
                 out_s.append(round(fleet.servers[0].out_until - time.monotonic()))
 
-            await create_after_a_health_round()  # tried, failed: out 1 s
+            await create_after_a_health_round()  # tried, failed: out 3 s
             await create_after_a_health_round()  # kept out although its health answered
-            await asyncio.sleep(1.1)
-            await create_after_a_health_round()  # tried again, failed again: out 2 s
+            await asyncio.sleep(3.1)
+            await create_after_a_health_round()  # tried again, failed again: out 6 s
             await create_after_a_health_round()
             return tried, out_s, fleet.live_servers
 
     tried, out_s, live = asyncio.run(main())
     hung.server.shutdown()
-    assert tried == [1, 1, 2, 2] and out_s[2] == 2 and live == 1, (tried, out_s)
+    assert tried == [1, 1, 2, 2] and out_s[2] == 6 and live == 1, (tried, out_s)
+    assert hung.creates == 4  # each lost create sent again once, at the next health answer
 
 
 def test_an_id_with_a_huge_or_odd_server_number_is_not_found(three_servers):
