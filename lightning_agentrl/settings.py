@@ -196,8 +196,9 @@ class SandboxSettings(_Section):
     """Several sandbox services, a fleet (e.g. the pods of `deploy/kubernetes/sandbox.yaml`), sharing `sandbox.token`:
     each new sandbox goes to the live server with the most free slots (from its health answer), every later call
     to the server that holds it (the sandbox id names it), forks included. A server whose calls stop answering
-    within the usual deadlines is left out (its episodes end `sandbox_error`) until its health call answers again
-    (docs/scaling.md). Set this or `sandbox.url`."""
+    within the usual deadlines is left out (its episodes end `sandbox_error`) until its health call answers again,
+    one whose creates fail for a back-off that doubles with each failure; deletes are never refused, only deferred
+    until a stalled server answers (docs/scaling.md). Set this or `sandbox.url`."""
     token: SecretStr | None = None
     """Bearer token for `sandbox.url` or `sandbox.urls` (a random one is made for the local server). A secret: printed and
     recorded as `**********`, left out of the run folder's settings file (pass it again, or as
@@ -787,15 +788,33 @@ def _check_sandbox_tools(env: EnvSettings, sandbox: SandboxSettings) -> None:
                              "(`make install` installs the recipe's harness)")
 
 
+_BASE_URL = re.compile(r"https?://(\[[0-9a-f:.]+\]|[^/\s:@\[\]]+)(:[0-9]{1,5})?/?", re.IGNORECASE | re.ASCII)
+
+
+def _check_base_urls(setting: str, urls: list[str]) -> None:
+    """Each of ``urls`` is ``scheme://host[:port][/]`` (a bracketed IPv6 host allowed, port <= 65535) and names
+    a different server: compared with scheme and host lower-cased and the port made explicit (http://A:80/ is
+    http://a)."""
+    servers = set()
+    for url in urls:
+        parts = urlsplit(url) if _BASE_URL.fullmatch(url) else None
+        try:
+            port = parts and (parts.port or {"http": 80, "https": 443}[parts.scheme.lower()])
+        except ValueError:  # over 65535
+            port = None
+        if not port:
+            raise ValueError(f"{setting}: {url!r} is not a base URL like http://10.0.0.5:8000 or http://[::1]:8000 "
+                             "(port 1-65535)")
+        servers.add((parts.scheme.lower(), parts.hostname, port))  # hostname is lower-cased, brackets dropped
+    if len(servers) != len(urls):
+        raise ValueError(f"{setting} lists a server twice: {urls}")
+
+
 def _check_sandbox_urls(s: SandboxSettings) -> None:
     if s.url is not None and s.urls:
-        raise ValueError("sandbox.urls: set it or sandbox.url, not both (sandbox.url is the one-server case; "
-                         "--sandbox.url=null unsets a config's)")
-    for url in s.urls:
-        if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url):
-            raise ValueError(f"sandbox.urls: {url!r} is not a base URL like http://10.0.0.5:8000")
-    if len({url.rstrip("/") for url in s.urls}) != len(s.urls):
-        raise ValueError(f"sandbox.urls lists a server twice: {s.urls}")
+        raise ValueError("sandbox.urls: set it or sandbox.url, not both (sandbox.url is the one-server case; unset "
+                         "the one a config file sets with --sandbox.urls=[] or --sandbox.url=null)")
+    _check_base_urls("sandbox.urls", s.urls)
 
 
 def _check_engine(settings: Settings) -> None:
@@ -817,11 +836,7 @@ def _check_engine(settings: Settings) -> None:
     if e.urls and e.num_servers != 1:
         raise ValueError("engine.num_servers is the number of servers the run starts; with engine.urls the run "
                          "starts none (set one of the two)")
-    for url in e.urls:
-        if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url):
-            raise ValueError(f"engine.urls: {url!r} is not a base URL like http://10.0.0.5:8000")
-    if len({url.rstrip("/") for url in e.urls}) != len(e.urls):
-        raise ValueError(f"engine.urls lists a server twice: {e.urls}")
+    _check_base_urls("engine.urls", e.urls)
     if not isinstance(t.devices, int) or t.devices * t.num_nodes > 1:
         raise ValueError("engine.kind=vllm_server runs with one training process (trainer.devices=1, "
                          "trainer.num_nodes=1) for now; use engine.kind=vllm for several")

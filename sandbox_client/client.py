@@ -153,9 +153,11 @@ class SandboxClient:
         return await self._answer("GET", "/v1/health")
 
     async def create(self, files: dict[str, str | bytes], *, ttl_s: float | None = None,
-                     network: bool = False, wait_if_full: bool = True) -> str:
+                     network: bool = False, wait_if_full: bool = True, idempotency_key: str | None = None) -> str:
         """A new sandbox holding ``files``; its id. ``wait_if_full`` False: a full server's 429 is a
-        :class:`SandboxCapacityError` at once (a fleet then asks another server) instead of a retry."""
+        :class:`SandboxCapacityError` at once (a fleet then asks another server) instead of a retry.
+        ``idempotency_key`` (default: a new one): the same call with the same key later answers the
+        sandbox the first one made, e.g. to find and delete one whose answer was lost."""
         text: dict[str, str] = {}
         binary: dict[str, str] = {}
         for path, content in files.items():
@@ -166,7 +168,7 @@ class SandboxClient:
             else:
                 raise TypeError(f"files[{path!r}] must be str or bytes, got {type(content).__name__}")
         body = {"files": text, "binary_files": binary, "ttl_s": ttl_s, "network": network,
-                "idempotency_key": uuid.uuid4().hex}
+                "idempotency_key": idempotency_key or uuid.uuid4().hex}
         return (await self._answer("POST", "/v1/sandboxes", "id", ok=201, json=body, retry_full=wait_if_full))["id"]
 
     async def exec(self, sandbox_id: str, command: str | list[str], *, stdin: str | None = None,

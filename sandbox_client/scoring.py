@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from sandbox_client.client import SandboxClient
-from sandbox_client.errors import CommandTimeout, SandboxError, SandboxInfraError, SandboxRequestError
+from sandbox_client.errors import (
+    CommandTimeout,
+    SandboxCapacityError,
+    SandboxError,
+    SandboxInfraError,
+    SandboxRequestError,
+)
 from sandbox_client.score_runner import REPORT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -153,7 +159,8 @@ async def score_submission(client: SandboxClient, *, task_files: dict[str, str],
     """Run the hidden tests on a snapshot of the agent's work; see the module docstring.
 
     ``required_passed``: hidden tests that must pass (the task's ``hidden_test_count``; None: at
-    least one). ``snapshot``: "fork", "fresh" or "auto" (fork, else fresh when the service has no fork).
+    least one). ``snapshot``: "fork", "fresh" or "auto" (fork, else fresh when the service has no fork or the
+    server holding the agent's sandbox is full).
     Raises SandboxInfraError (or a subclass) when the service fails: the caller marks the trajectory
     ``sandbox_error`` rather than giving it a reward.
     """
@@ -196,6 +203,9 @@ async def _snapshot(client: SandboxClient, agent_sandbox_id: str, task_files: di
             no_fork = exc.status in (404, 405, 501) and exc.code != "sandbox_not_found"
             if snapshot == "fork" or not no_fork:
                 return None, [f"fork of the agent's sandbox refused: {exc}"], "fork"
+        except SandboxCapacityError:  # its server is full; a fresh copy may go to another (a fleet's placement)
+            if snapshot == "fork":
+                raise
     try:
         changed = await _changed_files(client, agent_sandbox_id, task_files)
     except SandboxRequestError as exc:  # too many files or too deep a tree to list: the agent's doing

@@ -70,11 +70,24 @@ def test_the_sandbox_pods_match_their_server_flags_and_hold_only_the_privileges_
     assert sorted(security["capabilities"]["add"]) == sorted(
         ["SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL", "SYS_CHROOT"])
     assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["hostUsers"] is False  # root in the pod is an unprivileged uid on the node
     # the headless Service gives each pod its own address (no load balancing in front of the fleet)
     service = fleet["Service"]
     assert service["spec"]["clusterIP"] == "None" and fleet["StatefulSet"]["spec"]["serviceName"] == service["metadata"]["name"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert service["spec"]["ports"][0]["port"] == listen.port and listen.host == "0.0.0.0"
+    assert service["spec"]["publishNotReadyAddresses"] is True  # the client, not readiness, decides who is live
+
+
+def test_the_sandbox_pods_disk_holds_every_sandbox_at_its_disk_limit():
+    fleet = objects("sandbox.yaml")
+    server = container(fleet["StatefulSet"])
+    _, options = parse([*server["args"], "--token=x"])
+    volumes = {v["name"]: v["emptyDir"] for v in fleet["StatefulSet"]["spec"]["template"]["spec"]["volumes"]}
+    (workspaces,) = [m["name"] for m in server["volumeMounts"] if m["mountPath"] == str(options.root_dir)]
+    assert quantity(volumes[workspaces]["sizeLimit"]) >= options.max_sandboxes * options.disk_bytes
+    on_disk = sum(quantity(v["sizeLimit"]) for v in volumes.values() if v.get("medium") != "Memory")
+    assert quantity(server["resources"]["limits"]["ephemeral-storage"]) >= on_disk  # else the pod is evicted first
 
 
 def test_the_training_job_launches_every_node_and_names_every_sandbox_pod(monkeypatch):

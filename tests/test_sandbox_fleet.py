@@ -230,15 +230,27 @@ def test_start_up_checks_probe_every_server_and_name_each_that_fails(three_serve
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ('--sandbox.urls=["http://a:1"] --sandbox.url=http://b:1', "sandbox.urls: set it or sandbox.url, not both"),
+    ('--sandbox.urls=["http://a:1"] --sandbox.url=http://b:1', "sandbox.urls: set it or sandbox.url, not both "
+     "(sandbox.url is the one-server case; unset the one a config file sets with --sandbox.urls=[] or"),
     ('--sandbox.urls=["a:1"]', "sandbox.urls: 'a:1' is not a base URL like http://10.0.0.5:8000"),
+    ('--sandbox.urls=["http://a:99999"]', "sandbox.urls: 'http://a:99999' is not a base URL"),
     ('--sandbox.urls=["http://a:1","http://a:1/"]', "sandbox.urls lists a server twice"),
+    ('--sandbox.urls=["http://A:1","HTTP://a:01"]', "sandbox.urls lists a server twice"),
+    ('--sandbox.urls=["http://a","http://a:80"]', "sandbox.urls lists a server twice"),
+    ('--engine.kind=vllm_server --engine.urls=["http://[::1]:1","http://[::1]:1/"]', "engine.urls lists a server twice"),
 ])
 def test_sandbox_urls_that_cannot_work_are_refused_before_anything_starts(override, message):
     from lightning_agentrl.settings import load_settings
 
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
         load_settings(None, override.split(" "))
+
+
+def test_sandbox_urls_take_bracketed_ipv6_hosts_and_tell_servers_apart_by_scheme_and_port():
+    from lightning_agentrl.settings import load_settings
+
+    urls = ["http://[::1]:8000", "http://[fd00::5]:8000/", "https://a:8000", "http://a:8000", "http://a:8001"]
+    assert load_settings(None, [f"--sandbox.urls={json.dumps(urls)}"]).sandbox.urls == urls
 
 
 class _FailingCreates:
@@ -309,3 +321,220 @@ def test_a_429_from_a_server_another_process_filled_sends_the_create_to_the_next
     sandbox_id, elapsed = asyncio.run(main())
     assert not sandbox_id.startswith("s0-")
     assert elapsed < 1.5  # not after the server's Retry-After (2 s)
+
+
+class _FakeServer:
+    """A service answering health with ``health`` (bytes, or a callable giving them) and every create with a 500
+    (``create="fail"``), never (``create="hang"``) or a new id (``create="ok"``); every delete with a 204."""
+
+    def __init__(self, health, create: str = "fail", token: str = "x") -> None:
+        import time
+        from http.server import BaseHTTPRequestHandler
+
+        self.creates, self.token, self.keys = 0, token, set()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                self._answer(200, health() if callable(health) else health)
+
+            def do_POST(self):  # noqa: N802
+                outer.keys.add(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))["idempotency_key"])
+                outer.creates += 1
+                if create == "hang":
+                    time.sleep(30)
+                if create == "ok":
+                    return self._answer(201, json.dumps({"id": f"f{outer.creates}"}).encode())
+                self._answer(500, b'{"error": {"code": "internal", "message": "broken"}}')
+
+            def do_DELETE(self):  # noqa: N802
+                self._answer(204, b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.server, self.url = _serve(Handler)
+
+
+@pytest.mark.parametrize("sandboxes", ['{"active": "n/a", "max": 8}', '{"active": [1], "max": 8}',
+                                       '{"active": 0, "max": true}', '[1]'])
+def test_a_server_whose_health_answer_is_malformed_is_left_out_with_the_reason(three_servers, sandboxes):
+    import asyncio
+
+    odd = _FakeServer(f'{{"status": "ok", "protocol": "v1", "sandboxes": {sandboxes}}}'.encode(),
+                      token=three_servers[0].token)
+
+    async def main():
+        async with fleet_of([odd, three_servers[0]]) as fleet:
+            sandbox_id = await fleet.create({})
+            await fleet.delete(sandbox_id)
+            return sandbox_id, (await fleet.health())["servers"][0]["error"]
+
+    sandbox_id, why = asyncio.run(main())
+    odd.server.shutdown()
+    assert sandbox_id.startswith("s1-") and odd.creates == 0
+    assert why.startswith("malformed health answer: sandboxes="), why
+
+
+def test_a_server_that_later_speaks_another_protocol_takes_no_sandbox(three_servers):
+    import asyncio
+
+    said = {"protocol": "v1"}
+    health = lambda: json.dumps({"status": "ok", "protocol": said["protocol"],  # noqa: E731
+                                 "sandboxes": {"active": 0, "max": 50}}).encode()
+    other = _FakeServer(health, token=three_servers[0].token)
+
+    async def main():
+        async with fleet_of([other, three_servers[0]]) as fleet:
+            await fleet.health()  # v1 at first: the emptiest server
+            said["protocol"] = "v2"
+            why = (await fleet.health())["servers"][0]["error"]  # the next health round sees v2
+            sandbox_id = await fleet.create({})
+            await fleet.delete(sandbox_id)
+            return sandbox_id, why
+
+    sandbox_id, why = asyncio.run(main())
+    other.server.shutdown()
+    assert sandbox_id.startswith("s1-") and other.creates == 0
+    assert why == "speaks protocol 'v2'; this client speaks 'v1'"
+
+
+def test_a_server_that_stalls_past_the_deadline_gets_every_delete_and_ends_empty(three_servers):
+    import asyncio
+    import signal
+
+    from sandbox_client import SandboxUnreachable
+
+    first, second = three_servers[0], three_servers[1]
+
+    async def main():
+        async with fleet_of([first, second], timeout_s=1, max_retries=0) as fleet:
+            ids = [await fleet.create({}) for _ in range(2)]  # one on each
+            os.kill(first.process.pid, signal.SIGSTOP)
+            try:
+                ids.append(await fleet.create({}))  # tried on the stalled s0 (a tie), made there later; placed on s1
+                with pytest.raises(SandboxUnreachable, match="deleted when it answers again"):
+                    await fleet.delete(ids[0])  # down, tried anyway, still stalled: remembered
+            finally:
+                os.kill(first.process.pid, signal.SIGCONT)
+            for sandbox_id in ids[1:]:
+                await fleet.delete(sandbox_id)
+            await fleet.health()  # s0 answers: the remembered delete and the lost create's sandbox go
+            return ids, [s.health()["sandboxes"]["active"] for s in (first, second)], [s.free for s in fleet.servers]
+
+    ids, active, free = asyncio.run(main())
+    assert ids[2].startswith("s1-") and active == [0, 0] and free == [2, 2]
+
+
+def test_a_server_that_hangs_on_create_is_kept_out_for_a_growing_back_off(three_servers):
+    import asyncio
+    import time
+
+    hung = _FakeServer(b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": 0, "max": 50}}', create="hang",
+                       token=three_servers[0].token)
+
+    async def main():
+        async with fleet_of([hung, three_servers[0]], timeout_s=1, max_retries=0, probe_interval_s=3) as fleet:
+            tried, out_s = [], []
+
+            async def create_after_a_health_round() -> None:
+                await fleet.health()  # the hung server answers "ok" each time (and is sent the lost create again)
+                await fleet.delete(await fleet.create({}))  # it has the most free slots
+                tried.append(len(hung.keys))  # creates, not counting a lost one sent again with its key
+                out_s.append(round(fleet.servers[0].out_until - time.monotonic()))
+
+            await create_after_a_health_round()  # tried, failed: out 3 s
+            await create_after_a_health_round()  # kept out although its health answered
+            await asyncio.sleep(3.1)
+            await create_after_a_health_round()  # tried again, failed again: out 6 s
+            await create_after_a_health_round()
+            return tried, out_s, fleet.live_servers
+
+    tried, out_s, live = asyncio.run(main())
+    hung.server.shutdown()
+    assert tried == [1, 1, 2, 2] and out_s[2] == 6 and live == 1, (tried, out_s)
+    assert hung.creates == 4  # each lost create sent again once, at the next health answer
+
+
+def test_an_id_with_a_huge_or_odd_server_number_is_not_found(three_servers):
+    import asyncio
+
+    from sandbox_client import SandboxNotFound
+
+    async def main():
+        async with fleet_of(three_servers) as fleet:
+            for bad in ("s" + "9" * 5000 + "-x", "s\u0661-x", "s-1-x", "s0-", "s0-x\n"):
+                for call in (fleet.delete(bad), fleet.fork(bad), fleet.exec(bad, "true")):
+                    with pytest.raises(SandboxNotFound, match="its id names no server of this fleet"):
+                        await call
+
+    asyncio.run(main())
+
+
+def test_free_slots_never_exceed_the_servers_reported_max():
+    import asyncio
+
+    lagging = _FakeServer(b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": 0, "max": 2}}', create="ok")
+
+    async def main():
+        async with fleet_of([lagging]) as fleet:
+            ids = [await fleet.create({}) for _ in range(2)]
+            await fleet.health()  # its count lags the two creates: 2 free
+            for sandbox_id in ids:
+                await fleet.delete(sandbox_id)
+            return fleet.servers[0].free
+
+    free = asyncio.run(main())
+    lagging.server.shutdown()
+    assert free == 2
+
+
+def test_scoring_with_a_full_holding_server_snapshots_fresh_on_another(three_servers):
+    import asyncio
+
+    from sandbox_client import SandboxClient, score_submission
+
+    task = {"m.py": "X = 1\n"}
+    hidden = {"hidden_tests/test_h.py": "from m import X\n\ndef test_x():\n    assert X == 1\n"}
+
+    async def main():
+        async with fleet_of(three_servers[:2], max_retries=0) as fleet:
+            agent = await fleet.create(task)  # on s0
+            async with SandboxClient(three_servers[0].url, three_servers[0].token) as other:
+                filler = await other.create({})  # another process fills s0 (2 of 2)
+                try:
+                    return agent, await score_submission(fleet, task_files=task, hidden_files=hidden,
+                                                         agent_sandbox_id=agent, timeout_s=60,
+                                                         test_command="python -m pytest -q hidden_tests")
+                finally:
+                    await other.delete(filler)
+                    await fleet.delete(agent)
+
+    agent, result = asyncio.run(main())
+    assert agent.startswith("s0-") and result.snapshot == "fresh" and result.reward == 1.0, result
+
+
+def test_fit_goes_on_when_one_server_answers_health_with_a_malformed_count(tmp_path, three_servers):
+    """One server of two says ``"active": "n/a"``: left out, with the reason; every sandbox goes to the other."""
+    odd = _FakeServer(b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": "n/a", "max": 8}}',
+                      token=three_servers[0].token)
+    good = three_servers[0]
+    before = created(good)
+    settings = learn_settings(tmp_path, f"--sandbox.urls={json.dumps([good.url, odd.url])}",
+                              f"--sandbox.token={good.token}", "--trainer.max_steps=1")
+    log = StepLog()
+    try:
+        result = fit(settings, callbacks=[log])
+    finally:
+        odd.server.shutdown()
+    terminations = [e["termination"] for e in episodes(settings.run.dir, 0)]
+    assert result.global_step == 1 and "sandbox_error" not in terminations and len(terminations) == 4
+    assert odd.creates == 0 and created(good) - before >= 4  # each episode's sandbox (and its scoring copy)
+    assert log.metrics[0]["sandbox/servers_live"] == 1.0

@@ -46,6 +46,9 @@ class RolloutMetrics(L.Callback):
             live = getattr(self.service.engine, "num_live_servers", None)  # a server fleet's
             if live is not None:
                 metrics["rollout/engine_servers_live"] = float(live)
+            live = getattr(self.service.sandbox_client, "live_servers", None)  # a sandbox fleet's (averaged)
+            if live is not None:
+                metrics["sandbox/servers_live"] = float(live)
         metrics = reduce_metrics(metrics, sums=lambda key: key.startswith(("termination/", "rollout/", "groups/num")))
         if "rollout/in_flight" in metrics:
             pl_module.log("in_flight", metrics["rollout/in_flight"], prog_bar=True, on_step=True, batch_size=1)

@@ -148,6 +148,7 @@ class RolloutService:
         self._stopping = False  # the service cancels its tasks: a cancelled group is then no failure
         self._watchdog: LoopWatchdog | None = None
         self.num_in_flight = 0
+        self.sandbox_client = None  # the training episodes' (a fleet's counts its live servers)
         self.num_episodes_finished = 0
         self.num_groups_finished = 0
         self.num_parks = 0  # times an episode was parked (one episode may park several times)
@@ -310,7 +311,7 @@ class RolloutService:
             await self._update(*self._initial)
             self._initial = None
         slots = asyncio.Semaphore(self.plan.max_in_flight)
-        client = self.make_client()
+        client = self.sandbox_client = self.make_client()
         running: set[asyncio.Task] = set()
         try:
             while True:
