@@ -149,3 +149,42 @@ def test_a_reply_with_two_calls_gets_two_tool_results_in_the_built_in_loop(tmp_p
     assert shown[-len(codec.observation_ids(*results).all):] == codec.observation_ids(*results).all
     assert codec.decode(shown).count("<tool_call>") == 0 and len(codec.observation_ids(*results).observation) > len(
         codec.encode(results[0]) + codec.encode(results[1]))  # joined as the template joins two tool messages
+
+
+_PAIR = "<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n"
+DEGENERATE = {  # about 8k tokens each: open tags that never close, the shapes a sampler falls into
+    "glm45": "<tool_call>run\n" + _PAIR * 700,
+    "deepseek_v3": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>run\n```json\n" * 700,
+    "hermes": "<tool_call>" * 3000,
+    "qwen3_coder": "<function=run>" * 1500 + "<parameter=x>\n" * 1500,
+    "gpt_oss": "to=functions.run " * 2000,
+    "mistral": '[TOOL_CALLS]{"a": ' * 2000,
+    "llama3_json": '{"name": {' * 3000,
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", sorted(CALL_FORMATS))
+def test_a_degenerate_reply_is_read_in_linear_time(name):
+    """A regex retried at each of thousands of unclosed tags is quadratic or worse (GLM's nested repetition is
+    exponential: 22 pairs took 7 s), holding the event loop the gateway and the rollout share."""
+    import time
+
+    began = time.perf_counter()
+    try:
+        CALL_FORMATS[name].read(DEGENERATE[name])
+    except ToolCallError:
+        pass
+    CALL_FORMATS[name].content(DEGENERATE[name])
+    assert time.perf_counter() - began < 0.5
+
+
+def test_llama3_json_reads_every_call_and_never_drops_one_silently():
+    """Only braces that open no JSON count against the bound: 100 calls are 100 calls, 40 ``{}`` before the call
+    do not hide it, and a call past the bound is an error rather than lost."""
+    llama, move = CALL_FORMATS["llama3_json"], (ToolSpec("move", "walk", {"direction": "d"}),)
+    assert len(parse_tool_calls(llama.write([ToolCall("move", {"direction": "n"})] * 100), move, llama)) == 100
+    text = "Code: " + "x = {}; " * 40 + '<|python_tag|>{"name": "move", "parameters": {"direction": "n"}}'
+    assert parse_tool_calls(text, move, llama) == [ToolCall("move", {"direction": "n"})]
+    with pytest.raises(ToolCallError, match="32 braces open no JSON"):
+        llama.read("f() { x; } " * 40 + '{"name": "move", "parameters": {"direction": "n"}}')
