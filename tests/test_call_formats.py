@@ -188,3 +188,25 @@ def test_llama3_json_reads_every_call_and_never_drops_one_silently():
     assert parse_tool_calls(text, move, llama) == [ToolCall("move", {"direction": "n"})]
     with pytest.raises(ToolCallError, match="32 braces open no JSON"):
         llama.read("f() { x; } " * 40 + '{"name": "move", "parameters": {"direction": "n"}}')
+
+
+def test_a_whole_walk_in_one_qwen3_coder_reply_earns_the_goals_reward_and_the_call_cap_holds(tmp_path):
+    """keydoor with ``env.tool_call_format=qwen3_coder``: episode 0 writes the whole shortest walk (10 moves: a key,
+    a door, the goal) as XML calls in one reply and earns the goal's 1.0, as one call per reply would (not 1.4, the
+    shaped rewards summed); episode 1 writes 11 calls, one past ``env.max_calls_per_turn``, and none of them runs."""
+    tasks = tmp_path / "maze.jsonl"
+    tasks.write_text(json.dumps({"id": "m0", "map": ["#######", "#S..#G#", "#.#.A.#", "#a#.#.#", "#######"]}) + "\n")
+    settings = learn_settings(tmp_path, "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.max_turns=1",
+                              "--env.tool_call_format=qwen3_coder", "--env.max_calls_per_turn=10",
+                              "--trainer.max_steps=1", "--rollout.groups_per_step=1", "--engine.max_new_tokens=512")
+    walk = ["south", "south", "north", "north", "east", "east", "south", "east", "east", "north"]
+    xml = CALL_FORMATS["qwen3_coder"].write
+    script = {"e0": [xml([ToolCall("move", {"direction": d}) for d in walk])],
+              "e1": [xml([ToolCall("move", {"direction": d}) for d in [*walk, "west"]])]}
+    _, log = scripted_fit(settings, script)
+    (solved,) = [t for t in log.batches[0].trajectories if t.episode_id.endswith("-e0")]
+    (capped,) = [t for t in log.batches[0].trajectories if t.episode_id.endswith("-e1")]
+    assert solved.termination is TerminationReason.SUBMITTED and solved.reward == pytest.approx(1.0)
+    assert solved.turns[0].tool == ",".join(["move"] * 10)
+    assert capped.termination is not TerminationReason.SUBMITTED and capped.reward == 0.0
+    assert capped.turns[0].tool is None
