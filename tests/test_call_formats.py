@@ -210,3 +210,23 @@ def test_a_whole_walk_in_one_qwen3_coder_reply_earns_the_goals_reward_and_the_ca
     assert solved.turns[0].tool == ",".join(["move"] * 10)
     assert capped.termination is not TerminationReason.SUBMITTED and capped.reward == 0.0
     assert capped.turns[0].tool is None
+
+
+def test_an_argument_that_may_be_a_string_stays_text_and_nan_is_a_malformed_call():
+    """A schema that allows a string among others (pydantic's ``anyOf``, a type list) keeps ``"123"`` as text in the
+    XML formats; ``NaN``/``Infinity`` (Python's JSON extension) make a call malformed, not a value JSON cannot
+    write back."""
+    from lightning_agentrl.rollout.gateway import tool_specs
+
+    schema = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                                               "b": {"type": ["string", "null"]}, "c": {"type": "integer"},
+                                               "d": {"type": "number"}}}
+    specs = tool_specs([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    for name in ("qwen3_coder", "glm45"):
+        text = CALL_FORMATS[name].write([ToolCall("f", {"a": "123", "b": "null", "c": "7"})])
+        assert parse_tool_calls(text, specs, CALL_FORMATS[name]) == [ToolCall("f", {"a": "123", "b": "null", "c": 7})]
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        for name in ("hermes", "mistral", "llama3_json", "deepseek_v3"):
+            text = CALL_FORMATS[name].write([ToolCall("f", {"d": 1})]).replace("1}", constant + "}")
+            with pytest.raises(ToolCallError):
+                parse_tool_calls(text, specs, CALL_FORMATS[name])

@@ -27,11 +27,22 @@ from lightning_agentrl.envs.tools import ToolCall, ToolCallError
 RawCall = tuple[str, Any]  # (name, arguments) as the reply writes them, not yet checked against the tools
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+"""``json``'s decoder without Python's ``NaN``/``Infinity`` extension: a call holding one is malformed (a tool, or
+the gateway's client, would otherwise get a value JSON cannot write back)."""
+
+
 def _json(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
+        return DECODER.decode(text)
     except json.JSONDecodeError as err:
         raise ToolCallError(f"{what} is not valid JSON: {err.msg} at char {err.pos}") from None
+    except ValueError as err:
+        raise ToolCallError(f"{what} is not valid JSON: {err}") from None
     except RecursionError:  # a sampled reply can nest deeper than the parser's stack
         raise ToolCallError(f"{what} nests too deeply to be read") from None
 
@@ -44,8 +55,8 @@ def value_of(text: str) -> Any:
     (5, [1, 'a'], 'ls -la')
     """
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        return DECODER.decode(text)
+    except (ValueError, RecursionError):
         return text
 
 
@@ -289,12 +300,12 @@ class Mistral(CallFormat):
     pattern = re.compile(r"\[TOOL_CALLS\]\s*(?:([^\s\[{]+)\s*\[ARGS\]\s*)?")
 
     def read(self, text: str) -> list[RawCall]:
-        calls, decoder, pos = [], json.JSONDecoder(), 0
+        calls, pos = [], 0
         while match := self.pattern.search(text, pos):
             try:
-                payload, pos = decoder.raw_decode(text, match.end())
-            except json.JSONDecodeError as err:
-                raise ToolCallError(f"the tool call is not valid JSON: {err.msg} at char {err.pos}") from None
+                payload, pos = DECODER.raw_decode(text, match.end())
+            except ValueError as err:
+                raise ToolCallError(f"the tool call is not valid JSON: {getattr(err, 'msg', err)}") from None
             except RecursionError:
                 raise ToolCallError("the tool call nests too deeply to be read") from None
             if match.group(1):
@@ -375,11 +386,11 @@ class Llama3Json(CallFormat):
     max_failed_starts = 32
 
     def read(self, text: str) -> list[RawCall]:
-        calls, decoder, start, failed = [], json.JSONDecoder(), text.find("{"), 0
+        calls, start, failed = [], text.find("{"), 0
         while start != -1:
             try:
-                payload, end = decoder.raw_decode(text, start)
-            except (json.JSONDecodeError, RecursionError):
+                payload, end = DECODER.raw_decode(text, start)
+            except (ValueError, RecursionError):
                 payload, end, failed = None, start + 1, failed + 1
             if failed == self.max_failed_starts:
                 if '"name"' in text[end:]:

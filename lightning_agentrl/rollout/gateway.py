@@ -55,7 +55,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lightning_agentrl.envs.base import EnvInfraError, encodable
 from lightning_agentrl.envs.call_formats import CallFormat, read_calls, rendered_probe
 from lightning_agentrl.envs.gateway import AgentError
-from lightning_agentrl.envs.tools import JSON_TYPES, ToolCall, ToolCallError, ToolSpec, parse_tool_calls
+from lightning_agentrl.envs.tools import JSON_TYPES, STRING_OR_OTHER, ToolCall, ToolCallError, ToolSpec, parse_tool_calls
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget, close_env, request_seed
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, Generation, GenerationEngine, SamplingParams
@@ -160,9 +160,17 @@ def tool_specs(tools: Any) -> tuple[ToolSpec, ...]:
 
 
 def _json_type(schema: Any) -> str:
-    """A parameter's JSON type where its schema names one the parser checks, else ``any``."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    return kind if isinstance(kind, str) and kind in JSON_TYPES else "any"
+    """A parameter's JSON type where its schema names one the parser checks; ``string|other`` where a string is
+    one of several allowed (a type list, ``anyOf``/``oneOf``: kept as text); else ``any``."""
+    if not isinstance(schema, dict):
+        return "any"
+    kind = schema.get("type")
+    if isinstance(kind, str) and kind in JSON_TYPES:
+        return kind
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    options = kind if isinstance(kind, list) else [
+        o.get("type") for o in (alternatives if isinstance(alternatives, list) else []) if isinstance(o, dict)]
+    return STRING_OR_OTHER if "string" in options else "any"
 
 
 def split_reply(text: str, specs: tuple[ToolSpec, ...], call_format: CallFormat) -> tuple[str | None, list[dict]]:
