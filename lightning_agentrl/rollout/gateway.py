@@ -55,7 +55,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lightning_agentrl.envs.base import EnvInfraError, encodable
 from lightning_agentrl.envs.call_formats import CallFormat, read_calls, rendered_probe
 from lightning_agentrl.envs.gateway import AgentError
-from lightning_agentrl.envs.tools import JSON_TYPES, STRING_OR_OTHER, ToolCall, ToolCallError, ToolSpec, parse_tool_calls
+from lightning_agentrl.envs.tools import (
+    JSON_TYPES,
+    STRING_OR_OTHER,
+    ToolCall,
+    ToolCallError,
+    ToolSpec,
+    parse_tool_calls,
+)
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget, close_env, request_seed
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, Generation, GenerationEngine, SamplingParams
