@@ -220,7 +220,7 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     from lightning_agentrl.models import pad_token_id
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams, TorchEngine
-    from lightning_agentrl.rollout.gateway import Gateway
+    from lightning_agentrl.rollout.gateway import Gateway, body_limit
     from lightning_agentrl.trajectory import check_token_in_token_out
 
     engine = TorchEngine(AutoModelForCausalLM.from_pretrained(tiny_model_path), pad_token_id=pad_token_id(tiny_tokenizer))
@@ -239,6 +239,7 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
                 seen["no_key"] = await post("/chat/completions", json={"messages": hello}, headers={"Authorization": ""})
                 seen["elsewhere"] = await http.get(base_url.replace("/episodes/e/", "/episodes/other/") + "/models")
                 seen["deep"] = await post("/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+                seen["too_big"] = await post("/chat/completions", content=b" " * (body_limit(256) + 1))
                 seen["bad_calls"] = await post("/chat/completions", json={"messages": [
                     {"role": "assistant", "content": None, "tool_calls": {"id": "x"}}, *hello]})
                 seen["odd_tools"] = await post("/chat/completions", json={  # a schema we cannot read: no call parsed
@@ -264,7 +265,7 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     trajectory = asyncio.run(play())
     for name, param, status in [("not_json", None, 400), ("no_messages", "messages", 400), ("zero_tokens", "max_tokens", 400),
                                 ("bad_stop", "stop", 400), ("no_key", None, 401), ("elsewhere", None, 404),
-                                ("deep", None, 400), ("bad_calls", "messages", 400)]:
+                                ("deep", None, 400), ("bad_calls", "messages", 400), ("too_big", None, 413)]:
         response = seen[name]
         assert response.status_code == status, (name, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"} and response.json()["error"]["param"] == param
@@ -381,3 +382,11 @@ def test_a_synchronous_agent_hung_past_its_timeout_does_not_keep_the_run_from_ex
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["global_step"] == 1
     assert time.monotonic() - started < 120  # the hung agents' threads (sleeping 600 s) did not hold the exit
+
+
+def test_the_developer_role_is_the_system_role_and_a_stop_string_is_left_out_of_the_content():
+    from lightning_agentrl.rollout.gateway import before_stop, template_messages
+
+    messages = template_messages([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert before_stop("the answer END and more", ["END", "more"]) == "the answer "

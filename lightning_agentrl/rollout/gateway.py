@@ -105,6 +105,32 @@ def _warn_once(warned: set[str], name: str, message: str) -> None:
         log.warning("gateway: %s", message)
 
 
+def body_limit(max_context_tokens: int) -> int:
+    """The largest request body read, in bytes: 1 MiB plus 64 per token of the context (a token's text, escaped
+    as JSON, is rarely over 20 bytes); a larger one could never fit and is refused before it is tokenized.
+
+    >>> body_limit(2048)
+    1179648
+    """
+    return 2**20 + 64 * max_context_tokens
+
+
+async def _capped_body(request, limit: int) -> bytes:
+    """The body, read only up to ``limit`` bytes: 413 (OpenAI's error shape) past it."""
+    refusal = GatewayRefusal(413, f"the request body is over {limit} bytes: it cannot fit env.max_context_tokens",
+                             code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise refusal
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise refusal
+    return b"".join(chunks)
+
+
 # -- messages in, reply out (pure) ----------------------------------------------------------------
 def template_messages(messages: Any) -> list[dict]:
     """OpenAI chat messages as chat templates take them: text parts joined, ``content`` None as "",
@@ -115,7 +141,8 @@ def template_messages(messages: Any) -> list[dict]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise GatewayRefusal(400, f"messages[{index}] must be an object with a role", param="messages")
-        converted.append({**message, "content": _text(message.get("content"), index)})
+        role = "system" if message["role"] == "developer" else message["role"]  # OpenAI's newer name for it
+        converted.append({**message, "role": role, "content": _text(message.get("content"), index)})
         calls = message.get("tool_calls")
         if calls:
             if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
@@ -193,6 +220,15 @@ def split_reply(text: str, specs: tuple[ToolSpec, ...], call_format: CallFormat)
     return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                               "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
                              for call in calls]
+
+
+def before_stop(text: str, stops: list[str]) -> str:
+    """``text`` up to its first stop string, what OpenAI returns (the sampled ids still end past it).
+
+    >>> before_stop("ab STOP cd", ["STOP", "cd"]), before_stop("ab", ["x"])
+    ('ab ', 'ab')
+    """
+    return text[:min((i for stop in stops if (i := text.find(stop)) != -1), default=len(text))]
 
 
 def cut_at_stop(ids: list[int], stops: list[str], decode) -> int:
@@ -439,8 +475,9 @@ class Gateway:
         @app.post("/episodes/{episode_id}/v1/chat/completions")
         async def chat_completions(episode_id: str, request: Request):
             episode = self._episode(episode_id, request.headers.get("authorization"))
+            raw = await _capped_body(request, body_limit(episode.budget.max_context_tokens))
             try:
-                body = await request.json()
+                body = json.loads(raw)
             except (ValueError, RecursionError):
                 raise GatewayRefusal(400, "the request body is not JSON (or nests too deeply)") from None
             if not isinstance(body, dict):
@@ -473,8 +510,8 @@ class Gateway:
             raise GatewayRefusal(404, "the episode ended while this call was generating", code="episode_not_found")
         text_of = episode.codec.decode_action
         keep = cut_at_stop(generation.token_ids, request.stop, text_of)
-        text = text_of(generation.token_ids[:keep])
-        content, calls = split_reply(text, request.specs, episode.codec.call_format)
+        text = text_of(generation.token_ids[:keep])  # the sampled text, trained and re-rendered as is
+        content, calls = split_reply(before_stop(text, request.stop), request.specs, episode.codec.call_format)
         if calls:
             episode.written[calls[0]["id"]] = text
         episode.record(segment, generation, keep, state_key=hashlib.sha256(str(ids).encode()).hexdigest()[:16],
