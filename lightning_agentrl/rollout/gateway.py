@@ -133,8 +133,8 @@ async def _capped_body(request, limit: int) -> bytes:
 
 # -- messages in, reply out (pure) ----------------------------------------------------------------
 def template_messages(messages: Any) -> list[dict]:
-    """OpenAI chat messages as chat templates take them: text parts joined, ``content`` None as "",
-    ``tool_calls`` arguments as objects (templates write them with ``tojson``)."""
+    """OpenAI chat messages as chat templates take them: text parts joined, ``content`` None as "" (but beside
+    ``tool_calls``), ``tool_calls`` arguments as objects (templates write them with ``tojson``)."""
     if not isinstance(messages, list) or not messages:
         raise GatewayRefusal(400, "messages must be a non-empty list", param="messages")
     converted = []
@@ -142,8 +142,10 @@ def template_messages(messages: Any) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise GatewayRefusal(400, f"messages[{index}] must be an object with a role", param="messages")
         role = "system" if message["role"] == "developer" else message["role"]  # OpenAI's newer name for it
-        converted.append({**message, "role": role, "content": _text(message.get("content"), index)})
         calls = message.get("tool_calls")
+        # content None beside calls stays None: DeepSeek's template writes the calls only then
+        content = None if calls and message.get("content") is None else _text(message.get("content"), index)
+        converted.append({**message, "role": role, "content": content})
         if calls:
             if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
                                                        for c in calls):
@@ -257,6 +259,30 @@ def tools_as_text(messages: list[dict], specs: tuple[ToolSpec, ...]) -> list[dic
 def renders_tool_calls(codec: ChatCodec) -> bool:
     """Whether the chat template writes an assistant message's ``tool_calls`` (Qwen, DeepSeek do; many do not)."""
     return rendered_probe(codec.tokenizer) is not None
+
+
+def own_replies(messages: list[dict], written: dict[str, str]) -> list[dict]:
+    """An assistant message whose calls the policy sampled in this episode (its first call's id is in ``written``,
+    call id -> the reply's text as decoded from the sampled ids) as that text, without ``tool_calls``: the template
+    renders it back to the sampled ids, where re-writing the calls would not (DeepSeek writes calls only beside
+    content None, Llama 3.1's template refuses two calls, a client may re-serialize the arguments)."""
+    return [{"role": "assistant", "content": written[m["tool_calls"][0].get("id")]}
+            if m.get("tool_calls") and m["tool_calls"][0].get("id") in written else m for m in messages]
+
+
+def joined_results(messages: list[dict], role: str) -> list[dict]:
+    """Tool results in ``role`` (a template without a tool role), consecutive ones in one message a blank line
+    apart, as :meth:`~lightning_agentrl.rollout.chat.ChatCodec.observation_ids` joins them where the template
+    refuses two in a row (Gemma's roles must alternate)."""
+    joined: list[dict] = []
+    for message in messages:
+        if message["role"] != "tool":
+            joined.append(message)
+        elif joined and joined[-1].get("joined"):
+            joined[-1]["content"] += "\n\n" + message["content"]
+        else:
+            joined.append({"role": role, "content": message["content"], "joined": True})
+    return [{k: v for k, v in m.items() if k != "joined"} for m in joined]
 
 
 def calls_as_text(messages: list[dict], written: dict[str, str], call_format: CallFormat) -> list[dict]:
@@ -602,7 +628,7 @@ class CallRequest:
     def prompt_ids(self, codec: ChatCodec, written: dict[str, str]) -> list[int]:
         """The request rendered with the policy's chat template (its tools through ``tools=`` where the template
         renders them, else described in the system message)."""
-        messages, tools = self.messages, self.tools
+        messages, tools = own_replies(self.messages, written), self.tools
         if tools and not codec.renders_tools:
             messages, tools = tools_as_text(messages, self.specs), None
         if not renders_tool_calls(codec):
@@ -610,7 +636,7 @@ class CallRequest:
         elif codec.call_format.arguments_as_text:  # e.g. DeepSeek's template concatenates the JSON text
             messages = [_arguments_as_text(m) if m.get("tool_calls") else m for m in messages]
         if codec.observation_role != "tool":  # e.g. Gemma's template knows no tool role: results as the codec shows them
-            messages = [{**m, "role": codec.observation_role} if m["role"] == "tool" else m for m in messages]
+            messages = joined_results(messages, codec.observation_role)
         try:
             return codec.prompt_ids(messages, tools=tools)
         except Exception as err:  # jinja2's TemplateError, or what a template raises itself
