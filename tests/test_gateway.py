@@ -124,14 +124,19 @@ def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_
         assert batch.turn_traj.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)
 
 
-def test_a_reply_with_two_calls_reaches_the_openai_client_as_two_tool_calls(tmp_path):
-    """The policy writes two calls with number arguments in one reply: the agent gets two `tool_calls` with JSON
-    numbers, sends two results, and the conversation continues the segment; one turn per call to the model."""
-    two = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
-           '<tool_call>{"name": "add", "arguments": {"a": 10, "b": 20.5}}</tool_call>')
+@pytest.mark.parametrize("call_format", ["hermes", "qwen3_coder"])
+def test_a_reply_with_two_calls_reaches_the_openai_client_as_two_tool_calls(tmp_path, call_format):
+    """The policy writes two calls with number arguments in one reply (in ``env.tool_call_format``, Qwen3-Coder's
+    XML too): the agent gets two `tool_calls` with JSON numbers, sends two results, and the conversation continues
+    the segment; one turn per call to the model."""
+    from lightning_agentrl.envs.call_formats import CALL_FORMATS
+    from lightning_agentrl.envs.tools import ToolCall
+
+    two = CALL_FORMATS[call_format].write([ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 10, "b": 20.5})])
     settings = gateway_settings(tmp_path, [{"id": "two", "question": "2+3 and 10+20.5?"}],
                                 "--env.agent=tests.gateway_agents:parallel_tools_agent", "--trainer.max_steps=1",
-                                "--rollout.groups_per_step=1", "--engine.max_new_tokens=64")
+                                "--rollout.groups_per_step=1", "--engine.max_new_tokens=120",
+                                f"--env.tool_call_format={call_format}")
     result, log, calls = gateway_fit(settings, {"e0": [two, "5 and 30.5."]})
     assert result.global_step == 1
     trajectories = log.batches[0].trajectories
