@@ -225,7 +225,7 @@ def test_an_argument_that_may_be_a_string_stays_text_and_nan_is_a_malformed_call
     for name in ("qwen3_coder", "glm45"):
         text = CALL_FORMATS[name].write([ToolCall("f", {"a": "123", "b": "null", "c": "7"})])
         assert parse_tool_calls(text, specs, CALL_FORMATS[name]) == [ToolCall("f", {"a": "123", "b": "null", "c": 7})]
-    for constant in ("NaN", "Infinity", "-Infinity"):
+    for constant in ("NaN", "Infinity", "-Infinity", "1e999"):
         for name in ("hermes", "mistral", "llama3_json", "deepseek_v3"):
             text = CALL_FORMATS[name].write([ToolCall("f", {"d": 1})]).replace("1}", constant + "}")
             with pytest.raises(ToolCallError):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -31,9 +32,15 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
-"""``json``'s decoder without Python's ``NaN``/``Infinity`` extension: a call holding one is malformed (a tool, or
-the gateway's client, would otherwise get a value JSON cannot write back)."""
+def _finite(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is too large for a JSON number")
+    return value
+
+
+DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
+"""``json``'s decoder without Python's ``NaN``/``Infinity`` extension, nor ``1e999`` read as infinity: a call holding
+one is malformed (a tool, or the gateway's client, would otherwise get a value JSON cannot write back)."""
 
 
 def _json(text: str, what: str) -> Any:
