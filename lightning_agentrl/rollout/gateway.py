@@ -638,7 +638,12 @@ class CallRequest:
         if codec.observation_role != "tool":  # e.g. Gemma's template knows no tool role: results as the codec shows them
             messages = joined_results(messages, codec.observation_role)
         try:
-            return codec.prompt_ids(messages, tools=tools)
+            try:
+                return codec.prompt_ids(messages, tools=tools)
+            except Exception:  # noqa: BLE001 - a template that concatenates content: "" where it is None
+                if all(m["content"] is not None for m in messages):
+                    raise
+                return codec.prompt_ids([{**m, "content": m["content"] or ""} for m in messages], tools=tools)
         except Exception as err:  # jinja2's TemplateError, or what a template raises itself
             raise GatewayRefusal(400, f"the policy's chat template cannot render these messages: "
                                       f"{type(err).__name__}: {err}", param="messages") from None
