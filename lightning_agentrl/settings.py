@@ -275,6 +275,9 @@ class EnvSettings(_Section):
     """Wall-clock budget of a whole episode; past it the episode ends with `timeout`."""
     max_tool_errors: int = Field(3, ge=1)
     """Consecutive malformed or failing tool calls before the episode ends with `tool_error`."""
+    max_calls_per_turn: int = Field(8, ge=1)
+    """Most tool calls one reply may hold; a reply with more runs none of them and is a tool error the agent
+    sees (one reply cannot walk past `max_turns`)."""
     max_observation_chars: int = Field(2000, ge=100)
     """Longest observation shown to the agent; longer tool output is cut with a marker."""
     system_prompt: str | None = None

@@ -585,6 +585,7 @@ def build_rollout_service(settings: Settings, engine, sandbox, codec, tasks):
     def make_env(client, task):
         made = cls.from_settings(task, client=client, settings=env, native_tools=tools_in_template)
         made.call_format = codec.call_format  # the model family's tool-call format (env.tool_call_format)
+        made.max_calls_per_turn = env.max_calls_per_turn
         if sub_agent is not None:
             made.sub_agent = sub_agent
         return made

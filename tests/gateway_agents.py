@@ -96,7 +96,7 @@ async def parallel_tools_agent(task: dict, base_url: str, api_key: str) -> float
     reward is how many calls it got in one reply (-1 where an argument was not a number)."""
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = _question(task)
-    choice = await _ask(client, messages, False, tools=NUMBER_TOOLS, max_tokens=60)
+    choice = await _ask(client, messages, False, tools=NUMBER_TOOLS, max_tokens=120)
     calls = choice.message.tool_calls or []
     if calls:
         messages.append(choice.message.model_dump(exclude_none=True))

@@ -149,3 +149,84 @@ def test_a_reply_with_two_calls_gets_two_tool_results_in_the_built_in_loop(tmp_p
     assert shown[-len(codec.observation_ids(*results).all):] == codec.observation_ids(*results).all
     assert codec.decode(shown).count("<tool_call>") == 0 and len(codec.observation_ids(*results).observation) > len(
         codec.encode(results[0]) + codec.encode(results[1]))  # joined as the template joins two tool messages
+
+
+_PAIR = "<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n"
+DEGENERATE = {  # about 8k tokens each: open tags that never close, the shapes a sampler falls into
+    "glm45": "<tool_call>run\n" + _PAIR * 700,
+    "deepseek_v3": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>run\n```json\n" * 700,
+    "hermes": "<tool_call>" * 3000,
+    "qwen3_coder": "<function=run>" * 1500 + "<parameter=x>\n" * 1500,
+    "gpt_oss": "to=functions.run " * 2000,
+    "mistral": '[TOOL_CALLS]{"a": ' * 2000,
+    "llama3_json": '{"name": {' * 3000,
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("name", sorted(CALL_FORMATS))
+def test_a_degenerate_reply_is_read_in_linear_time(name):
+    """A regex retried at each of thousands of unclosed tags is quadratic or worse (GLM's nested repetition is
+    exponential: 22 pairs took 7 s), holding the event loop the gateway and the rollout share."""
+    import time
+
+    began = time.perf_counter()
+    try:
+        CALL_FORMATS[name].read(DEGENERATE[name])
+    except ToolCallError:
+        pass
+    CALL_FORMATS[name].content(DEGENERATE[name])
+    assert time.perf_counter() - began < 0.5
+
+
+def test_llama3_json_reads_every_call_and_never_drops_one_silently():
+    """Only braces that open no JSON count against the bound: 100 calls are 100 calls, 40 ``{}`` before the call
+    do not hide it, and a call past the bound is an error rather than lost."""
+    llama, move = CALL_FORMATS["llama3_json"], (ToolSpec("move", "walk", {"direction": "d"}),)
+    assert len(parse_tool_calls(llama.write([ToolCall("move", {"direction": "n"})] * 100), move, llama)) == 100
+    text = "Code: " + "x = {}; " * 40 + '<|python_tag|>{"name": "move", "parameters": {"direction": "n"}}'
+    assert parse_tool_calls(text, move, llama) == [ToolCall("move", {"direction": "n"})]
+    with pytest.raises(ToolCallError, match="32 braces open no JSON"):
+        llama.read("f() { x; } " * 40 + '{"name": "move", "parameters": {"direction": "n"}}')
+
+
+def test_a_whole_walk_in_one_qwen3_coder_reply_earns_the_goals_reward_and_the_call_cap_holds(tmp_path):
+    """keydoor with ``env.tool_call_format=qwen3_coder``: episode 0 writes the whole shortest walk (10 moves: a key,
+    a door, the goal) as XML calls in one reply and earns the goal's 1.0, as one call per reply would (not 1.4, the
+    shaped rewards summed); episode 1 writes 11 calls, one past ``env.max_calls_per_turn``, and none of them runs."""
+    tasks = tmp_path / "maze.jsonl"
+    tasks.write_text(json.dumps({"id": "m0", "map": ["#######", "#S..#G#", "#.#.A.#", "#a#.#.#", "#######"]}) + "\n")
+    settings = learn_settings(tmp_path, "--env.kind=keydoor", f"--env.tasks={tasks}", "--env.max_turns=1",
+                              "--env.tool_call_format=qwen3_coder", "--env.max_calls_per_turn=10",
+                              "--trainer.max_steps=1", "--rollout.groups_per_step=1", "--engine.max_new_tokens=512")
+    walk = ["south", "south", "north", "north", "east", "east", "south", "east", "east", "north"]
+    xml = CALL_FORMATS["qwen3_coder"].write
+    script = {"e0": [xml([ToolCall("move", {"direction": d}) for d in walk])],
+              "e1": [xml([ToolCall("move", {"direction": d}) for d in [*walk, "west"]])]}
+    _, log = scripted_fit(settings, script)
+    (solved,) = [t for t in log.batches[0].trajectories if t.episode_id.endswith("-e0")]
+    (capped,) = [t for t in log.batches[0].trajectories if t.episode_id.endswith("-e1")]
+    assert solved.termination is TerminationReason.SUBMITTED and solved.reward == pytest.approx(1.0)
+    assert solved.turns[0].tool == ",".join(["move"] * 10)
+    assert capped.termination is not TerminationReason.SUBMITTED and capped.reward == 0.0
+    assert capped.turns[0].tool is None
+
+
+def test_an_argument_that_may_be_a_string_stays_text_and_nan_is_a_malformed_call():
+    """A schema that allows a string among others (pydantic's ``anyOf``, a type list) keeps ``"123"`` as text in the
+    XML formats; ``NaN``/``Infinity`` (Python's JSON extension) make a call malformed, not a value JSON cannot
+    write back."""
+    from lightning_agentrl.rollout.gateway import tool_specs
+
+    schema = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                                               "b": {"type": ["string", "null"]}, "c": {"type": "integer"},
+                                               "d": {"type": "number"}}}
+    specs = tool_specs([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    for name in ("qwen3_coder", "glm45"):
+        text = CALL_FORMATS[name].write([ToolCall("f", {"a": "123", "b": "null", "c": "7"})])
+        assert parse_tool_calls(text, specs, CALL_FORMATS[name]) == [ToolCall("f", {"a": "123", "b": "null", "c": 7})]
+    for constant in ("NaN", "Infinity", "-Infinity", "1e999"):
+        for name in ("hermes", "mistral", "llama3_json", "deepseek_v3"):
+            text = CALL_FORMATS[name].write([ToolCall("f", {"d": 1})]).replace("1}", constant + "}")
+            with pytest.raises(ToolCallError):
+                parse_tool_calls(text, specs, CALL_FORMATS[name])

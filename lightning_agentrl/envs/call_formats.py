@@ -18,19 +18,38 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from lightning_agentrl.envs.tools import CALL_PATTERN, ToolCall, ToolCallError
+from lightning_agentrl.envs.tools import ToolCall, ToolCallError
 
 RawCall = tuple[str, Any]  # (name, arguments) as the reply writes them, not yet checked against the tools
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is too large for a JSON number")
+    return value
+
+
+DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
+"""``json``'s decoder without Python's ``NaN``/``Infinity`` extension, nor ``1e999`` read as infinity: a call holding
+one is malformed (a tool, or the gateway's client, would otherwise get a value JSON cannot write back)."""
+
+
 def _json(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
+        return DECODER.decode(text)
     except json.JSONDecodeError as err:
         raise ToolCallError(f"{what} is not valid JSON: {err.msg} at char {err.pos}") from None
+    except ValueError as err:
+        raise ToolCallError(f"{what} is not valid JSON: {err}") from None
     except RecursionError:  # a sampled reply can nest deeper than the parser's stack
         raise ToolCallError(f"{what} nests too deeply to be read") from None
 
@@ -43,9 +62,29 @@ def value_of(text: str) -> Any:
     (5, [1, 'a'], 'ls -la')
     """
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        return DECODER.decode(text)
+    except (ValueError, RecursionError):
         return text
+
+
+Span = tuple[int, int, tuple[str, ...]]
+
+
+def tagged(text: str, opening: str, closing: str) -> Iterator[tuple[int, int, str]]:
+    """``(start, end, body)`` of each ``opening ... closing`` pair, the body up to the first ``closing`` after the
+    opening (a lazy regex's match) and the scan going on after it; stops at an opening with no closing after it.
+    Each tag is located once: linear in ``text``, where a regex retried at each of n unclosed openings is O(n^2).
+
+    >>> list(tagged("a<t>x</t><t>y", "<t>", "</t>"))
+    [(1, 9, 'x')]
+    """
+    pos = 0
+    while (start := text.find(opening, pos)) != -1:
+        stop = text.find(closing, start + len(opening))
+        if stop == -1:
+            return
+        pos = stop + len(closing)
+        yield start, pos, text[start + len(opening):stop]
 
 
 def _named(payload: Any, arguments_key: str = "arguments") -> RawCall:
@@ -64,17 +103,26 @@ class CallFormat:
     marker: ClassVar[str | None] = None
     arguments_as_text: ClassVar[bool] = False
     typed: ClassVar[bool] = True  # False: every argument value is text, read as its tool's type when checked
-    pattern: ClassVar[re.Pattern]
+
+    def spans(self, text: str) -> Iterator[Span]:
+        """``(start, end, parts)`` of each call written in ``text``; linear in the text (each tag located once, the
+        scan stops where no closing tag is left: a sampled reply of thousands of open tags must not hold the
+        event loop)."""
+        raise NotImplementedError
 
     def read(self, text: str) -> list[RawCall]:
-        return [self.read_one(match) for match in self.pattern.finditer(text)]
+        return [self.read_one(*parts) for _, _, parts in self.spans(text)]
 
-    def read_one(self, match: re.Match) -> RawCall:
+    def read_one(self, *parts: str) -> RawCall:
         raise NotImplementedError
 
     def content(self, text: str) -> str:
         """The reply without its calls (what OpenAI's ``content`` holds)."""
-        return self.pattern.sub("", text).strip()
+        kept, pos = [], 0
+        for start, end, _ in self.spans(text):
+            kept.append(text[pos:start])
+            pos = end
+        return ("".join(kept) + text[pos:]).strip()
 
     def write(self, calls: list[ToolCall]) -> str:
         raise NotImplementedError
@@ -94,12 +142,14 @@ class Hermes(CallFormat):
     """
 
     name = "hermes"
-    pattern = CALL_PATTERN
+
+    def spans(self, text: str) -> Iterator[Span]:
+        return ((start, end, (body,)) for start, end, body in tagged(text, "<tool_call>", "</tool_call>"))
 
     def read(self, text: str) -> list[RawCall]:
         calls = []
-        for match in self.pattern.finditer(text):
-            payload = _json(match.group(1), "the tool call")
+        for _, _, (body,) in self.spans(text):
+            payload = _json(body, "the tool call")
             calls.extend(_named(p) for p in (payload if isinstance(payload, list) else [payload]))
         return calls
 
@@ -125,14 +175,28 @@ class Qwen3Coder(CallFormat):
 
     name = "qwen3_coder"
     typed = False
-    pattern = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
-    parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
-    def read_one(self, match: re.Match) -> RawCall:
-        return match.group(1).strip(), {k.strip(): v for k, v in self.parameter.findall(match.group(2))}
+    @staticmethod
+    def _headed(body: str) -> tuple[str, str] | None:
+        """``name>rest`` -> (name, rest); None where the name is empty or runs over a line."""
+        head, sep, rest = body.partition(">")
+        return (head.strip(), rest) if sep and head.strip() and "\n" not in head else None
+
+    def spans(self, text: str) -> Iterator[Span]:
+        for start, end, body in tagged(text, "<function=", "</function>"):
+            if headed := self._headed(body):
+                yield start, end, headed
+
+    def read_one(self, name: str, body: str) -> RawCall:
+        arguments = {}
+        for _, _, parameter in tagged(body, "<parameter=", "</parameter>"):
+            if headed := self._headed(parameter):
+                value = headed[1].removeprefix("\n")
+                arguments[headed[0]] = value.removesuffix("\n")
+        return name, arguments
 
     def content(self, text: str) -> str:
-        return re.sub(r"<tool_call>\s*</tool_call>", "", self.pattern.sub("", text)).strip()
+        return re.sub(r"<tool_call>\s*</tool_call>", "", super().content(text)).strip()
 
     def write(self, calls: list[ToolCall]) -> str:
         def parameter(key, value):
@@ -156,11 +220,30 @@ class Glm45(CallFormat):
     name = "glm45"
     typed = False
     marker = "<arg_key>"
-    pattern = re.compile(r"<tool_call>\s*([^\s<]+)\s*((?:<arg_key>.*?</arg_value>\s*)*)</tool_call>", re.DOTALL)
-    pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    head = re.compile(r"\s*([^\s<]+)\s*")
 
-    def read_one(self, match: re.Match) -> RawCall:
-        return match.group(1), {k.strip(): v for k, v in self.pair.findall(match.group(2))}
+    def spans(self, text: str) -> Iterator[Span]:
+        for start, end, body in tagged(text, "<tool_call>", "</tool_call>"):
+            if (head := self.head.match(body)) and (pairs := self.pairs(body, head.end())) is not None:
+                yield start, end, (head.group(1), pairs)
+
+    @staticmethod
+    def pairs(body: str, pos: int) -> dict | None:
+        """The ``<arg_key>k</arg_key><arg_value>v</arg_value>`` pairs from ``pos`` to the end of ``body``, None
+        where anything else is there (not a call of this format)."""
+        arguments, blank = {}, re.compile(r"\s*")
+        while (pos := blank.match(body, pos).end()) < len(body):
+            key_end = body.find("</arg_key>", pos) if body.startswith("<arg_key>", pos) else -1
+            value = blank.match(body, key_end + 10).end() if key_end != -1 else -1
+            value_end = body.find("</arg_value>", value) if body.startswith("<arg_value>", value) else -1
+            if value_end == -1:
+                return None
+            arguments[body[pos + 9:key_end].strip()] = body[value + 11:value_end]
+            pos = value_end + 12
+        return arguments
+
+    def read_one(self, name: str, arguments: dict) -> RawCall:
+        return name, arguments
 
     def write(self, calls: list[ToolCall]) -> str:
         def pair(key, value):
@@ -186,13 +269,24 @@ class DeepSeekV3(CallFormat):
     name = "deepseek_v3"
     marker = "<｜tool▁calls▁begin｜>"
     arguments_as_text = True
-    pattern = re.compile(r"<｜tool▁call▁begin｜>\w*<｜tool▁sep｜>(.*?)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>", re.DOTALL)
+    begin, sep, end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    kind = re.compile(r"\w*")
 
-    def read_one(self, match: re.Match) -> RawCall:
-        return match.group(1).strip(), _json(match.group(2), "the tool call's arguments")
+    def spans(self, text: str) -> Iterator[Span]:
+        for start, stop, body in tagged(text, self.begin, self.end):
+            # the last begin before the end opens the call (an unclosed one before it is text)
+            body = body[body.rfind(self.begin) + len(self.begin):] if self.begin in body else body
+            name_at = self.kind.match(body).end()
+            fence = body.find("\n```", name_at) if body.startswith(self.sep, name_at) else -1
+            arguments = fence + 4 + body.startswith("json", fence + 4) * 4
+            if fence != -1 and body.startswith("\n", arguments) and body.endswith("\n```") and arguments < len(body) - 4:
+                yield start, stop, (body[name_at + len(self.sep):fence], body[arguments + 1:-4])
+
+    def read_one(self, name: str, arguments: str) -> RawCall:
+        return name.strip(), _json(arguments, "the tool call's arguments")
 
     def content(self, text: str) -> str:
-        return re.sub(r"<｜tool▁calls▁(?:begin|end)｜>", "", self.pattern.sub("", text)).strip()
+        return re.sub(r"<｜tool▁calls▁(?:begin|end)｜>", "", super().content(text)).strip()
 
     def write(self, calls: list[ToolCall]) -> str:
         return "<｜tool▁calls▁begin｜>" + "\n".join(
@@ -213,12 +307,12 @@ class Mistral(CallFormat):
     pattern = re.compile(r"\[TOOL_CALLS\]\s*(?:([^\s\[{]+)\s*\[ARGS\]\s*)?")
 
     def read(self, text: str) -> list[RawCall]:
-        calls, decoder = [], json.JSONDecoder()
-        for match in self.pattern.finditer(text):
+        calls, pos = [], 0
+        while match := self.pattern.search(text, pos):
             try:
-                payload, _ = decoder.raw_decode(text, match.end())
-            except json.JSONDecodeError as err:
-                raise ToolCallError(f"the tool call is not valid JSON: {err.msg} at char {err.pos}") from None
+                payload, pos = DECODER.raw_decode(text, match.end())
+            except ValueError as err:
+                raise ToolCallError(f"the tool call is not valid JSON: {getattr(err, 'msg', err)}") from None
             except RecursionError:
                 raise ToolCallError("the tool call nests too deeply to be read") from None
             if match.group(1):
@@ -249,12 +343,30 @@ class GptOss(CallFormat):
 
     name = "gpt_oss"
     marker = "<|call|>"
-    # the recipient may come before the channel or after it; whatever header follows, up to the message
-    pattern = re.compile(r"to=functions\.([\w.-]+)(?:(?!<\|message\|>|<\|end\|>|<\|call\|>).)*<\|message\|>(.*?)"
-                         r"(?:<\|call\|>|$)", re.DOTALL)
+    recipient = re.compile(r"to=functions\.([\w.-]+)")
 
-    def read_one(self, match: re.Match) -> RawCall:
-        return match.group(1), _json(match.group(2).strip(), "the tool call's arguments")
+    def spans(self, text: str) -> Iterator[Span]:
+        # the recipient may come before the channel or after it; whatever header follows, up to the message
+        pos, found = 0, {"<|message|>": -1, "<|end|>": -1, "<|call|>": -1}
+
+        def following(token: str, at: int) -> int:  # each token located once for all the recipients before it
+            if found[token] < at and found[token] != len(text):
+                found[token] = len(text) if (i := text.find(token, at)) == -1 else i
+            return found[token]
+
+        while match := self.recipient.search(text, pos):
+            message = following("<|message|>", match.end())
+            if message == len(text):
+                return
+            pos = match.end()
+            if min(following("<|end|>", pos), following("<|call|>", pos)) < message:
+                continue
+            pos = following("<|call|>", message)
+            yield match.start(), min(pos + 8, len(text)), (match.group(1), text[message + 11:pos])
+            pos += 8
+
+    def read_one(self, name: str, arguments: str) -> RawCall:
+        return name, _json(arguments.strip(), "the tool call's arguments")
 
     def content(self, text: str) -> str:
         final = re.search(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|end\|>|<\|return\|>|$)", text, re.DOTALL)
@@ -271,26 +383,30 @@ class Llama3Json(CallFormat):
 
         <|python_tag|>{"name": "run", "parameters": {"command": "ls"}}; {"name": "read_file", "parameters": {"path": "a.py"}}
 
-    With no tag, the JSON objects in the text that have a ``name`` are the calls (at most 32 braces tried, each
-    scan bounded by the text: not quadratic in a long reply).
+    With no tag, the JSON objects in the text that have a ``name`` are the calls. A brace that opens no JSON
+    costs a scan to the end of the text: after 32 of them the search stops, and where a ``"name"`` is still
+    ahead the reply is a malformed call (an error the agent sees), never calls silently dropped.
     """
 
     name = "llama3_json"
     marker = "<|python_tag|>"
-    max_starts = 32
+    max_failed_starts = 32
 
     def read(self, text: str) -> list[RawCall]:
-        calls, decoder, start = [], json.JSONDecoder(), text.find("{")
-        for _ in range(self.max_starts):
-            if start == -1:
-                break
+        calls, start, failed = [], text.find("{"), 0
+        while start != -1:
             try:
-                payload, end = decoder.raw_decode(text, start)
-            except (json.JSONDecodeError, RecursionError):
-                payload, end = None, start + 1
+                payload, end = DECODER.raw_decode(text, start)
+            except (ValueError, RecursionError):
+                payload, end, failed = None, start + 1, failed + 1
+            if failed == self.max_failed_starts:
+                if '"name"' in text[end:]:
+                    raise ToolCallError(f"{failed} braces open no JSON before the reply's last calls; write each "
+                                        f'call as {{"name": ..., "parameters": {{...}}}}, separated by ";"')
+                break
             if isinstance(payload, dict) and isinstance(payload.get("name"), str):
                 calls.append(_named(payload, "parameters"))
-            start = text.find("{", end if payload is not None else start + 1)
+            start = text.find("{", end)
         return calls
 
     def content(self, text: str) -> str:

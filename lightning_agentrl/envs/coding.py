@@ -126,7 +126,7 @@ class CodingEnv(Environment):
             calls = parse_tool_calls(action_text, CODING_TOOLS, self.call_format)
         except ToolCallError as err:
             return self._observe(f"error: {err}", error=True)
-        return await step_each(calls, self._call)
+        return await step_each(calls, self._call, self.max_calls_per_turn)
 
     async def _call(self, call) -> StepResult:
         from sandbox_client import SandboxRequestError

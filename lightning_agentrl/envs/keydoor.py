@@ -144,7 +144,7 @@ class KeyDoorEnv(Environment):
             calls = parse_tool_calls(action_text, KEYDOOR_TOOLS, self.call_format)
         except ToolCallError as err:
             return StepResult(f"error: {err}", info={"tool": None, "error": True})
-        return await step_each(calls, self._call)
+        return await step_each(calls, self._call, self.max_calls_per_turn)
 
     async def _call(self, call) -> StepResult:
         direction = call.arguments["direction"].strip().lower()

@@ -101,6 +101,9 @@ JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "null": type(None),
 }
 """JSON-schema type -> the Python types ``json.loads`` gives for it (``bool`` is refused where a number is asked)."""
+STRING_OR_OTHER = "string|other"
+"""The type of an argument whose schema allows a string beside other types (``anyOf``, a type list, as pydantic
+and LangChain write an optional): not checked, and written as text it stays text (``"123"`` stays ``"123"``)."""
 
 
 def parse_tool_calls(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS, call_format=None) -> list[ToolCall]:
@@ -147,7 +150,8 @@ def _checked(name: str, arguments, tools: tuple[ToolSpec, ...], *, typed: bool) 
     if unknown:
         raise ToolCallError(f"{spec.name} takes no argument(s): {', '.join(unknown)}")
     if not typed:  # values written as text: each read as its declared type
-        arguments = {k: v if spec.types.get(k, "string") == "string" else _typed(v) for k, v in arguments.items()}
+        arguments = {k: v if spec.types.get(k, "string") in ("string", STRING_OR_OTHER) else _typed(v)
+                     for k, v in arguments.items()}
     for key, value in arguments.items():
         kind = spec.types.get(key, "string")
         wanted = JSON_TYPES.get(kind)

@@ -55,7 +55,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lightning_agentrl.envs.base import EnvInfraError, encodable
 from lightning_agentrl.envs.call_formats import CallFormat, read_calls, rendered_probe
 from lightning_agentrl.envs.gateway import AgentError
-from lightning_agentrl.envs.tools import JSON_TYPES, ToolCall, ToolCallError, ToolSpec, parse_tool_calls
+from lightning_agentrl.envs.tools import (
+    JSON_TYPES,
+    STRING_OR_OTHER,
+    ToolCall,
+    ToolCallError,
+    ToolSpec,
+    parse_tool_calls,
+)
 from lightning_agentrl.rollout.agent_loop import EpisodeBudget, close_env, request_seed
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import EngineInfraError, Generation, GenerationEngine, SamplingParams
@@ -79,25 +86,6 @@ UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "seed", "r
 """Request fields the gateway serves without (a penalty or bias would change the sampled distribution)."""
 
 
-MAX_BODY_BYTES = 4 << 20
-"""A request body's limit: past a long context's worth of text, and parsed on the trainer's event loop."""
-
-
-async def _capped_body(request: Request) -> bytes:
-    """The request's body, refused (413) past :data:`MAX_BODY_BYTES` before it is read (``Content-Length``) or
-    as soon as it is (a chunked one)."""
-    refusal = GatewayRefusal(413, f"request bodies are limited to {MAX_BODY_BYTES} bytes", code="request_too_large")
-    with contextlib.suppress(ValueError):
-        if int(request.headers.get("content-length", "0")) > MAX_BODY_BYTES:
-            raise refusal
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise refusal
-    return bytes(body)
-
-
 class GatewayRefusal(Exception):
     """A request refused with OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
@@ -117,18 +105,47 @@ def _warn_once(warned: set[str], name: str, message: str) -> None:
         log.warning("gateway: %s", message)
 
 
+def body_limit(max_context_tokens: int) -> int:
+    """The largest request body read, in bytes: 1 MiB plus 64 per token of the context (a token's text, escaped
+    as JSON, is rarely over 20 bytes); a larger one could never fit and is refused before it is tokenized.
+
+    >>> body_limit(2048)
+    1179648
+    """
+    return 2**20 + 64 * max_context_tokens
+
+
+async def _capped_body(request, limit: int) -> bytes:
+    """The body, read only up to ``limit`` bytes: 413 (OpenAI's error shape) past it."""
+    refusal = GatewayRefusal(413, f"the request body is over {limit} bytes: it cannot fit env.max_context_tokens",
+                             code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise refusal
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise refusal
+    return b"".join(chunks)
+
+
 # -- messages in, reply out (pure) ----------------------------------------------------------------
 def template_messages(messages: Any) -> list[dict]:
-    """OpenAI chat messages as chat templates take them: text parts joined, ``content`` None as "",
-    ``tool_calls`` arguments as objects (templates write them with ``tojson``)."""
+    """OpenAI chat messages as chat templates take them: text parts joined, ``content`` None as "" (but beside
+    ``tool_calls``), ``tool_calls`` arguments as objects (templates write them with ``tojson``)."""
     if not isinstance(messages, list) or not messages:
         raise GatewayRefusal(400, "messages must be a non-empty list", param="messages")
     converted = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise GatewayRefusal(400, f"messages[{index}] must be an object with a role", param="messages")
-        converted.append({**message, "content": _text(message.get("content"), index)})
+        role = "system" if message["role"] == "developer" else message["role"]  # OpenAI's newer name for it
         calls = message.get("tool_calls")
+        # content None beside calls stays None: DeepSeek's template writes the calls only then
+        content = None if calls and message.get("content") is None else _text(message.get("content"), index)
+        converted.append({**message, "role": role, "content": content})
         if calls:
             if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
                                                        for c in calls):
@@ -179,9 +196,17 @@ def tool_specs(tools: Any) -> tuple[ToolSpec, ...]:
 
 
 def _json_type(schema: Any) -> str:
-    """A parameter's JSON type where its schema names one the parser checks, else ``any``."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    return kind if isinstance(kind, str) and kind in JSON_TYPES else "any"
+    """A parameter's JSON type where its schema names one the parser checks; ``string|other`` where a string is
+    one of several allowed (a type list, ``anyOf``/``oneOf``: kept as text); else ``any``."""
+    if not isinstance(schema, dict):
+        return "any"
+    kind = schema.get("type")
+    if isinstance(kind, str) and kind in JSON_TYPES:
+        return kind
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    options = kind if isinstance(kind, list) else [
+        o.get("type") for o in (alternatives if isinstance(alternatives, list) else []) if isinstance(o, dict)]
+    return STRING_OR_OTHER if "string" in options else "any"
 
 
 def split_reply(text: str, specs: tuple[ToolSpec, ...], call_format: CallFormat) -> tuple[str | None, list[dict]]:
@@ -197,6 +222,15 @@ def split_reply(text: str, specs: tuple[ToolSpec, ...], call_format: CallFormat)
     return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                               "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
                              for call in calls]
+
+
+def before_stop(text: str, stops: list[str]) -> str:
+    """``text`` up to its first stop string, what OpenAI returns (the sampled ids still end past it).
+
+    >>> before_stop("ab STOP cd", ["STOP", "cd"]), before_stop("ab", ["x"])
+    ('ab ', 'ab')
+    """
+    return text[:min((i for stop in stops if (i := text.find(stop)) != -1), default=len(text))]
 
 
 def cut_at_stop(ids: list[int], stops: list[str], decode) -> int:
@@ -225,6 +259,30 @@ def tools_as_text(messages: list[dict], specs: tuple[ToolSpec, ...]) -> list[dic
 def renders_tool_calls(codec: ChatCodec) -> bool:
     """Whether the chat template writes an assistant message's ``tool_calls`` (Qwen, DeepSeek do; many do not)."""
     return rendered_probe(codec.tokenizer) is not None
+
+
+def own_replies(messages: list[dict], written: dict[str, str]) -> list[dict]:
+    """An assistant message whose calls the policy sampled in this episode (its first call's id is in ``written``,
+    call id -> the reply's text as decoded from the sampled ids) as that text, without ``tool_calls``: the template
+    renders it back to the sampled ids, where re-writing the calls would not (DeepSeek writes calls only beside
+    content None, Llama 3.1's template refuses two calls, a client may re-serialize the arguments)."""
+    return [{"role": "assistant", "content": written[m["tool_calls"][0].get("id")]}
+            if m.get("tool_calls") and m["tool_calls"][0].get("id") in written else m for m in messages]
+
+
+def joined_results(messages: list[dict], role: str) -> list[dict]:
+    """Tool results in ``role`` (a template without a tool role), consecutive ones in one message a blank line
+    apart, as :meth:`~lightning_agentrl.rollout.chat.ChatCodec.observation_ids` joins them where the template
+    refuses two in a row (Gemma's roles must alternate)."""
+    joined: list[dict] = []
+    for message in messages:
+        if message["role"] != "tool":
+            joined.append(message)
+        elif joined and joined[-1].get("joined"):
+            joined[-1]["content"] += "\n\n" + message["content"]
+        else:
+            joined.append({"role": role, "content": message["content"], "joined": True})
+    return [{k: v for k, v in m.items() if k != "joined"} for m in joined]
 
 
 def calls_as_text(messages: list[dict], written: dict[str, str], call_format: CallFormat) -> list[dict]:
@@ -443,8 +501,9 @@ class Gateway:
         @app.post("/episodes/{episode_id}/v1/chat/completions")
         async def chat_completions(episode_id: str, request: Request):
             episode = self._episode(episode_id, request.headers.get("authorization"))
+            raw = await _capped_body(request, body_limit(episode.budget.max_context_tokens))
             try:
-                body = json.loads(await _capped_body(request))
+                body = json.loads(raw)
             except (ValueError, RecursionError):
                 raise GatewayRefusal(400, "the request body is not JSON (or nests too deeply)") from None
             if not isinstance(body, dict):
@@ -477,8 +536,8 @@ class Gateway:
             raise GatewayRefusal(404, "the episode ended while this call was generating", code="episode_not_found")
         text_of = episode.codec.decode_action
         keep = cut_at_stop(generation.token_ids, request.stop, text_of)
-        text = text_of(generation.token_ids[:keep])
-        content, calls = split_reply(text, request.specs, episode.codec.call_format)
+        text = text_of(generation.token_ids[:keep])  # the sampled text, trained and re-rendered as is
+        content, calls = split_reply(before_stop(text, request.stop), request.specs, episode.codec.call_format)
         if calls:
             episode.written[calls[0]["id"]] = text
         episode.record(segment, generation, keep, state_key=hashlib.sha256(str(ids).encode()).hexdigest()[:16],
@@ -569,7 +628,7 @@ class CallRequest:
     def prompt_ids(self, codec: ChatCodec, written: dict[str, str]) -> list[int]:
         """The request rendered with the policy's chat template (its tools through ``tools=`` where the template
         renders them, else described in the system message)."""
-        messages, tools = self.messages, self.tools
+        messages, tools = own_replies(self.messages, written), self.tools
         if tools and not codec.renders_tools:
             messages, tools = tools_as_text(messages, self.specs), None
         if not renders_tool_calls(codec):
@@ -577,9 +636,14 @@ class CallRequest:
         elif codec.call_format.arguments_as_text:  # e.g. DeepSeek's template concatenates the JSON text
             messages = [_arguments_as_text(m) if m.get("tool_calls") else m for m in messages]
         if codec.observation_role != "tool":  # e.g. Gemma's template knows no tool role: results as the codec shows them
-            messages = [{**m, "role": codec.observation_role} if m["role"] == "tool" else m for m in messages]
+            messages = joined_results(messages, codec.observation_role)
         try:
-            return codec.prompt_ids(messages, tools=tools)
+            try:
+                return codec.prompt_ids(messages, tools=tools)
+            except Exception:  # noqa: BLE001 - a template that concatenates content: "" where it is None
+                if all(m["content"] is not None for m in messages):
+                    raise
+                return codec.prompt_ids([{**m, "content": m["content"] or ""} for m in messages], tools=tools)
         except Exception as err:  # jinja2's TemplateError, or what a template raises itself
             raise GatewayRefusal(400, f"the policy's chat template cannot render these messages: "
                                       f"{type(err).__name__}: {err}", param="messages") from None
