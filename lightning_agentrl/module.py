@@ -42,9 +42,33 @@ from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import all_gather, global_max, global_sum, reduce_metrics, world_size
 from lightning_agentrl.envs.registry import settings_env_class
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
-from lightning_agentrl.settings import Settings
+from lightning_agentrl.settings import ModelSettings, Settings
 from lightning_agentrl.trajectory import RolloutBatch
 
+
+def pretrained_kwargs(model: ModelSettings) -> dict:
+    """``from_pretrained`` arguments from ``model.dtype`` and ``model.attn_implementation``."""
+    kwargs = {"dtype": getattr(torch, model.dtype)}
+    if model.attn_implementation:
+        kwargs["attn_implementation"] = model.attn_implementation
+    return kwargs
+
+
+def load_policy(model_path: str, model: ModelSettings, *, seed: int | None):
+    """The trained policy as ``fit`` and ``sft`` load it: ``model_path`` in ``model.dtype``, gradient
+    checkpointing as set, no KV cache (training runs whole sequences), LoRA adapters on a frozen base with
+    ``model.lora_rank``, in training mode (``from_pretrained`` returns eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(model_path, **pretrained_kwargs(model))
+    if model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    policy.config.use_cache = False
+    if model.lora:
+        from lightning_agentrl.lora import apply_lora
+
+        policy = apply_lora(policy, model, seed=seed)  # freezes the base
+    return policy.train()
 
 class AgentRLModule(L.LightningModule):
     def __init__(self, settings: Settings, model_path: str) -> None:
@@ -73,19 +97,8 @@ class AgentRLModule(L.LightningModule):
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, self.settings.model.dtype)
-        kwargs = {"dtype": dtype}
-        if self.settings.model.attn_implementation:
-            kwargs["attn_implementation"] = self.settings.model.attn_implementation
         zero3 = _zero3_loading_context(self._trainer)  # noqa: F841 - alive while the models load
-        self.policy = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
-        if self.settings.model.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-        self.policy.config.use_cache = False
-        if self.settings.model.lora:
-            from lightning_agentrl.lora import apply_lora
-
-            self.policy = apply_lora(self.policy, self.settings.model, seed=self.settings.run.seed)  # freezes the base
-        self.policy.train()  # from_pretrained returns eval mode; dropout (if any) belongs to training
+        self.policy = load_policy(self.model_path, self.settings.model, seed=self.settings.run.seed)
         if self.settings.model.value_head:
             # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
             self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1, dtype=dtype)
@@ -96,7 +109,8 @@ class AgentRLModule(L.LightningModule):
                 torch.nn.init.zeros_(self.value_head.weight)
                 torch.nn.init.zeros_(self.value_head.bias)
         if self.settings.algorithm.kl_coef > 0 and not self.settings.model.lora:  # LoRA: the base, adapters off
-            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs).eval()
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                self.model_path, **pretrained_kwargs(self.settings.model)).eval()
             self.reference.requires_grad_(False)
         self.policy_logprobs = OutputLogprobs(self.policy)
         self.reference_logprobs = OutputLogprobs(self.reference) if self.reference is not None else None

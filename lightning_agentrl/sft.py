@@ -180,21 +180,9 @@ class SFTModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import AutoModelForCausalLM
+        from lightning_agentrl.module import load_policy
 
-        m = self.settings.model
-        kwargs = {"dtype": getattr(torch, m.dtype)}
-        if m.attn_implementation:
-            kwargs["attn_implementation"] = m.attn_implementation
-        self.policy = AutoModelForCausalLM.from_pretrained(self.model_path, **kwargs)
-        if m.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-        self.policy.config.use_cache = False
-        if m.lora:
-            from lightning_agentrl.lora import apply_lora
-
-            self.policy = apply_lora(self.policy, m, seed=self.settings.run.seed)
-        self.policy.train()
+        self.policy = load_policy(self.model_path, self.settings.model, seed=self.settings.run.seed)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
