@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx2
@@ -188,23 +189,28 @@ def test_the_protocol_conformance_suite_passes_against_each_server_of_a_fleet(th
     assert per_server[0] >= 9 and per_server == [per_server[0]] * 3 and len(passed) == sum(per_server), per_server
 
 
+
+class _JsonHandler(BaseHTTPRequestHandler):
+    """A fake sandbox service's request handler: JSON answers, no access log."""
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
 class _OtherProtocol:
     """A service whose health answers in another protocol version."""
 
     def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler
-
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_JsonHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
-                body = b'{"status": "ok", "protocol": "v2"}'
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self._answer(200, b'{"status": "ok", "protocol": "v2"}')
 
-            def log_message(self, *args):
-                pass
 
         self.server, self.url = _serve(Handler)
 
@@ -257,16 +263,7 @@ class _FailingCreates:
     """A service that says it is healthy with 10 free slots and answers every create with a 500."""
 
     def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(_JsonHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
                 self._answer(200, b'{"status": "ok", "protocol": "v1", "sandboxes": {"active": 0, "max": 10}}')
 
@@ -274,8 +271,6 @@ class _FailingCreates:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 self._answer(500, b'{"error": {"code": "internal", "message": "broken"}}')
 
-            def log_message(self, *args):
-                pass
 
         self.server, self.url = _serve(Handler)
         self.token = "x"
@@ -329,19 +324,10 @@ class _FakeServer:
 
     def __init__(self, health, create: str = "fail", token: str = "x") -> None:
         import time
-        from http.server import BaseHTTPRequestHandler
-
         self.creates, self.token, self.keys = 0, token, set()
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(_JsonHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
                 self._answer(200, health() if callable(health) else health)
 
@@ -357,8 +343,6 @@ class _FakeServer:
             def do_DELETE(self):  # noqa: N802
                 self._answer(204, b"")
 
-            def log_message(self, *args):
-                pass
 
         self.server, self.url = _serve(Handler)
 
