@@ -1,6 +1,7 @@
 """RL makes a real model better: SmolLM2-135M-Instruct on the copy-the-key suite, per seed, on CPU.
 
     python benchmarks/learn_real.py                                   # make learn-real: 3 seeds, 60 minutes of RL each
+    python benchmarks/learn_real.py --jobs 3 --threads 1              # the seeds side by side, one torch thread each
     python benchmarks/learn_real.py --seeds 0 --minutes 15 --samples 1 -- --trainer.lr=2e-5   # overrides after --
 
 Per seed, every phase through the product's own commands (``python -m lightning_agentrl ...``, subprocesses):
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.record import write_record
@@ -88,9 +90,11 @@ def run_seed(seed: int, root: Path, *, minutes: float, samples: int, overrides: 
     # the policy folder with the RL run's settings (the same sampler and tasks as the baseline's)
     final = held_out(final_policy, root / "eval_final", samples,
                      ["--config", str(rl_dir / "settings.yaml"), *eval_overrides])
-    return {"seed": seed, "baseline_success": baseline["success"], "final_success": final["success"],
-            "baseline_submitted": baseline["submitted_frac"], "final_submitted": final["submitted_frac"],
-            "minutes": round(elapsed, 1), "steps": steps, "episodes": final["episodes"]}
+    result = {"seed": seed, "baseline_success": baseline["success"], "final_success": final["success"],
+              "baseline_submitted": baseline["submitted_frac"], "final_submitted": final["submitted_frac"],
+              "minutes": round(elapsed, 1), "steps": steps, "episodes": final["episodes"]}
+    (root / "result.json").write_text(json.dumps(result, indent=2) + "\n")  # kept if a later seed fails
+    return result
 
 
 def _steps(rl_dir: Path) -> int:
@@ -128,20 +132,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock minutes of RL per seed")
     parser.add_argument("--samples", type=int, default=2, help="held-out episodes per test task (20 tasks)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every phase")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side (each its own processes)")
     parser.add_argument("--run-dir", type=Path, default=REPO / "runs" / f"learn_real-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learn_real.json")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     overrides = [f"--trainer.threads={args.threads}", *overrides]
-    seeds = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        seeds.append(run_seed(seed, args.run_dir / f"seed{seed}", minutes=args.minutes, samples=args.samples,
-                              overrides=overrides))
-        print(json.dumps(seeds[-1]), flush=True)
+
+    def one(seed: int) -> dict:
+        result = run_seed(seed, args.run_dir / f"seed{seed}", minutes=args.minutes, samples=args.samples,
+                          overrides=overrides)
+        print(json.dumps(result), flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each seed waits on its own subprocesses
+        seeds = list(pool.map(one, [int(s) for s in args.seeds.split(",")]))
     gain = sum(s["final_success"] - s["baseline_success"] for s in seeds) / len(seeds)
     record = {
         "model": MODEL, "task": "tasks/learn (copy the key; held-out split: 20 tasks)", "config": CONFIG,
         "command": "python benchmarks/learn_real.py " + shlex.join(argv),
         "seeds": seeds, "mean_gain": round(gain, 4),
+        "concurrency": f"{args.jobs} seed(s) at a time, {args.threads} torch thread(s) each",
     }
     write_record(args.out, record)  # stamps the commit, dirty flag and load
     plot(seeds, args.out.with_suffix(".png"), f"{MODEL} on {record['task']}: mean gain {gain:+.3f}")
