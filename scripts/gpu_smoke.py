@@ -68,7 +68,8 @@ def smoke_overrides(args, model_dir: Path, run_dir: Path, attn: str) -> dict:
     """The recipe, reduced to one GPU and a few minutes; everything else is the recipe's."""
     return {
         "run": {"dir": str(run_dir)},
-        "model": {"path": str(model_dir), "attn_implementation": attn, "value_head": False},
+        "model": {"path": str(model_dir), "attn_implementation": attn, "value_head": False,
+                  "lora_rank": args.lora_rank, **({"dtype": args.dtype} if args.dtype else {})},
         "engine": {"kind": "torch", "max_new_tokens": args.max_new_tokens, "max_batch_size": args.episodes},
         "env": {"max_turns": args.max_turns, "max_context_tokens": args.max_context_tokens, "summarizer": "none",
                 "generation_timeout_s": 600, "episode_timeout_s": 1800},
@@ -94,6 +95,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-context-tokens", type=int, default=4096)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model.dtype (default: the recipe's)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="model.lora_rank (0: full fine-tuning)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke.json")
     parser.add_argument("--cpu", action="store_true", help="test this script without a GPU (no memory figures)")
     args = parser.parse_args()
@@ -116,8 +119,8 @@ def main() -> int:
     shape_name = recipe.model.path if args.model_config is None else str(args.model_config)
     cache = REPO / ".cache" / "gpu_smoke"
     tokenizer_tag = "tiny" if args.tokenizer is None else args.tokenizer.name
-    model_dir = build_model(config, recipe.model.dtype, args.tokenizer,
-                            cache / f"{shape_name.replace('/', '--')}-{tokenizer_tag}", device)
+    model_dir = build_model(config, args.dtype or recipe.model.dtype, args.tokenizer,
+                            cache / f"{shape_name.replace('/', '--')}-{tokenizer_tag}-{args.dtype or recipe.model.dtype}", device)
     try:
         import flash_attn  # noqa: F401
 
@@ -131,22 +134,39 @@ def main() -> int:
     settings = load_settings(args.recipe, copy.deepcopy(overrides))
 
     class Measure(L.Callback):
-        """Time and tokens of each optimizer step (the packed forward/backward and the update)."""
+        """Time and tokens of each optimizer step (the packed forward/backward and the update), and the wait for its
+        rollouts before it (from the end of the previous step: generation, tools and scoring not overlapped)."""
 
         def __init__(self) -> None:
             self.steps: list[dict] = []
             self._started = 0.0
+            self._previous_end = 0.0
+            self._optimizer_before = 0.0
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self._previous_end = time.perf_counter()
+            trainable[0] = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             sync()
             self._started = time.perf_counter()
+            self._optimizer_before = getattr(pl_module, "optimizer_s", 0.0)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             sync()
-            seconds = time.perf_counter() - self._started
+            end = time.perf_counter()
+            seconds = end - self._started
+            wait, self._previous_end = self._started - self._previous_end, end
             micro = _micro_batches(batch.seq_ids, settings.trainer.micro_batch_tokens)
+            trajectories = getattr(batch, "trajectories", []) or [None]
+            mean = lambda key: sum(t.timings.get(key, 0.0) for t in trajectories if t) / len(trajectories)  # noqa: E731
             self.steps.append({
                 "seconds": seconds,
+                "optimizer_seconds": getattr(pl_module, "optimizer_s", 0.0) - self._optimizer_before,
+                "wait_rollouts_seconds": wait,
+                "episode_generation_seconds_mean": mean("generation_s"),
+                "episode_tool_seconds_mean": mean("tool_s"),
+                "episode_scoring_seconds_mean": mean("scoring_s"),
                 "tokens": int(batch.input_ids.numel()),
                 "action_tokens": int(batch.loss_mask.sum()),
                 "largest_micro_batch": max(sl.stop - sl.start for sl in micro),
@@ -157,6 +177,7 @@ def main() -> int:
         engine.model.to(device)  # the torch engine's own copy: generation on the GPU, not the CPU
         return engine
 
+    trainable = [0]
     measure = Measure()
     if not args.cpu:
         torch.cuda.reset_peak_memory_stats()
@@ -175,6 +196,7 @@ def main() -> int:
     engine_copy = DTYPE_BYTES[settings.model.dtype] * plan.num_parameters
     timed = measure.steps[1:] or measure.steps  # the first step includes allocator warm-up
     tokens_per_s = sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed)
+    median = lambda key: sorted(s[key] for s in timed)[len(timed) // 2]  # noqa: E731
     peak_allocated = peak()
     # torch's allocated counter excludes the CUDA context and fragmentation: compare it without the reserve
     reserve = plan_observed.part("trainer reserve").gpu_bytes
@@ -191,6 +213,10 @@ def main() -> int:
         "python": platform.python_version(),
         "steps": measure.steps,
         "train_tokens_per_s": round(tokens_per_s, 1),
+        "median_train_step_seconds": round(median("seconds"), 3),
+        "median_wait_rollouts_seconds": round(median("wait_rollouts_seconds"), 3),
+        "lora_rank": args.lora_rank,
+        "trainable_parameters": trainable[0],
         "wall_seconds": round(wall, 1),
         "peak_allocated_bytes": peak_allocated,
         "peak_reserved_bytes": None if args.cpu else torch.cuda.max_memory_reserved(),

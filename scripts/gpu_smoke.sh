@@ -25,7 +25,7 @@ PYEOF
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 modules = {"pydantic": "pydantic", "pydantic_settings": "pydantic-settings", "yaml": "pyyaml",
-           "httpx": "httpx", "rich": "rich", "fastapi": "fastapi", "uvicorn": "uvicorn",
+           "httpx2": "httpx2", "rich": "rich", "fastapi": "fastapi", "uvicorn": "uvicorn",
            "safetensors": "safetensors", "lightning": "lightning", "transformers": "transformers"}
 print(" ".join(pkg for mod, pkg in modules.items() if importlib.util.find_spec(mod) is None))
 PYEOF

@@ -11,5 +11,5 @@ DIR=${2:-.cache/gpu_wheels}
 mkdir -p "$DIR"
 python3 -m pip download --quiet --only-binary=:all: --implementation cp --python-version "$PYVER" \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  -c constraints.txt -d "$DIR" pydantic pydantic-settings pyyaml rich fastapi uvicorn
+  -c constraints.txt -d "$DIR" pydantic pydantic-settings pyyaml rich fastapi uvicorn httpx2
 du -sh "$DIR"
