@@ -162,8 +162,11 @@ class MergedAdapters:
     @torch.no_grad()
     def merge(self) -> None:
         """Write ``W0 + s B A`` of the adapters the layers now hold into their weights."""
-        for layer, base in zip(self.layers, self.base, strict=True):
-            layer.base_layer.weight.copy_(base + layer.get_delta_weight(ADAPTER).to(base.dtype))
+        for i, (layer, base) in enumerate(zip(self.layers, self.base, strict=True)):
+            weight = layer.base_layer.weight
+            if base.device != weight.device:  # the engine's copy was moved (to its GPU) after it was built
+                base = self.base[i] = base.to(weight.device)
+            weight.copy_(base + layer.get_delta_weight(ADAPTER).to(base.dtype))
             layer.merged_adapters = [ADAPTER]  # peft's forward then runs the base layer alone
 
 

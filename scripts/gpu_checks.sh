@@ -3,11 +3,13 @@
 # steps of a random-init model of a recipe's shape, measured against the memory plan) on
 #   1. the real model's shape (SmolLM2-135M, configs/learn_real.yaml's episodes), full fine-tuning;
 #   2. the same with LoRA rank 8 (model.lora_rank);
-#   3. the 1.5B recipe's shape (configs/gpu_zero2.yaml).
+#   3. the 1.5B recipe's shape (configs/gpu_zero2.yaml), full fine-tuning;
+#   4. the same with LoRA rank 8.
 # Each is bounded by its own timeout and a failure does not stop the next; the records go to DIR.
 #
 #   bash scripts/gpu_checks.sh DIR SMOLLM2_FOLDER     # the folder holds the model's config.json and tokenizer
 #                                                     # (the converted .cache/lightning_agentrl/gguf/<hash>/)
+#   ONLY=gpu_smollm2_lora8,gpu_zero2_lora8 bash scripts/gpu_checks.sh ...   # some of them
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:?usage: gpu_checks.sh DIR SMOLLM2_FOLDER}
@@ -18,6 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 status=0
 smoke() {  # NAME TIMEOUT ARGS...
   local name=$1 limit=$2; shift 2
+  [[ -z ${ONLY:-} || ,$ONLY, == *",$name,"* ]] || return 0
   echo "== $name"
   local started=$SECONDS
   timeout "$limit" "$PY" scripts/gpu_smoke.py "$@" --out "$DIR/$name.json" >"$DIR/$name.log" 2>&1
@@ -31,4 +34,5 @@ REAL=(--recipe configs/learn_real.yaml --model-config "$SMOL/config.json" --toke
 smoke gpu_smollm2_full 150 "${REAL[@]}"
 smoke gpu_smollm2_lora8 150 "${REAL[@]}" --lora-rank 8
 smoke gpu_zero2_shape 240 --recipe configs/gpu_zero2.yaml --steps 3
+smoke gpu_zero2_lora8 240 --recipe configs/gpu_zero2.yaml --steps 3 --lora-rank 8
 exit $status

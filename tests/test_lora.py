@@ -462,3 +462,21 @@ def test_held_out_evaluation_plays_the_adapters_of_each_step(tmp_path):
     result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
     assert result.global_step == 1
     assert engines[0].policy_version == 1  # no sync after the last step: the final evaluation pushed it
+
+
+def test_the_engines_merged_adapters_follow_its_copy_to_another_device():
+    """A torch engine's copy moved after it was built (to its GPU: scripts/gpu_smoke.py) merges on that device: the
+    kept base weights follow it (the first GPU run failed here with 'cuda:0 and cpu'). The meta device stands in
+    for a GPU on a CPU machine."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_agentrl.lora import MergedAdapters
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj"]), adapter_name=ADAPTER)
+    merged = MergedAdapters(model)
+    model.to("meta")
+    merged.merge()
+    assert [base.device.type for base in merged.base] == ["meta"]
