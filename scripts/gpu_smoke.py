@@ -75,7 +75,8 @@ def smoke_overrides(args, model_dir: Path, run_dir: Path, attn: str) -> dict:
                 "generation_timeout_s": 600, "episode_timeout_s": 1800},
         "rollout": {"group_size": args.episodes // 2, "groups_per_step": 2, "max_in_flight": args.episodes,
                     "max_staleness": 0, "truncation": "zero", "partial_rollout_s": None},
-        "algorithm": {"advantage": "grpo", "kl_coef": 0.0, "staleness_weighting": "none"},
+        "algorithm": {"advantage": "grpo", "kl_coef": 0.0, "staleness_weighting": "none",
+                      "entropy_coef": args.entropy_coef},
         "trainer": {"max_steps": args.steps, "strategy": "auto", "offload_optimizer": False, "accelerator": "gpu",
                     "devices": 1, "precision": "bf16-true", "micro_batch_tokens": args.micro_batch_tokens,
                     "checkpoint_every": 1000},
@@ -97,6 +98,9 @@ def main() -> int:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model.dtype (default: the recipe's)")
     parser.add_argument("--lora-rank", type=int, default=0, help="model.lora_rank (0: full fine-tuning)")
+    parser.add_argument("--entropy-coef", type=float, default=1e-3,
+                        help="algorithm.entropy_coef: a loss term that is never 0, so every step runs the forward and "
+                             "backward (random weights earn no reward, and a step whose advantages are all 0 skips them)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke.json")
     parser.add_argument("--cpu", action="store_true", help="test this script without a GPU (no memory figures)")
     args = parser.parse_args()
