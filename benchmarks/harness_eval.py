@@ -7,7 +7,7 @@ The first ``--tasks`` held-out (``split: test``) tasks of tasks/bugfix, ``--samp
 thread. Reported: ``success`` (mean hidden-test reward), ``submitted_frac`` (episodes whose harness exited by
 itself and was scored), ``harness_submit_frac`` (episodes in which the model issued mini-swe-agent's own submit
 command, ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``), the terminations, calls and minutes. Writes
-benchmarks/results/harness_eval.json and prints one line.
+benchmarks/results/harness_eval/harness_eval.json and prints one line.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ def main() -> None:
     command = load_settings(REPO / "configs" / "mini_swe_agent.yaml", []).env.agent_command
     command = [*command[:-1], command[-1].replace("agent.step_limit=4", f"agent.step_limit={args.step_limit}")]
     started = time.monotonic()
+    overrides = [f"--env.tasks={args.out / 'suite'}", f"--env.agent_command={json.dumps(command)}",
+                 f"--sandbox.tools_dir={REPO / '.tools'}", "--trainer.threads=1",
+                 f"--engine.max_new_tokens={args.max_new_tokens}", "--env.generation_timeout_s=1200",
+                 "--env.episode_timeout_s=3600", f"--env.max_turns={args.step_limit + 2}"]
     scores = evaluate_policy(MODEL, split="test", samples=args.samples, config=REPO / "configs" / "mini_swe_agent.yaml",
-                             out=args.out / "eval", overrides=[
-                                 f"--env.tasks={args.out / 'suite'}", f"--env.agent_command={json.dumps(command)}",
-                                 f"--sandbox.tools_dir={REPO / '.tools'}", "--trainer.threads=1",
-                                 f"--engine.max_new_tokens={args.max_new_tokens}", "--env.generation_timeout_s=1200",
-                                 "--env.episode_timeout_s=3600", f"--env.max_turns={args.step_limit + 2}"])
+                             out=args.out / "eval", overrides=overrides)
     trajectories = load_trajectories(args.out / "eval" / "trajectories.jsonl")
     decode = _decoder()
     said_submit = [any(SUBMIT in decode(s.token_ids[t.action_start:t.action_end]) for s in tr.segments for t in s.turns)
@@ -79,8 +79,8 @@ def main() -> None:
         "prefix_breaks": sum(t.info.get("prefix_breaks", 0) for t in trajectories),
         "minutes": round((time.monotonic() - started) / 60, 2),
     }
-    path = REPO / "benchmarks" / "results" / "harness_eval.json"
-    write_record(path, record)
+    path = REPO / "benchmarks" / "results" / "harness_eval" / "harness_eval.json"
+    write_record(path, record, config="configs/mini_swe_agent.yaml", overrides=overrides, seed=None)
     print(f"mini-swe-agent + {MODEL}: success {record['success']:.3f} submitted {record['submitted_frac']:.3f} "
           f"harness submit {record['harness_submit_frac']:.3f} over {record['episodes']} held-out episodes, "
           f"{record['minutes']:.1f} min, terminations {record['terminations']}; wrote {path}")

@@ -1,6 +1,6 @@
 """The sandbox client's own CPU per request, with many requests in flight (as a rollout makes them).
 
-    python benchmarks/http_client_bench.py [--in-flight 32] [--rounds 20] [--out benchmarks/results/http_client.json]
+    python benchmarks/http_client_bench.py [--in-flight 32] [--rounds 20] [--out benchmarks/results/http_client/http_client.json]
 
 ``--in-flight`` sandboxes of the reference service on loopback each read one small file ``--rounds``
 times in a row, all of them at once; the measure is this process's CPU time (``time.process_time``)
@@ -33,7 +33,7 @@ from benchmarks.record import write_record  # noqa: E402
 from sandbox_client import SandboxClient  # noqa: E402
 from sandbox_server.launch import start_local_server  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results" / "http_client.json"
+RESULTS = REPO / "benchmarks" / "results" / "http_client" / "http_client.json"
 CONNECTIONS = 64
 
 
@@ -92,7 +92,7 @@ def main() -> None:
         "client_cpu_ms_per_request": {name: round(seconds * 1e3, 3) for name, seconds in cpu.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(args.out, result)
+    write_record(args.out, result, config=None, overrides=None, seed=None)
     print("client CPU per request, " + ", ".join(f"{k} {v:.2f} ms" for k, v in
                                                  result["client_cpu_ms_per_request"].items())
           + f"; {args.in_flight} in flight, load {load_before:.1f} before")

@@ -13,7 +13,7 @@
    is the baseline), after training: ``minutes`` is the training time at which each policy was saved
    (the warm start included), and no evaluation runs inside it.
 
-Writes ``benchmarks/results/learn_cpu.json`` (command, seed, wall times, success per step, training
+Writes ``benchmarks/results/learn_cpu/learn_cpu.json`` (command, seed, wall times, success per step, training
 reward per step, ``baseline_success``, ``final_success``) and ``learn_cpu.png`` (success vs step),
 and logs both to the run's MLflow record.
 """
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/learn_cpu.yaml")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default=None, help="default: runs/learn_cpu-<time>")
-    parser.add_argument("--out", default="benchmarks/results/learn_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/learn_cpu/learn_cpu.json")
     parser.add_argument("--warm-start-steps", type=int, default=100)
     parser.add_argument("--echo-prob", type=float, default=0.5,
                         help="share of generic echo demonstrations in the warm start (see benchmarks/warm_start.py)")
@@ -284,9 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "command": shlex.join([Path(sys.executable).name, "benchmarks/learn_cpu.py", *argv]),
-        "config": args.config,
-        "seed": args.seed,
-        "settings_overrides": args.overrides,
         "wall_time_s": round(wall, 1),
         "warm_start": warm,
         "rl_wall_time_s": round(rl_wall, 1),  # training and the evaluations after it
@@ -306,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_probe": {"warm_start": copy_probe(warm["path"], settings.env.system_prompt),
                        "final": copy_probe(result.policy_dir, settings.env.system_prompt)},
     }
-    write_record(out, record)
+    write_record(out, record, config=args.config, overrides=args.overrides, seed=args.seed)
     png = out.with_suffix(".png")
     plot(history, rewards, chance, png,
          f"copy-the-key, tiny model, GRPO on CPU ({history[-1]['minutes']:.1f} min of training, warm start incl.)")

@@ -8,14 +8,14 @@ Per seed, every phase through the product's own commands (``python -m lightning_
 
 1. ``sft --config configs/learn_real.yaml``: the supervised warm start (its ``sft`` section) on the
    environment's own solutions of the training tasks; without it the model writes no call the environment
-   accepts (0.000 submitted, ``benchmarks/results/real_baseline.json``).
+   accepts (0.000 submitted, ``benchmarks/results/real_baseline/real_baseline.json``).
 2. ``evaluate <sft run> --split test``: the starting policy's held-out success (``baseline_success``).
 3. ``fit --model.path=<sft run>/policy``: RL on the training tasks, stopped by SIGTERM after ``--minutes`` of
    wall time (the run finishes its step, checkpoints and exits; ``minutes`` and ``steps`` say how far it got);
    the last checkpoint is exported as the final policy.
 4. ``evaluate`` of that policy on the same held-out tasks with the same sampler (``final_success``).
 
-Writes ``benchmarks/results/learn_real.json`` (``model``, ``task``, ``seeds`` of ``{seed, baseline_success,
+Writes ``benchmarks/results/learn_real/learn_real.json`` (``model``, ``task``, ``seeds`` of ``{seed, baseline_success,
 final_success, minutes, steps}``, ``mean_gain``, the command and the commit) and ``learn_real.png``.
 """
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every phase")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side (each its own processes)")
     parser.add_argument("--run-dir", type=Path, default=REPO / "runs" / f"learn_real-{time.strftime('%Y%m%d-%H%M%S')}")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learn_real.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learn_real" / "learn_real.json")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     overrides = [f"--trainer.threads={args.threads}", *overrides]
 
@@ -148,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         seeds = list(pool.map(one, [int(s) for s in args.seeds.split(",")]))
     gain = sum(s["final_success"] - s["baseline_success"] for s in seeds) / len(seeds)
     record = {
-        "model": MODEL, "task": "tasks/learn (copy the key; held-out split: 20 tasks)", "config": CONFIG,
+        "model": MODEL, "task": "tasks/learn (copy the key; held-out split: 20 tasks)",
         "command": "python benchmarks/learn_real.py " + shlex.join(argv),
         "seeds": seeds, "mean_gain": round(gain, 4),
         "concurrency": f"{args.jobs} seed(s) at a time, {args.threads} torch thread(s) each",
     }
-    write_record(args.out, record)  # stamps the commit, dirty flag and load
+    write_record(args.out, record, config=CONFIG, overrides=overrides, seed=[s["seed"] for s in seeds])
     plot(seeds, args.out.with_suffix(".png"), f"{MODEL} on {record['task']}: mean gain {gain:+.3f}")
     print(f"mean gain {gain:+.3f}; wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0

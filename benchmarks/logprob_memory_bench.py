@@ -20,7 +20,7 @@ the call allocates: the logits and their gradients, and the gradients of the hid
 ``W`` that both paths must return (``grad_bytes``, listed apart). Checked: the largest absolute
 difference of the log-probs and of both gradients (target <= 1e-5). Target: >= 8x less peak.
 Logit memory does not depend on ``--hidden``; a small one keeps the matmuls quick on 2 cores.
-Writes ``benchmarks/results/logprob_memory.json`` and prints one line.
+Writes ``benchmarks/results/logprob_memory/logprob_memory.json`` and prints one line.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from benchmarks.record import write_record
 from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.settings import TrainerSettings
 
-RESULTS = Path(__file__).resolve().parent / "results" / "logprob_memory.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "logprob_memory" / "logprob_memory.json"
 TOLERANCE, TARGET_RATIO = 1e-5, 8.0
 
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     fixed_mmap_threshold()
     warm_up(args)
     rows = [measure(vocab, tokens, args) for vocab, tokens in args.cases]
-    write_record(args.out, {
+    write_record(args.out, config=None, overrides=None, seed=None, record={
         "machine": platform.processor() or platform.machine(), "threads": args.threads,
         "action_frac": args.action_frac, "tolerance": TOLERANCE, "target_ratio": TARGET_RATIO,
         "measure": "resident high-water mark (VmHWM) above the resident size before forward + backward; "

@@ -17,7 +17,7 @@ Measured per variant: seconds per step (the median of ``--steps`` after one warm
 and the CPU time of its stages (the forward pass alone, without gradients; the backward pass, the forward and
 backward minus it; the optimizer update: clipping, step, zeroing), peak memory, bytes of optimizer state after a step, bytes sent per
 weight sync. Targets (rank 8): steps >= 1.3x faster, >= 5x
-fewer optimizer-state bytes, >= 20x fewer bytes per sync. Writes ``benchmarks/results/lora.json`` and prints
+fewer optimizer-state bytes, >= 20x fewer bytes per sync. Writes ``benchmarks/results/lora/lora.json`` and prints
 one line.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.record import write_record
 
-RESULTS = Path(__file__).resolve().parent / "results" / "lora.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "lora" / "lora.json"
 TARGETS = {"step_speedup": 1.3, "optimizer_ratio": 5.0, "sync_ratio": 20.0}
 
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         "full": full, "lora": lora, "ratios": ratios, "targets": TARGETS,
         "meets_targets": {k: ratios[k] >= v for k, v in TARGETS.items()},
     }
-    write_record(args.out, result)
+    write_record(args.out, result, config=None, overrides=None, seed=None)
     print(f"lora r={args.rank} vs full ({full['parameters'] / 1e6:.1f}M params, {full['batch_tokens']} tokens): "
           f"step {full['seconds_per_step']:.2f}s -> {lora['seconds_per_step']:.2f}s ({ratios['step_speedup']:.2f}x; CPU "
           f"{full['cpu_seconds_per_step']:.2f}s -> {lora['cpu_seconds_per_step']:.2f}s, {ratios['step_cpu_speedup']:.2f}x), "

@@ -5,7 +5,7 @@
 For each segment count, ``segments`` sequences of ``length`` tokens are packed into one
 micro-batch of the tiny model (sdpa) and run forward + backward both ways; the best of 3 repeats
 is reported with the speedup and the largest difference of the hidden states. Writes
-benchmarks/results/packed_attention.json and prints one summary line.
+benchmarks/results/packed_attention/packed_attention.json and prints one summary line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from benchmarks.record import write_record
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.models.tiny import build_tiny_model
 
-RESULTS = Path(__file__).resolve().parent / "results" / "packed_attention.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "packed_attention" / "packed_attention.json"
 
 
 def best_seconds(hidden_states, *args, repeats: int = 3) -> tuple[float, torch.Tensor]:
@@ -55,7 +55,7 @@ def main() -> None:
         rows.append({"segments": count, "length": args.length, "block_mask_s": round(block_s, 3),
                      "buckets_s": round(bucket_s, 3), "speedup": round(block_s / bucket_s, 1),
                      "max_abs_diff": float((block - bucket).abs().max())})
-    write_record(RESULTS, {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+    write_record(RESULTS, config=None, overrides=None, seed=None, record={"machine": platform.processor() or platform.machine(), "threads": args.threads,
                            "rows": rows})
     print("packed attention, forward+backward: " + "; ".join(
         f"{r['segments']}x{r['length']} tokens {r['block_mask_s']} s -> {r['buckets_s']} s ({r['speedup']}x)"

@@ -16,7 +16,7 @@ sequences and the same loss (the sum of every token's log-prob, through the pack
   masked out of the loss).
 
 Throughput is real (unpadded) tokens per second; the best of ``--repeats``. Writes
-benchmarks/results/packing.json (lengths, padding fraction, both times, the speedup) and prints
+benchmarks/results/packing/packing.json (lengths, padding fraction, both times, the speedup) and prints
 one line. Target (issue 19): speedup >= 2.
 """
 
@@ -37,7 +37,7 @@ import torch
 from benchmarks.record import write_record
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "packing.json"
+RESULTS = REPO / "benchmarks" / "results" / "packing" / "packing.json"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this checkout's package first
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(out, record)
+    write_record(out, record, config=None, overrides=None, seed=args.seed)
     print(f"packing ({len(lengths)} sequences, lengths {min(lengths)} to {max(lengths)}, mean {record['lengths']['mean']}):"
           f" padded {record['padded']['tokens_per_s']} tok/s ({record['padded']['padding_fraction']:.0%} padding),"
           f" packed {record['packed']['tokens_per_s']} tok/s, {record['speedup']}x (target 2x);"

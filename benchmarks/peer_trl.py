@@ -35,8 +35,8 @@ with more runnable threads than cores, multi-threaded torch ops wait on each oth
 time can grow several-fold, by different factors for the two sides. The record then says
 ``load_over_cores: true`` and the printed line ends with a warning; rerun on an idle machine.
 
-Writes ``benchmarks/results/peer_trl.json`` (both sides' step times, tokens and settings, and the
-ratio) and ``benchmarks/results/peer_trl_profile.json`` (the share of the project's step taken by
+Writes ``benchmarks/results/peer_trl/peer_trl.json`` (both sides' step times, tokens and settings, and the
+ratio) and ``benchmarks/results/peer_trl/peer_trl_profile.json`` (the share of the project's step taken by
 each stage, from a callback's timestamps and the episodes' own timings), and prints one line.
 """
 
@@ -58,7 +58,7 @@ from pathlib import Path
 from benchmarks.record import write_record
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = REPO / "benchmarks" / "results" / "peer_trl"
 CACHE_DIR = REPO / ".cache" / "lightning_agentrl"
 NUM_PROMPTS, NUM_GENERATIONS, NEW_TOKENS, LR, THREADS = 8, 8, 64, 1e-5, 2  # THREADS: --threads' default
 ENV_KIND = "benchmarks.peer_env:RepeatDigitEnv"
@@ -462,8 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(out, record)
-    write_record(out.with_name(out.stem + "_profile.json"), profile(project_record))
+    stated = {"config": None, "overrides": project_record["settings_overrides"], "seed": args.seed}
+    write_record(out, record, **stated)
+    write_record(out.with_name(out.stem + "_profile.json"), profile(project_record), **stated)
     print(summary_line(record))
 
 

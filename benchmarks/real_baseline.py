@@ -95,8 +95,8 @@ def main() -> None:
     }
     suffix = ("" if args.engine == "torch" else f"_{args.engine}") + (
         "" if args.temperature is None else f"_t{args.temperature:g}")
-    path = REPO / "benchmarks" / "results" / f"real_baseline{suffix}.json"
-    write_record(path, record)
+    path = REPO / "benchmarks" / "results" / "real_baseline" / f"real_baseline{suffix}.json"
+    write_record(path, record, config=None, overrides=None, seed=None)  # each task names its config and overrides
     print(f"wrote {path}")
 
 

@@ -17,7 +17,7 @@ vocabulary against the head shortcut (the rule decided from the 512 most likely 
 nucleus lies inside them, as after any warm start; tests/algorithms/test_logprobs.py checks they
 keep the same ids), on peaked logits (Zipf, as a language model's: the head decides) and on the bench's
 Gaussian ones (a flat tail: the nucleus holds thousands of ids, so the head fails and the sort runs
-after it), at 2k, 32k and 150k ids. Writes benchmarks/results/sampling.json and prints one
+after it), at 2k, 32k and 150k ids. Writes benchmarks/results/sampling/sampling.json and prints one
 line: milliseconds per decode step on each side and the speed-up (the best of ``--repeats``).
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results" / "sampling.json"
+RESULTS = REPO / "benchmarks" / "results" / "sampling" / "sampling.json"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_record(args.out, record)
+    write_record(args.out, record, config=None, overrides=None, seed=None)
     print(f"sampling {args.rows} rows x vocab {args.vocab}: per row {ms['per_row']:.2f} ms/step, "
           f"batched {ms['batched']:.2f} ms/step: {record['speedup']}x")
     for shape, filt in record["top_p_filter_ms"].items():

@@ -7,7 +7,7 @@ The direct run uses the server's own ``Isolation`` to build the command (bwrap o
 setpriv, rlimits, cgroup) and starts it the same fast way (vfork, limits given while bwrap's child
 waits on --block-fd), synchronously: the difference is what the service adds (HTTP, JSON, asyncio,
 output capture), not interpreter start-up (``echo hi`` takes ~1 ms; ``python -c`` would hide the overhead).
-Writes benchmarks/results/sandbox.json and prints one summary line; run it on an idle machine.
+Writes benchmarks/results/sandbox/sandbox.json and prints one summary line; run it on an idle machine.
 Targets (issue 13): p50 ratio <= 1.3, concurrent throughput ratio >= 0.8.
 """
 
@@ -32,7 +32,7 @@ from sandbox_server.limits import Cgroups
 from sandbox_server.options import ServerOptions
 
 COMMAND = ["echo", "hi"]
-RESULTS = Path(__file__).resolve().parent / "results" / "sandbox.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "sandbox" / "sandbox.json"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -179,7 +179,7 @@ def main() -> None:
                        "ratio": service_rate / direct_rate},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    write_record(RESULTS, result)
+    write_record(RESULTS, result, config=None, overrides=None, seed=None)
     print(f"sandbox ({backend}): exec of `echo hi` p50 {result['service_p50_s'] * 1e3:.1f} ms vs direct "
           f"{result['direct_p50_s'] * 1e3:.1f} ms (x{result['ratio_p50']:.2f}), p95 x{result['ratio_p95']:.2f}; "
           f"{args.sandboxes} sandboxes x {args.execs_per_sandbox} execs: {service_rate:.0f} vs {direct_rate:.0f} "

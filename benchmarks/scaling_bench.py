@@ -26,7 +26,7 @@ threads made it swing from 0.7 to 1.4 where one thread repeats within 0.05). Eac
 linear in the pack's length: ``exponent_train_vs_pack_tokens`` about 1. A regression to attention
 over the whole pack makes it quadratic; the same packs under one ``[n, n]`` block mask are timed
 alongside as that reference (``exponent_block_mask_reference``, about 2 at these lengths).
-Writes benchmarks/results/scaling.json and prints one line.
+Writes benchmarks/results/scaling/scaling.json and prints one line.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ if str(REPO) not in sys.path:
 
 from benchmarks.fit_runner import base_overrides, median_of, run_fit, step_seconds  # noqa: E402
 from benchmarks.latency_env import write_tasks  # noqa: E402
-from benchmarks.record import write_record  # noqa: E402
+from benchmarks.record import shared_overrides, write_record  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results" / "scaling.json"
+RESULTS = REPO / "benchmarks" / "results" / "scaling" / "scaling.json"
 AXES = ("groups", "turns", "max_new_tokens")
 
 
@@ -95,7 +95,7 @@ def one_run(args: argparse.Namespace, shape: dict, root: Path) -> dict:
             "median_train_s": round(median_of(steps, "train", args.warmup), 3),
             "tokens_per_step": median_of(steps, "tokens", args.warmup),
             "completion_tokens_per_step": median_of(steps, "completion_tokens", args.warmup),
-            "wall_s": run["wall_s"], "load_avg_1min": run["load_avg_1min"]}
+            "wall_s": run["wall_s"], "load_avg_1min": run["load_avg_1min"], "overrides": overrides}
 
 
 def pack_timings(args: argparse.Namespace) -> list[dict]:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(out, record)
+    write_record(out, record, config=None, overrides=shared_overrides([r["overrides"] for r in runs]), seed=0)
     loads = [r["load_avg_1min"]["before"] for r in runs]
     print(f"scaling ({len(runs)} runs, tokens/step {min(tokens):.0f} to {max(tokens):.0f}): step time exponent vs "
           f"tokens {record['exponent_step_vs_tokens']} (train phase {record['exponent_train_vs_tokens']}); per doubling "

@@ -1,6 +1,6 @@
 """The hidden check's cost: one ``score_submission`` of a solved copy-the-key task, end to end.
 
-    python benchmarks/scoring_bench.py [--rounds 30] [--out benchmarks/results/scoring.json]
+    python benchmarks/scoring_bench.py [--rounds 30] [--out benchmarks/results/scoring/scoring.json]
 
 Each round scores the same submission twice, in alternating order so both see the same load: once
 as scoring runs (``lazy_peer``: the peer starts at the judge's first request, and this task's
@@ -43,7 +43,7 @@ from lightning_agentrl.tasks import load_tasks  # noqa: E402
 from sandbox_client import SandboxClient, scoring  # noqa: E402
 from sandbox_server.launch import start_local_server  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results" / "scoring.json"
+RESULTS = REPO / "benchmarks" / "results" / "scoring" / "scoring.json"
 FLAVOURS = ("lazy_peer", "eager_peer")
 
 
@@ -157,7 +157,7 @@ def main() -> None:
         "starts_cpu_ms": start_cpu_ms(args.rounds),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_record(args.out, result)
+    write_record(args.out, result, config=None, overrides=None, seed=None)
     print(f"scoring ({backend}): median {medians['lazy_peer'] * 1e3:.0f} ms with the lazy peer vs "
           f"{medians['eager_peer'] * 1e3:.0f} ms with the peer started with the judge ({result['saved_fraction']:.0%} "
           f"less); CPU {cpu_means['lazy_peer'] * 1e3:.0f} vs {cpu_means['eager_peer'] * 1e3:.0f} ms "

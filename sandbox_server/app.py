@@ -293,7 +293,6 @@ class IdempotencyCache:
 class Metrics:
     def __init__(self) -> None:
         self.counters: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
-        self.exec_seconds_sum = 0.0
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         self.counters[(name, tuple(sorted(labels.items())))] += value
@@ -676,7 +675,6 @@ def create_app(options: ServerOptions) -> FastAPI:
     app = FastAPI(title="lightning-agentrl sandbox service", version=PROTOCOL_VERSION, lifespan=_lifespan,
                   openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None)
     app.state.manager = manager
-    app.state.options, app.state.isolation, app.state.sandboxes = options, manager.isolation, manager.sandboxes
     for error, handler in _ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
     app.include_router(router)

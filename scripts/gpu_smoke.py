@@ -10,7 +10,7 @@ are installed: no vLLM, DeepSpeed or MLflow. What it does:
 2. runs ``fit`` for ``--steps`` optimizer steps with the recipe's episode, batch and loss settings,
    but the torch engine (its copy of the model moved to the GPU), strategy ``auto`` on one GPU,
    bf16-true, tracking off, sdpa attention (flash_attention_2 when ``flash_attn`` imports);
-3. writes ``benchmarks/results/gpu_smoke.json``: trained tokens/s (packed log-prob forward +
+3. writes ``benchmarks/results/gpu/gpu_smoke.json``: trained tokens/s (packed log-prob forward +
    backward + optimizer step, rollout time excluded), peak allocated and reserved GPU memory, and the
    memory plan's prediction for the same settings (at ``trainer.micro_batch_tokens`` and at the
    largest micro-batch the run actually formed), plus the torch engine's copy of the weights.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import sys
 import time
@@ -101,13 +100,14 @@ def main() -> int:
     parser.add_argument("--entropy-coef", type=float, default=1e-3,
                         help="algorithm.entropy_coef: a loss term that is never 0, so every step runs the forward and "
                              "backward (random weights earn no reward, and a step whose advantages are all 0 skips them)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu" / "gpu_smoke.json")
     parser.add_argument("--cpu", action="store_true", help="test this script without a GPU (no memory figures)")
     args = parser.parse_args()
 
     import lightning as L
     import torch
 
+    from benchmarks.record import write_record
     from lightning_agentrl.module import _micro_batches
     from lightning_agentrl.plan import DTYPE_BYTES, GiB, load_model_config, plan_for
     from lightning_agentrl.settings import load_settings
@@ -237,8 +237,7 @@ def main() -> int:
         "measured_over_predicted": None if args.cpu else round(peak_allocated / predicted, 3),
         "settings": settings.model_dump(mode="json"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_record(args.out, result, config=result["recipe"], overrides=overrides, seed=None)
     measured = "not measured (--cpu)" if args.cpu else f"{peak_allocated / GiB:.2f} GiB allocated"
     print(f"gpu_smoke: {len(measure.steps)} steps, {tokens_per_s:,.0f} trained tokens/s, peak {measured} vs "
           f"{predicted / GiB:.2f} GiB predicted ({result['measured_over_predicted']}x) -> {args.out}")

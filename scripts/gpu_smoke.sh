@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU smoke run (minutes): a few `fit` steps of a recipe's model shape, random-init, on one GPU;
-# writes benchmarks/results/gpu_smoke.json (tokens/s, peak memory, the memory plan's prediction).
+# writes benchmarks/results/gpu/gpu_smoke.json (tokens/s, peak memory, the memory plan's prediction).
 #
 #   bash scripts/gpu_smoke.sh [configs/gpu_zero2.yaml] [--tokenizer DIR] [--steps 3] ...
 #
@@ -39,5 +39,5 @@ if [[ -n "$missing" ]]; then
   "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" $missing
 fi
 
-mkdir -p benchmarks/results
+mkdir -p benchmarks/results/gpu
 "$PY" scripts/gpu_smoke.py --recipe "$RECIPE" "$@"

@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny local model (built once per machine, cached)."""
+"""Shared fixtures: the tiny local model (built once per machine, cached) and a local sandbox server."""
 
 from __future__ import annotations
 
@@ -28,3 +28,13 @@ def tiny_tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def sandbox_server():
+    """One local reference sandbox server for the session (default options: the isolation backend the host
+    allows); a test that needs other options or kills its server starts its own."""
+    from sandbox_server.launch import start_local_server
+
+    with start_local_server() as server:
+        yield server

@@ -3,11 +3,16 @@ the records the README cites; the numbers themselves come from ``make learn`` / 
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from benchmarks.record import PROVENANCE_KEYS, RUN_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--trainer.max_steps=2", "--rollout.groups_per_step=1", "--rollout.group_size=2", "--engine.max_new_tokens=24"]
@@ -62,6 +67,7 @@ def test_a_rooms_comparison_pairs_arms_by_seed_and_resumes_from_its_finished_run
     run_benchmark(*argv)
     record = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
     assert record["warm_start"]["kind"] == "rooms" and record["config"] == "configs/credit_truncation.yaml"
+    assert record["seed"] == [1] and record["overrides"][-4:] == [*TINY[:3], "--engine.max_new_tokens=4"]
     assert record["score"] == "solved" and record["complete"]
     runs = {(r["arm"], r["seed"]): r for r in record["runs"]}
     assert set(runs) == {("reward 0", 1), ("compact filter", 1)}
@@ -182,6 +188,7 @@ def test_learn_writes_the_record_and_the_figure(tmp_path):
     assert minutes == sorted(minutes) and 0 < minutes[-1] <= record["wall_time_s"] / 60
     assert record["first_at_target"] == history[0]  # target 0: the baseline already reaches it
     assert record["seed"] == 0 and "benchmarks/learn_cpu.py" in record["command"]
+    assert record["config"] == "configs/learn_cpu.yaml" and record["overrides"] == [*TINY[1:], "--trainer.max_steps=4"]
     assert len(record["train_reward_per_step"]) == 4
     assert out.with_suffix(".png").stat().st_size > 0
 
@@ -470,23 +477,67 @@ def test_every_benchmark_writes_its_record_through_write_record():
     assert raw_writes == NOT_RECORDS
 
 
-def test_every_record_names_its_commit():
+def _write_record_calls(script: Path) -> list[ast.Call]:
+    return [node for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", None)) == "write_record"]
+
+
+# real_cost.py names its config, overrides and seed, and files its record under real_cost/, at its next change
+UNSTATED = {"real_cost.py"}
+
+
+def test_every_benchmark_states_the_config_overrides_and_seed_of_its_record():
+    """Checked in the source, before a run: a call that leaves one out would fail at the end of a long run."""
+    calls = {}
+    for script in sorted([*(REPO / "benchmarks").glob("*.py"), *(REPO / "scripts").glob("*.py")]):
+        for call in _write_record_calls(script):
+            stated = {k.arg for k in call.keywords}
+            calls.setdefault(script.name, []).append(stated >= set(RUN_KEYS) or "**" in ast.unparse(call))
+    assert {name for name, ok in calls.items() if not all(ok)} == UNSTATED
+    assert len(calls) >= 20
+
+
+def test_records_are_filed_by_benchmark():
+    """benchmarks/results/<benchmark>/<record>: <benchmark> is a script's name without ``_bench``
+    (gpu: scripts/gpu_smoke.py); nothing lies loose in benchmarks/results/."""
+    results = REPO / "benchmarks" / "results"
+    assert [p.name for p in results.iterdir() if not p.is_dir()] == []
+    scripts = {p.stem.removesuffix("_bench") for p in (REPO / "benchmarks").glob("*.py")} | {"gpu"}
+    folders = {p.name for p in results.iterdir()}
+    assert folders - scripts == set() and len(folders) >= 20
+    assert [str(p) for p in results.rglob("*") if p.is_file() and len(p.relative_to(results).parts) != 2] == []
+
+
+def test_every_record_carries_its_provenance():
+    """Every record names its commit; one written through write_record also the dirty flag, the command and the
+    load (records from before it lack them: git keeps what they measured). The config, overrides and seed are
+    required by write_record itself (records written before it asked for them lack them)."""
     records = sorted((REPO / "benchmarks" / "results").rglob("*.json"))
     assert len(records) > 50
     missing = [str(p.relative_to(REPO)) for p in records if not json.loads(p.read_text()).get("commit")]
     assert missing == []
+    stamped = [json.loads(p.read_text()) for p in records if "written_at" in json.loads(p.read_text())]
+    assert len(stamped) >= 5 and [r["command"] for r in stamped if not set(PROVENANCE_KEYS) <= set(r)] == []
 
 
 def test_write_record_stamps_provenance_and_keeps_the_records_own_keys(tmp_path):
-    from benchmarks.record import PROVENANCE_KEYS, write_record
+    from benchmarks.record import write_record
 
     out = tmp_path / "sub" / "bench.json"
-    written = write_record(out, {"figure": 1.5, "command": "python benchmarks/x.py --fast"}, argv=["benchmarks/x.py"])
+    written = write_record(out, {"figure": 1.5, "command": "python benchmarks/x.py --fast"}, argv=["benchmarks/x.py"],
+                           config="configs/x.yaml", overrides=("--trainer.lr=1e-4",), seed=(0, 1))
     on_disk = json.loads(out.read_text())
     assert on_disk == written
-    assert set(PROVENANCE_KEYS) <= set(on_disk)
+    assert set(PROVENANCE_KEYS) | set(RUN_KEYS) <= set(on_disk)
+    assert (on_disk["config"], on_disk["overrides"], on_disk["seed"]) == ("configs/x.yaml", ["--trainer.lr=1e-4"], [0, 1])
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert on_disk["commit"] == head and isinstance(on_disk["dirty"], bool)
     assert on_disk["command"] == "python benchmarks/x.py --fast"  # the record's own command wins
     assert on_disk["figure"] == 1.5 and on_disk["cpus"] >= 1
     assert list(out.parent.iterdir()) == [out]  # no temporary file left behind
+    with pytest.raises(TypeError, match="seed"):  # each benchmark says what applies, None included
+        write_record(out, {}, config=None, overrides=None)
+    from benchmarks.record import shared_overrides
+
+    assert shared_overrides([["--a=1", "--b=2", "--c=3"], ["--c=3", "--a=1"]]) == ["--a=1", "--c=3"]
+    assert shared_overrides([]) == []

@@ -33,6 +33,8 @@ def test_gpu_smoke_script_runs_fit_and_writes_the_plan_beside_the_measurement(tm
     assert result["train_tokens_per_s"] > 0
     assert result["num_parameters"] == 344_384  # 2 * (64*64*4 + 3*64*128 + 2*64) + 2 * 2048*64 + 64
     assert result["settings"]["engine"]["kind"] == "torch"
+    assert result["commit"] and result["config"] == "configs/gpu_zero2.yaml"  # through write_record
+    assert result["overrides"]["trainer"]["max_steps"] == 2 and result["seed"] is None
     assert result["settings"]["tracking"]["enabled"] is False
     assert result["settings"]["trainer"]["strategy"] == "auto"
     plan = result["plan"]

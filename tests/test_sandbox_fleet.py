@@ -15,8 +15,8 @@ import pytest
 
 from lightning_agentrl.train import fit
 from sandbox_server.launch import start_local_server
+from tests.failing import DEAD, error_line, serve
 from tests.fitting import SOLVE, StepLog, TeacherForcedEngine, learn_settings
-from tests.test_fail_loudly import DEAD, _serve, error_line
 
 
 def created(server) -> int:
@@ -212,7 +212,7 @@ class _OtherProtocol:
                 self._answer(200, b'{"status": "ok", "protocol": "v2"}')
 
 
-        self.server, self.url = _serve(Handler)
+        self.server, self.url = serve(Handler)
 
 
 def test_start_up_checks_probe_every_server_and_name_each_that_fails(three_servers, capsys):
@@ -272,7 +272,7 @@ class _FailingCreates:
                 self._answer(500, b'{"error": {"code": "internal", "message": "broken"}}')
 
 
-        self.server, self.url = _serve(Handler)
+        self.server, self.url = serve(Handler)
         self.token = "x"
 
 
@@ -344,7 +344,7 @@ class _FakeServer:
                 self._answer(204, b"")
 
 
-        self.server, self.url = _serve(Handler)
+        self.server, self.url = serve(Handler)
 
 
 @pytest.mark.parametrize("sandboxes", ['{"active": "n/a", "max": 8}', '{"active": [1], "max": 8}',

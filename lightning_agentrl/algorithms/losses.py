@@ -250,12 +250,11 @@ def _policy_metrics(
     return metrics
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k3"] = "k3") -> Tensor:
     """Per-token estimators of KL(pi || pi_ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
 
     With ``d = log pi - log pi_ref``:
     - ``k1 = d``: unbiased, high variance, can be negative per token.
-    - ``k2 = d^2 / 2``: biased, low variance.
     - ``k3 = min(exp(-d) - 1 + d, 10)``: unbiased below the cap and always >= 0 (GRPO's choice,
       https://arxiv.org/abs/2402.03300). ``d`` is clamped to +-20 inside the exponential to avoid
       overflow. The cap is verl's and OpenRLHF's: its gradient ``1 - exp(-d)`` grows exponentially as
@@ -273,12 +272,10 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k2",
     diff = logprobs - ref_logprobs.detach()
     if kind == "k1":
         return diff
-    if kind == "k2":
-        return 0.5 * diff * diff
     if kind == "k3":
         diff = diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         return (torch.exp(-diff) - 1.0 + diff).clamp(max=_MAX_K3)
-    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+    raise ValueError(f"kind must be 'k1' or 'k3', got {kind!r}")
 
 
 def entropy_bonus(
@@ -386,7 +383,7 @@ class MicroBatchLoss:
     importance_floor: float | None = None
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k3"] = "k3"
     value_coef: float = 0.5
 
     @classmethod

@@ -117,14 +117,6 @@ def task():
     return load_tasks(TASK_DIR)[0]
 
 
-@pytest.fixture(scope="session")
-def sandbox_server():
-    from sandbox_server.launch import start_local_server
-
-    with start_local_server() as server:
-        yield server
-
-
 def counting_service(codec, tasks, engine, plan, *, submit_at: int, max_turns: int = 4, max_new_tokens: int = 64,
                      **extra):
     """A rollout service on :class:`CountingEnv` (no sandbox) with a seeded sampler; ``extra`` goes to

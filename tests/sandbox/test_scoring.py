@@ -12,7 +12,6 @@ import pytest
 
 from sandbox_client import SandboxClient, score_submission
 from sandbox_client.scoring import is_agent_test_file
-from sandbox_server.launch import start_local_server
 
 TASK = {
     "utils.py": "def parse_date(s):\n    y, m, d = s.split('-')\n    return int(y), int(d), int(m)\n",
@@ -23,12 +22,6 @@ FIXED = "from helpers import to_int\n\ndef parse_date(s):\n    y, m, d = s.split
 # An agent trying to game the hidden run: a conftest that turns every failure into a pass.
 CHEAT = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
          "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
-
-
-@pytest.fixture(scope="module")
-def server():
-    with start_local_server() as running:
-        yield running
 
 
 def _score(server, edits: dict[str, str], **kwargs):
@@ -50,8 +43,8 @@ def _score(server, edits: dict[str, str], **kwargs):
 
 
 @pytest.mark.parametrize("snapshot", ["fork", "fresh"])
-def test_correct_fix_scores_one_and_carries_only_source_files(server, snapshot):
-    result, no_leak, agent_files = _score(server, {"utils.py": FIXED, "helpers.py": "def to_int(x):\n    return int(x)\n",
+def test_correct_fix_scores_one_and_carries_only_source_files(sandbox_server, snapshot):
+    result, no_leak, agent_files = _score(sandbox_server, {"utils.py": FIXED, "helpers.py": "def to_int(x):\n    return int(x)\n",
                                                    "test_visible.py": "def test_nothing():\n    pass\n"},
                                           snapshot=snapshot, required_passed=1)
     assert (result.reward, result.passed, result.timed_out) == (1.0, True, False), result.output
@@ -61,17 +54,17 @@ def test_correct_fix_scores_one_and_carries_only_source_files(server, snapshot):
     assert no_leak  # the scoring sandbox was deleted
 
 
-def test_unfixed_code_and_a_cheating_conftest_score_zero(server):
-    result, no_leak, _ = _score(server, {"conftest.py": CHEAT, "tests/conftest.py": CHEAT})
+def test_unfixed_code_and_a_cheating_conftest_score_zero(sandbox_server):
+    result, no_leak, _ = _score(sandbox_server, {"conftest.py": CHEAT, "tests/conftest.py": CHEAT})
     assert (result.reward, result.passed) == (0.0, False)
     assert result.carried_files == [] and "1 failed" in result.output
     assert no_leak
 
 
-def test_scoring_timeout_gives_the_timeout_reward(server):
+def test_scoring_timeout_gives_the_timeout_reward(sandbox_server):
     # helpers.py too: without it the import fails at once and the run ends before its timeout
     slow = {"utils.py": FIXED + "import time\ntime.sleep(30)\n", "helpers.py": "def to_int(x):\n    return int(x)\n"}
-    result, no_leak, _ = _score(server, slow, timeout_s=1.0, timeout_reward=-0.5)
+    result, no_leak, _ = _score(sandbox_server, slow, timeout_s=1.0, timeout_reward=-0.5)
     outcome = (result.reward, result.passed, result.timed_out)
     assert outcome == (-0.5, False, True), f"carried {result.carried_files}; output:\n{result.output}"
     assert no_leak
@@ -85,7 +78,7 @@ def test_agent_test_files_are_recognised(path, expected):
     assert is_agent_test_file(path) is expected
 
 
-def test_a_service_without_peer_command_is_an_infrastructure_error_not_a_zero(server):
+def test_a_service_without_peer_command_is_an_infrastructure_error_not_a_zero(sandbox_server):
     """The judge refuses to score without its pipes to the agent's process (a server that ignores
     ``peer_command``): the scorer raises SandboxInfraError, so no episode gets a reward of 0 for it."""
     from sandbox_client.errors import SandboxInfraError
@@ -94,7 +87,7 @@ def test_a_service_without_peer_command_is_an_infrastructure_error_not_a_zero(se
     command = HiddenCommand.parse("python -m pytest -q hidden_tests", HIDDEN)
 
     async def main():
-        async with SandboxClient(server.url, server.token) as client:
+        async with SandboxClient(sandbox_server.url, sandbox_server.token) as client:
             sid = await client.create(TASK)
             try:
                 return await client.exec(sid, JUDGE_ARGV, stdin=command.payload(HIDDEN, "n0nce", 20), timeout_s=30)
@@ -106,7 +99,7 @@ def test_a_service_without_peer_command_is_an_infrastructure_error_not_a_zero(se
         _judge(result.stdout, result.stderr, "n0nce", 1, 0.0, [], "fork")
 
 
-def test_an_exception_reaches_the_hidden_tests_with_its_own_arguments(server):
+def test_an_exception_reaches_the_hidden_tests_with_its_own_arguments(sandbox_server):
     """Correct code must not score 0 because an exception crossed the process boundary as its message:
     ``KeyError('x').args`` is ``('x',)``, its ``str`` is ``"'x'"``."""
     hidden = ("import pytest\nfrom lookup import get\n\ndef test_missing():\n"
@@ -117,7 +110,7 @@ def test_an_exception_reaches_the_hidden_tests_with_its_own_arguments(server):
     correct = "def get(d, k):\n    if d is None:\n        raise OSError(2, 'gone')\n    return d[k]\n"
 
     async def main():
-        async with SandboxClient(server.url, server.token) as client:
+        async with SandboxClient(sandbox_server.url, sandbox_server.token) as client:
             agent = await client.create({"lookup.py": correct})
             try:
                 return await score_submission(client, task_files={"lookup.py": correct},
@@ -180,10 +173,10 @@ def test_the_judges_folder_is_private_and_its_removal_never_follows_a_link(tmp_p
     assert (outside / "keep.txt").read_text() == "kept" and (outside / "inner" / "deep.txt").exists()
 
 
-def test_the_agents_code_and_the_hidden_tests_import_installed_packages(server):
+def test_the_agents_code_and_the_hidden_tests_import_installed_packages(sandbox_server):
     """The peer (the agent's modules) and the judge (pytest, the hidden tests) find installed packages."""
     uses_installed = "import packaging.version\n\n" + FIXED.replace("to_int(d)", "to_int(str(packaging.version.Version(d)))")
-    result, _, _ = _score(server, {"utils.py": uses_installed, "helpers.py": "def to_int(x):\n    return int(x)\n"},
+    result, _, _ = _score(sandbox_server, {"utils.py": uses_installed, "helpers.py": "def to_int(x):\n    return int(x)\n"},
                           required_passed=1)
     assert (result.reward, result.passed) == (1.0, True), result.output
 
@@ -203,39 +196,39 @@ def _exec_pair(server, command: list[str], peer: list[str], timeout_s: float = 3
     return asyncio.run(main())
 
 
-def test_a_lazy_peer_starts_only_when_the_command_first_writes_to_it(server):
+def test_a_lazy_peer_starts_only_when_the_command_first_writes_to_it(sandbox_server):
     """With ``lazy_peer`` (scoring's setting) a hidden check that never calls the agent's code (one
     reading answer.txt) costs no peer process; one that does gets the peer, with its first request
     already waiting in the pipe."""
     peer = ["/bin/sh", "-c", "touch peer-ran; read request; echo \"got $request\""]
-    silent, _, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 0.5; echo done"], peer)
+    silent, _, files = _exec_pair(sandbox_server, ["/bin/sh", "-c", "sleep 0.5; echo done"], peer)
     assert (silent.exit_code, silent.stdout.strip()) == (0, "done")
     assert "peer-ran" not in files  # started with the command, the peer would have touched it at once
-    asked, _, files = _exec_pair(server, ["/bin/sh", "-c", "echo hello >&3; cat <&4"], peer)
+    asked, _, files = _exec_pair(sandbox_server, ["/bin/sh", "-c", "echo hello >&3; cat <&4"], peer)
     assert (asked.exit_code, asked.stdout.strip()) == (0, "got hello")
     assert "peer-ran" in files
 
 
-def test_a_command_whose_child_keeps_the_peer_pipe_still_ends_when_it_exits(server):
+def test_a_command_whose_child_keeps_the_peer_pipe_still_ends_when_it_exits(sandbox_server):
     """The launcher watches the command's exit, not only the pipe: a background child holding fd 3
     open must not keep the exec waiting until its timeout."""
     peer = ["/bin/sh", "-c", "touch peer-ran"]
-    result, seconds, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 20 & echo left"], peer, timeout_s=15)
+    result, seconds, files = _exec_pair(sandbox_server, ["/bin/sh", "-c", "sleep 20 & echo left"], peer, timeout_s=15)
     assert (result.exit_code, result.timed_out, result.stdout.strip()) == (0, False, "left")
     assert seconds < 10 and "peer-ran" not in files
 
 
-def test_without_lazy_peer_the_peer_starts_with_the_command(server):
+def test_without_lazy_peer_the_peer_starts_with_the_command(sandbox_server):
     """The default: a peer that speaks first, or that nobody writes to, runs at once; a command
     that reads before it writes gets its answer, not a wait until the timeout."""
     peer = ["/bin/sh", "-c", "touch peer-ran; echo banner"]
-    result, seconds, files = _exec_pair(server, ["/bin/sh", "-c", "head -n1 <&4"], peer, timeout_s=15, lazy_peer=False)
+    result, seconds, files = _exec_pair(sandbox_server, ["/bin/sh", "-c", "head -n1 <&4"], peer, timeout_s=15, lazy_peer=False)
     assert (result.exit_code, result.stdout.strip()) == (0, "banner") and seconds < 10
-    silent, _, files = _exec_pair(server, ["/bin/sh", "-c", "sleep 0.5"], peer, lazy_peer=False)
+    silent, _, files = _exec_pair(sandbox_server, ["/bin/sh", "-c", "sleep 0.5"], peer, lazy_peer=False)
     assert silent.exit_code == 0 and "peer-ran" in files
 
 
-def test_scoring_asks_for_a_lazy_peer_and_a_script_check_scores_without_one(server):
+def test_scoring_asks_for_a_lazy_peer_and_a_script_check_scores_without_one(sandbox_server):
     """The judge writes before it reads, so scoring asks for the lazy peer (seen on the wire); a
     hidden script that reads a file, which never asks the peer, still scores 1."""
     import json
@@ -253,7 +246,7 @@ def test_scoring_asks_for_a_lazy_peer_and_a_script_check_scores_without_one(serv
     hidden = {"hidden_check/check.py": "import sys\nsys.exit(0 if open('answer.txt').read().strip() == '7' else 1)\n"}
 
     async def main():
-        async with SandboxClient(server.url, server.token, transport=Recording()) as client:
+        async with SandboxClient(sandbox_server.url, sandbox_server.token, transport=Recording()) as client:
             agent = await client.create({"answer.txt": "7\n"})
             try:
                 return await score_submission(client, task_files={}, hidden_files=hidden, agent_sandbox_id=agent,
@@ -266,15 +259,15 @@ def test_scoring_asks_for_a_lazy_peer_and_a_script_check_scores_without_one(serv
     assert [body.get("lazy_peer") for body in Recording.execs] == [True]
 
 
-def test_lazy_peer_without_a_peer_command_is_refused(server):
+def test_lazy_peer_without_a_peer_command_is_refused(sandbox_server):
     import httpx2
 
     async def main():
-        async with SandboxClient(server.url, server.token) as client:
+        async with SandboxClient(sandbox_server.url, sandbox_server.token) as client:
             sid = await client.create({})
             try:
-                return httpx2.post(f"{server.url}/v1/sandboxes/{sid}/exec", timeout=30,
-                                   headers={"Authorization": f"Bearer {server.token}"},
+                return httpx2.post(f"{sandbox_server.url}/v1/sandboxes/{sid}/exec", timeout=30,
+                                   headers={"Authorization": f"Bearer {sandbox_server.token}"},
                                    json={"command": ["true"], "lazy_peer": True})
             finally:
                 await client.delete(sid)
@@ -284,14 +277,14 @@ def test_lazy_peer_without_a_peer_command_is_refused(server):
     assert "lazy_peer needs a peer_command" in response.json()["error"]["message"]
 
 
-def test_a_peer_exec_near_the_argument_cap_runs_and_one_past_it_is_a_413(server):
+def test_a_peer_exec_near_the_argument_cap_runs_and_one_past_it_is_a_413(sandbox_server):
     """With a peer, command, peer and environment reach the pair launcher as one argument (Linux caps
     one at 128 KiB): a command of 60 KB runs; one of 100 KB is refused before exec with a typed 413,
     not started to fail with exit 126."""
     from sandbox_client.errors import SandboxRequestError
 
     async def main():
-        async with SandboxClient(server.url, server.token) as client:
+        async with SandboxClient(sandbox_server.url, sandbox_server.token) as client:
             sid = await client.create({"a.txt": "x"})
             try:
                 fits = await client.exec(sid, "echo " + "a" * 60_000 + " | wc -c", peer_command=["true"],

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from sandbox_client import SandboxClient, score_submission
 from sandbox_server.launch import start_local_server
 
@@ -153,12 +151,6 @@ FRESH_TOO = ["module_exits_zero_on_import", "pytest_ini_loads_plugin", "hidden_t
              "module_returns_the_callers_expected_value", "module_reads_the_running_tests_name"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with start_local_server() as running:
-        yield running
-
-
 def _score_all(server, cases: dict[str, tuple[dict[str, str], str]], *, hidden: dict[str, str] = HIDDEN,
                command: str = COMMAND, required: int | None = REQUIRED, timeout_s: float = 60) -> dict:
     """Score every (edits, snapshot) case at once, each from its own agent sandbox."""
@@ -189,15 +181,15 @@ def _score_all(server, cases: dict[str, tuple[dict[str, str], str]], *, hidden: 
     return asyncio.run(main())
 
 
-def test_no_attack_on_the_scorer_earns_reward_without_the_fix(server):
+def test_no_attack_on_the_scorer_earns_reward_without_the_fix(sandbox_server):
     cases = {f"{name}/fork": (edits, "fork") for name, edits in ATTACKS.items()}
     cases.update({f"{name}/fresh": (ATTACKS[name], "fresh") for name in FRESH_TOO})
-    results = _score_all(server, cases)
+    results = _score_all(sandbox_server, cases)
     won = {name: (r.num_passed, r.problems, r.output[-600:]) for name, r in results.items() if r.reward != 0.0}
     assert not won
 
 
-def test_the_fix_still_scores_one_next_to_the_same_litter(server):
+def test_the_fix_still_scores_one_next_to_the_same_litter(sandbox_server):
     """Honest work with the attacks' files lying around (minus those that replace the module) scores 1."""
     litter: dict[str, str] = {}
     for edits in ATTACKS.values():
@@ -205,15 +197,15 @@ def test_the_fix_still_scores_one_next_to_the_same_litter(server):
     for harmful in ("pytest.py", "_pytest.py", "sitecustomize.py", "usercustomize.py"):
         litter.pop(harmful)  # these break any Python run, fixed or not; they win nothing (see above)
     cases = {"fork": ({**litter, "utils.py": FIXED}, "fork"), "fresh": ({**litter, "utils.py": FIXED}, "fresh")}
-    results = _score_all(server, cases)
+    results = _score_all(sandbox_server, cases)
     for name, result in results.items():
         assert (result.reward, result.num_passed, result.num_failed) == (1.0, REQUIRED, 0), (name, result.problems,
                                                                                               result.output)
 
 
-def test_fewer_passed_tests_than_the_task_records_scores_zero(server):
+def test_fewer_passed_tests_than_the_task_records_scores_zero(sandbox_server):
     async def main():
-        async with SandboxClient(server.url, server.token) as client:
+        async with SandboxClient(sandbox_server.url, sandbox_server.token) as client:
             agent = await client.create({**TASK, "utils.py": FIXED})
             try:
                 return await score_submission(client, task_files=TASK, hidden_files=HIDDEN, agent_sandbox_id=agent,
@@ -226,13 +218,13 @@ def test_fewer_passed_tests_than_the_task_records_scores_zero(server):
     assert result.problems == [f"{REQUIRED} hidden tests passed, {REQUIRED + 1} required"]
 
 
-def test_a_module_that_never_returns_times_out_with_reward_zero(server):
+def test_a_module_that_never_returns_times_out_with_reward_zero(sandbox_server):
     hang = {"utils.py": "import time\n\ndef parse_date(s):\n    time.sleep(10_000)\n"}
-    result = _score_all(server, {"hang": (hang, "fork")}, timeout_s=8)["hang"]
+    result = _score_all(sandbox_server, {"hang": (hang, "fork")}, timeout_s=8)["hang"]
     assert (result.reward, result.timed_out) == (0.0, True), result
 
 
-def test_a_hidden_script_counts_its_own_exit_not_the_modules(server):
+def test_a_hidden_script_counts_its_own_exit_not_the_modules(sandbox_server):
     """Script tasks: the check runs in the judge; the module exiting 0 on import only ends its own process."""
     check = ("import sys\nfrom utils import parse_date\n"
              "sys.exit(0 if parse_date('2024-01-02') == (2024, 1, 2) else 1)\n")
@@ -240,7 +232,7 @@ def test_a_hidden_script_counts_its_own_exit_not_the_modules(server):
              "exit_zero_at_call": ({"utils.py": "import os\n\ndef parse_date(s):\n    os._exit(0)\n"}, "fork"),
              "always_equal": (ATTACKS["module_returns_an_always_equal_object_posing_as_builtin"], "fork"),
              "fix": ({"utils.py": FIXED}, "fork")}
-    results = _score_all(server, cases, hidden={"hidden_check/check.py": check},
+    results = _score_all(sandbox_server, cases, hidden={"hidden_check/check.py": check},
                          command="python hidden_check/check.py", required=None)
     assert {name: r.reward for name, r in results.items()} == {
         "exit_zero": 0.0, "exit_zero_at_call": 0.0, "always_equal": 0.0, "fix": 1.0}, results
@@ -278,11 +270,11 @@ def test_a_workspace_filled_to_its_quota_gets_a_typed_score_not_an_exception():
         assert result.reward == want and (want == 1.0 or result.problems), (name, snapshot, result)
 
 
-def test_a_fix_returning_a_named_tuple_or_a_stdlib_container_scores_one(server):
+def test_a_fix_returning_a_named_tuple_or_a_stdlib_container_scores_one(sandbox_server):
     """Values travel by value: a named tuple arrives as a tuple, a Counter/OrderedDict as a dict."""
     named = ("import collections\nDate = collections.namedtuple('Date', 'y m d')\n"
              "def parse_date(s):\n    y, m, d = s.split('-')\n    return Date(int(y), int(m), int(d))\n")
-    results = _score_all(server, {"named_tuple": ({"utils.py": named}, "fork")})
+    results = _score_all(sandbox_server, {"named_tuple": ({"utils.py": named}, "fork")})
     assert results["named_tuple"].reward == 1.0, results
 
 
@@ -319,18 +311,18 @@ MUTATION_ATTACKS = {
 }
 
 
-def test_a_module_cannot_hide_that_it_mutates_its_argument(server):
+def test_a_module_cannot_hide_that_it_mutates_its_argument(sandbox_server):
     cases = {"bug": ({"utils.py": MUTATING}, "fork"), "fix": ({"utils.py": COPYING}, "fork"),
              "fix/fresh": ({"utils.py": COPYING}, "fresh")}
     cases.update({name: ({"utils.py": module}, "fork") for name, module in MUTATION_ATTACKS.items()})
-    results = _score_all(server, cases, hidden=MUTATION_HIDDEN, required=2)
+    results = _score_all(sandbox_server, cases, hidden=MUTATION_HIDDEN, required=2)
     rewards = {name: (r.reward, r.num_passed) for name, r in results.items()}
     assert rewards == {"bug": (0.0, 1), "fix": (1.0, 2), "fix/fresh": (1.0, 2),
                        "module_drops_the_peers_mutation_report": (0.0, 0),
                        "module_stops_the_peer_sending_writes": (0.0, 0)}, rewards
 
 
-def test_the_modules_writes_to_the_tests_containers_are_applied(server):
+def test_the_modules_writes_to_the_tests_containers_are_applied(sandbox_server):
     """Writes through nested dicts, a list inside a tuple, a sort with a key called back, set methods."""
-    result = _score_all(server, {"fix": ({"utils.py": COPYING}, "fork")}, hidden=WRITES_HIDDEN, required=2)["fix"]
+    result = _score_all(sandbox_server, {"fix": ({"utils.py": COPYING}, "fork")}, hidden=WRITES_HIDDEN, required=2)["fix"]
     assert (result.reward, result.num_passed) == (1.0, 2), result.output[-2000:]
