@@ -3,6 +3,7 @@
     python benchmarks/learn_real.py                                   # make learn-real: 3 seeds, 60 minutes of RL each
     python benchmarks/learn_real.py --jobs 3 --threads 1              # the seeds side by side, one torch thread each
     python benchmarks/learn_real.py --seeds 0 --minutes 15 --samples 1 -- --trainer.lr=2e-5   # overrides after --
+    python benchmarks/learn_real.py --jobs 3 --threads 1 --reuse --run-dir runs/learn_real-<time>  # finish a run's record
 
 Per seed, every phase through the product's own commands (``python -m lightning_agentrl ...``, subprocesses):
 
@@ -14,9 +15,12 @@ Per seed, every phase through the product's own commands (``python -m lightning_
    wall time (the run finishes its step, checkpoints and exits; ``minutes`` and ``steps`` say how far it got);
    the last checkpoint is exported as the final policy.
 4. ``evaluate`` of that policy on the same held-out tasks with the same sampler (``final_success``).
+5. The step under way at the budget finishes after it, so the final policy can land past ``--minutes``: the newest
+   checkpoint written within the budget is exported and evaluated the same way (``within_budget``).
 
 Writes ``benchmarks/results/learn_real/learn_real.json`` (``model``, ``task``, ``seeds`` of ``{seed, baseline_success,
-final_success, minutes, steps}``, ``mean_gain``, the command and the commit) and ``learn_real.png``.
+final_success, minutes, steps, within_budget}``, ``mean_gain``, ``mean_gain_within_budget``, the command and the
+commit) and ``learn_real.png``.
 """
 
 from __future__ import annotations
@@ -67,13 +71,30 @@ def held_out(policy: Path, out: Path, samples: int, overrides: list[str]) -> dic
     return json.loads((out / "evaluation.json").read_text())
 
 
-def run_seed(seed: int, root: Path, *, minutes: float, samples: int, overrides: list[str]) -> dict:
+def run_seed(seed: int, root: Path, *, minutes: float, samples: int, overrides: list[str], reuse: bool) -> dict:
+    """One seed: its phases, or (``reuse``) the result a previous run wrote in ``root``; then the policy at the
+    budget, if the run's last step ended past it."""
+    eval_overrides = [o for o in overrides if o.startswith(("--sandbox.", "--trainer.threads"))]
+    done = root / "result.json"
+    if reuse and done.exists():
+        result = json.loads(done.read_text())
+    else:
+        result = train_and_evaluate(seed, root, minutes=minutes, samples=samples, overrides=overrides,
+                                    eval_overrides=eval_overrides)
+    if "within_budget" not in result:
+        result["within_budget"] = within_budget(root, result, minutes=minutes, samples=samples,
+                                                eval_overrides=eval_overrides)
+    done.write_text(json.dumps(result, indent=2) + "\n")  # kept if a later seed fails
+    return result
+
+
+def train_and_evaluate(seed: int, root: Path, *, minutes: float, samples: int, overrides: list[str],
+                       eval_overrides: list[str]) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     sft_dir, rl_dir = root / "sft", root / "rl"
     common = [f"--run.seed={seed}", *overrides]
     if product("sft", "--config", CONFIG, f"--run.dir={sft_dir}", *common, log=root / "sft.log") != 0:
         raise SystemExit(f"sft failed: see {root / 'sft.log'}")
-    eval_overrides = [o for o in overrides if o.startswith(("--sandbox.", "--trainer.threads"))]
     baseline = held_out(sft_dir, root / "eval_baseline", samples, eval_overrides)
     started = time.monotonic()
     code = product("fit", "--config", CONFIG, f"--run.dir={rl_dir}", f"--model.path={sft_dir / 'policy'}", *common,
@@ -86,21 +107,42 @@ def run_seed(seed: int, root: Path, *, minutes: float, samples: int, overrides: 
         final_policy = root / "final_policy"
         if product("export", str(rl_dir / "checkpoints" / "last.ckpt"), str(final_policy), log=root / "export.log"):
             raise SystemExit(f"export failed: see {root / 'export.log'}")
-    steps = _steps(rl_dir)
+    steps = _steps(rl_dir / "checkpoints" / "last.ckpt")
     # the policy folder with the RL run's settings (the same sampler and tasks as the baseline's)
     final = held_out(final_policy, root / "eval_final", samples,
                      ["--config", str(rl_dir / "settings.yaml"), *eval_overrides])
-    result = {"seed": seed, "baseline_success": baseline["success"], "final_success": final["success"],
-              "baseline_submitted": baseline["submitted_frac"], "final_submitted": final["submitted_frac"],
-              "minutes": round(elapsed, 1), "steps": steps, "episodes": final["episodes"]}
-    (root / "result.json").write_text(json.dumps(result, indent=2) + "\n")  # kept if a later seed fails
-    return result
+    return {"seed": seed, "baseline_success": baseline["success"], "final_success": final["success"],
+            "baseline_submitted": baseline["submitted_frac"], "final_submitted": final["submitted_frac"],
+            "minutes": round(elapsed, 1), "steps": steps, "episodes": final["episodes"]}
 
 
-def _steps(rl_dir: Path) -> int:
+def within_budget(root: Path, result: dict, *, minutes: float, samples: int, eval_overrides: list[str]) -> dict | None:
+    """The policy at the time budget: the newest checkpoint written within ``minutes`` of the RL run's start (its
+    settings file), evaluated like the others. The run is stopped by SIGTERM at the budget and finishes the step
+    under way, so its final policy can land minutes past it; this is the policy the budget itself bought. None
+    when no checkpoint was written in time."""
+    rl_dir = root / "rl"
+    started = (rl_dir / "settings.yaml").stat().st_mtime
+    in_time = [c for c in (rl_dir / "checkpoints").glob("*.ckpt") if c.stat().st_mtime - started <= minutes * 60]
+    if not in_time:
+        return None
+    newest = max(in_time, key=lambda c: c.stat().st_mtime)
+    at = round((newest.stat().st_mtime - started) / 60, 1)
+    if newest.name == "last.ckpt":  # the whole run ended within the budget: its final policy
+        return {"checkpoint": newest.name, "step": result["steps"], "minutes": at,
+                "success": result["final_success"], "submitted": result["final_submitted"]}
+    policy = root / "budget_policy"
+    if not (policy / "config.json").exists() and product("export", str(newest), str(policy), log=root / "export_budget.log"):
+        raise SystemExit(f"export failed: see {root / 'export_budget.log'}")
+    scores = held_out(policy, root / "eval_budget", samples, ["--config", str(rl_dir / "settings.yaml"), *eval_overrides])
+    return {"checkpoint": newest.name, "step": _steps(newest), "minutes": at,
+            "success": scores["success"], "submitted": scores["submitted_frac"]}
+
+
+def _steps(checkpoint_path: Path) -> int:
     import torch
 
-    checkpoint = torch.load(rl_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
     return int(checkpoint["global_step"])
 
 
@@ -113,8 +155,10 @@ def plot(seeds: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = [f"seed {s['seed']}\n{s['steps']} steps, {s['minutes']:.0f} min" for s in seeds]
     xs = range(len(seeds))
-    ax.bar([x - 0.2 for x in xs], [s["baseline_success"] for s in seeds], 0.4, label="after sft (start of RL)")
-    ax.bar([x + 0.2 for x in xs], [s["final_success"] for s in seeds], 0.4, label="after RL")
+    ax.bar([x - 0.27 for x in xs], [s["baseline_success"] for s in seeds], 0.27, label="after sft (start of RL)")
+    budget = [s["within_budget"]["success"] if s.get("within_budget") else 0.0 for s in seeds]
+    ax.bar(list(xs), budget, 0.27, label="RL: last checkpoint within the time budget")
+    ax.bar([x + 0.27 for x in xs], [s["final_success"] for s in seeds], 0.27, label="RL: final policy")
     ax.set_xticks(list(xs), labels)
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out success")
@@ -133,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=2, help="held-out episodes per test task (20 tasks)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every phase")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side (each its own processes)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take each seed's result from --run-dir where a previous run wrote it (seed*/result.json)")
     parser.add_argument("--run-dir", type=Path, default=REPO / "runs" / f"learn_real-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "learn_real" / "learn_real.json")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -140,17 +186,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(seed: int) -> dict:
         result = run_seed(seed, args.run_dir / f"seed{seed}", minutes=args.minutes, samples=args.samples,
-                          overrides=overrides)
+                          overrides=overrides, reuse=args.reuse)
         print(json.dumps(result), flush=True)
         return result
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each seed waits on its own subprocesses
         seeds = list(pool.map(one, [int(s) for s in args.seeds.split(",")]))
     gain = sum(s["final_success"] - s["baseline_success"] for s in seeds) / len(seeds)
+    budgeted = [s["within_budget"]["success"] - s["baseline_success"] for s in seeds if s.get("within_budget")]
     record = {
         "model": MODEL, "task": "tasks/learn (copy the key; held-out split: 20 tasks)",
         "command": "python benchmarks/learn_real.py " + shlex.join(argv),
         "seeds": seeds, "mean_gain": round(gain, 4),
+        "mean_gain_within_budget": round(sum(budgeted) / len(budgeted), 4) if len(budgeted) == len(seeds) else None,
+        "budget_minutes": args.minutes,
         "concurrency": f"{args.jobs} seed(s) at a time, {args.threads} torch thread(s) each",
     }
     write_record(args.out, record, config=CONFIG, overrides=overrides, seed=[s["seed"] for s in seeds])
