@@ -888,10 +888,10 @@ def _host_trainer_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelSh
                  f"{2 * trained_b}*P" + ("_A" if m.lora else "") + " (AdamW m and v)"))
     if settings.algorithm.kl_coef > 0 and not m.lora:  # LoRA's reference is the base, adapters disabled
         add(HostPart("reference model", b * num_params, "always", f"{b}*P"))
-    copies = 2 * trained_b * (trained if m.lora else state_dict_elements(shape))
-    add(HostPart("weight-sync copies", copies, "sync",
-                 "2*b*(P + V*H if tied): the gathered state dict and the service's clone of it"
-                 if not m.lora else "2*a*P_A: the adapters, gathered and cloned"))
+    copies = trained_b * (trained if m.lora else state_dict_elements(shape))
+    add(HostPart("weight-sync copy", copies, "sync",
+                 "b*(P + V*H if tied): the gathered state dict (a tied head copied under both names)"
+                 if not m.lora else "a*P_A: the adapters, gathered"))
 
 
 def _host_engine_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelShape, e: int) -> None:

@@ -93,8 +93,8 @@ def test_host_plan_of_the_real_model_recipe_by_hand():
         "parameters": (538_060_032, "always"),  # 4 * P (float32)
         "gradients": (538_060_032, "train"),
         "optimizer states": (1_076_120_064, "always"),  # AdamW m and v: 8 * P
-        # the gathered state dict and its clone, the tied head counted twice: 2 * 4 * (P + 28,311,552)
-        "weight-sync copies": (1_302_612_480, "sync"),
+        # the gathered state dict, the tied head copied under both names: 4 * (P + 28,311,552)
+        "weight-sync copy": (651_306_240, "sync"),
         "engine weights": (538_060_032, "always"),  # the torch engine's own float32 copy
         # 8 episodes * 430 tokens * (2 * 30 layers * 3 heads * 64 * 4 bytes = 46,080)
         "engine KV cache": (158_515_200, "generate"),
@@ -103,7 +103,7 @@ def test_host_plan_of_the_real_model_recipe_by_hand():
         "log-prob chunk": (201_326_592, "train"),  # 256 * 49,152 * (4 + 12)
     }
     assert plan.micro_batch_tokens == 1720
-    assert plan.peak_bytes == CPU_RUNTIME_BYTES + 6_679_914_432
+    assert plan.peak_bytes == CPU_RUNTIME_BYTES + 6_028_608_192
     # live at once: always 2,152,240,128 + runtime + the train phase 3,066,546,624 (the largest)
     assert plan.live_peak_bytes == CPU_RUNTIME_BYTES + 5_218_786_752
     assert any("own process" in note for note in plan.notes)
@@ -120,7 +120,7 @@ def test_the_kl_reference_is_a_second_copy_only_without_lora():
     # P_A = 30 * 8 * (7H + 2ad + 2kd + 3I) = 30 * 8 * 10,176 = 2,442,240 fp32 adapters
     assert parts["parameters"] == 538_060_032 + 9_768_960
     assert parts["gradients"] == 9_768_960 and parts["optimizer states"] == 19_537_920
-    assert parts["weight-sync copies"] == 19_537_920  # the adapters only travel
+    assert parts["weight-sync copy"] == 9_768_960  # the adapters only travel
     # the engine: its base, the kept base of every adapted projection (30 * 3,538,944 weights), the adapters
     assert parts["engine weights"] == 538_060_032 + 424_673_280 + 9_768_960
 
@@ -145,10 +145,10 @@ def test_plan_cli_prints_the_host_plan_of_a_cpu_run(tmp_path, capsys):
     assert main([*args, "--episode-tokens", "430", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["kind"] == "host" and printed["episode_tokens"] == 430
-    assert printed["peak_bytes"] == CPU_RUNTIME_BYTES + 6_679_914_432
+    assert printed["peak_bytes"] == CPU_RUNTIME_BYTES + 6_028_608_192
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "peak resident memory" in out and "weight-sync copies" in out
+    assert "peak resident memory" in out and "weight-sync copy" in out
     assert main([*args, "--episode-tokens", "0"]) == 2
     assert "--episode-tokens must be >= 1" in capsys.readouterr().err
     assert main([*args, "--gpu-memory", "80GiB", "--json"]) == 0  # asked for GPUs: the GPU plan
