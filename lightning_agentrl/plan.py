@@ -861,9 +861,16 @@ def host_memory_plan(settings: Settings, shape: ModelShape, *, episode_tokens: i
     _host_engine_parts(plan, settings, shape, e)
     add(HostPart("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
                  f"n={n}, " + ("L*n*H*b + n*s (checkpointed)" if m.gradient_checkpointing else "L*n*s")))
+    if settings.algorithm.privileged_critic:  # the second forward, over each segment after its critic context
+        n_critic = n + settings.env.max_observation_chars
+        add(HostPart("critic activations", activation_bytes(shape, n_critic, b, m.gradient_checkpointing), "train",
+                     f"as activations, n={n_critic} (+ env.max_observation_chars of critic context)"))
     add(HostPart("log-prob chunk", logprob_chunk_bytes(shape.vocab_size, t.logprob_chunk_tokens, b), "train",
                  f"C*V*(b+12), C={t.logprob_chunk_tokens}"))
     plan.notes.append("the sandbox service runs in its own process (its memory is not in this one)")
+    if processes > 1:
+        plan.notes.append(f"per training process: {processes} of them (trainer.devices x trainer.num_nodes), "
+                          "each this large on its own machine's memory")
     if episode_tokens is None:
         plan.notes.append(f"episodes counted at env.max_context_tokens={context:,} tokens (the bound; "
                           "--episode-tokens N plans for episodes of N tokens)")
