@@ -198,6 +198,9 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
             else:
                 print_host_plan(host)
             return 0
+        if args.episode_tokens is not None:
+            raise SettingsError("--episode-tokens plans a CPU run's memory; a GPU plan counts episodes at "
+                                "env.max_context_tokens")
         plan = plan_for(settings, num_gpus=args.gpus, gpu_bytes=gpu_bytes, model_config=args.model_config)
     except (SettingsError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

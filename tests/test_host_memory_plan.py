@@ -159,6 +159,8 @@ def test_plan_cli_prints_the_host_plan_of_a_cpu_run(tmp_path, capsys):
     assert "--episode-tokens must be >= 1" in capsys.readouterr().err
     assert main([*args, "--gpu-memory", "80GiB", "--json"]) == 0  # asked for GPUs: the GPU plan
     assert "gpu_bytes" in json.loads(capsys.readouterr().out)
+    assert main([*args, "--gpu-memory", "80GiB", "--episode-tokens", "430"]) == 2
+    assert "--episode-tokens plans a CPU run's memory" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
