@@ -40,15 +40,17 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--offline", action="store_true", help="skip the network checks (services, hub)")
     p = sub.add_parser(
         "plan",
-        help="memory per GPU of every part of a run (no weights are loaded)",
-        description="Memory per GPU of every part of a run, from the model's config.json and the settings. "
-        "Exit status 1 when it does not fit. Overrides: --section.field=value.",
+        help="memory per GPU (or, on CPU, of the training process) of every part of a run (no weights are loaded)",
+        description="Memory per GPU of every part of a run, from the model's config.json and the settings; for a "
+        "run on CPU (and neither --gpus nor --gpu-memory) the training process's resident memory instead. "
+        "Exit status 1 when it does not fit on its GPUs. Overrides: --section.field=value.",
     )
     p.add_argument("--config", type=Path, help="YAML settings file")
     p.add_argument("--gpus", type=int, help="GPUs per node, like trainer.devices; the total is this x trainer.num_nodes "
                    "(default: trainer.devices, or the visible GPUs)")
     p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 80GiB or 141GB (default: the first GPU's, else 80GiB)")
     p.add_argument("--model-config", type=Path, help="a config.json to use instead of model.path's")
+    p.add_argument("--episode-tokens", type=int, help="CPU runs: tokens of one episode (default: env.max_context_tokens)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = sub.add_parser("inspect", help="print trajectories with the trained (mask=1) tokens highlighted")
     p.add_argument("path", type=Path, help="a run folder, its trajectories/ folder, or a .jsonl file")
@@ -173,13 +175,32 @@ def _resume_base(overrides: list[str]) -> Path | None:
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     import json
 
-    from lightning_agentrl.plan import parse_bytes, plan_for, print_plan
+    from lightning_agentrl.plan import (
+        host_plan_for,
+        on_gpu,
+        parse_bytes,
+        plan_for,
+        print_host_plan,
+        print_plan,
+    )
 
     try:
         settings = load_settings(args.config, overrides)
         if args.gpus is not None and args.gpus < 1:
             raise SettingsError(f"--gpus must be >= 1, got {args.gpus}")
+        if args.episode_tokens is not None and args.episode_tokens < 1:
+            raise SettingsError(f"--episode-tokens must be >= 1, got {args.episode_tokens}")
         gpu_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+        if args.gpus is None and gpu_bytes is None and not on_gpu(settings):  # a CPU run: its host memory
+            host = host_plan_for(settings, episode_tokens=args.episode_tokens, model_config=args.model_config)
+            if args.json:
+                print(json.dumps(host.to_dict(), indent=2))
+            else:
+                print_host_plan(host)
+            return 0
+        if args.episode_tokens is not None:
+            raise SettingsError("--episode-tokens plans a CPU run's memory; a GPU plan counts episodes at "
+                                "env.max_context_tokens")
         plan = plan_for(settings, num_gpus=args.gpus, gpu_bytes=gpu_bytes, model_config=args.model_config)
     except (SettingsError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -334,17 +334,26 @@ def trainer_state_bytes(
     return TrainerState(params, grads, optimizer)
 
 
-def layer_activation_elements_per_token(shape: ModelShape) -> int:
-    """Elements autograd saves per token in one decoder layer with a fused attention kernel:
-    ``4*H + 2*a*d + 2*k*d + 4*I``.
+def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """Bytes autograd saves per token in one Hugging Face Llama/Qwen2 decoder layer (sdpa or flash
+    attention), counted tensor by tensor:
+    ``8*H + 8 + 4*a + b*(4*H + 2*d + 2*a*d + 2*k*d + 4*I)``.
 
-    The inputs of the two RMSNorms and of the q/k/v and gate/up projections (``4*H``); q and the
-    attention output (``2*a*d``); k and v (``2*k*d``); the gate and up outputs, SiLU's output and
-    the down projection's input (``4*I``). Eager attention's ``[a, n, n]`` scores are extra
-    (:func:`attention_matrix_bytes`).
+    Each of the two RMSNorms saves its input upcast to fp32 and the fp32 ``rsqrt`` (``4*H + 4``
+    bytes), its normalized input and its output in the parameters' dtype (``2*H*b``); rotary
+    embedding keeps cos and sin (``2*d*b``); attention keeps q, k, v after rotation, its output
+    (``(2*a*d + 2*k*d)*b``) and the fp32 log-sum-exp of each head (``4*a``); the MLP keeps the gate and
+    up outputs, SiLU's output and the down projection's input (``4*I*b``). Eager attention's ``[a, n, n]``
+    scores are extra (:func:`attention_matrix_bytes`). Checked tensor by tensor against
+    ``torch.autograd.graph.saved_tensors_hooks`` for SmolLM2-135M's layer: 45,100 bytes in fp32,
+    24,876 in bf16 (``tests/test_plan.py``).
+
+    >>> smollm2 = ModelShape(49152, 576, 1536, 30, 9, 3, 64, True)
+    >>> layer_activation_bytes_per_token(smollm2, 4), layer_activation_bytes_per_token(smollm2, 2)
+    (45100, 24876)
     """
-    h, i = shape.hidden_size, shape.intermediate_size
-    return 4 * h + 2 * shape.num_heads * shape.head_dim + 2 * shape.num_kv_heads * shape.head_dim + 4 * i
+    h, i, a, k, d = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    return 8 * h + 8 + 4 * a + dtype_bytes * (4 * h + 2 * d + 2 * a * d + 2 * k * d + 4 * i)
 
 
 def attention_matrix_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, attn_implementation: str | None) -> int:
@@ -370,16 +379,16 @@ def attention_matrix_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, att
 def activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, gradient_checkpointing: bool) -> int:
     """Saved activations of one forward/backward over ``n`` tokens.
 
-    Without checkpointing every layer keeps its tensors: ``L * n * e * b`` with ``e`` from
-    :func:`layer_activation_elements_per_token`. With checkpointing (Hugging Face checkpoints each
+    Without checkpointing every layer keeps its tensors: ``L * n * s`` with ``s`` the bytes per token
+    of :func:`layer_activation_bytes_per_token`. With checkpointing (Hugging Face checkpoints each
     decoder layer) only each layer's input stays, and one layer's tensors exist again during its
-    recomputation: ``L * n * H * b + n * e * b``.
+    recomputation: ``L * n * H * b + n * s``.
 
     >>> qwen_1_5b = ModelShape(151936, 1536, 8960, 28, 12, 2, 128, True, True)
     >>> activation_bytes(qwen_1_5b, 32768, 2, gradient_checkpointing=True)
-    5804916736
+    6226182144
     """
-    per_layer = tokens * layer_activation_elements_per_token(shape) * dtype_bytes
+    per_layer = tokens * layer_activation_bytes_per_token(shape, dtype_bytes)
     if not gradient_checkpointing:
         return shape.num_layers * per_layer
     return shape.num_layers * tokens * shape.hidden_size * dtype_bytes + per_layer
@@ -584,7 +593,7 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     # micro-batch, so the longest is max(micro_batch_tokens, max_context_tokens).
     n = max(t.micro_batch_tokens, settings.env.max_context_tokens)
     add(Part("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
-             f"n={n}, " + ("L*n*H*b + n*e*b (checkpointed)" if m.gradient_checkpointing else "L*n*e*b")))
+             f"n={n}, " + ("L*n*H*b + n*s (checkpointed)" if m.gradient_checkpointing else "L*n*s")))
     if settings.algorithm.privileged_critic:  # the second forward, over each segment after its critic context
         n_critic = n + settings.env.max_observation_chars  # the context is clipped to as many characters
         add(Part("critic activations", activation_bytes(shape, n_critic, b, m.gradient_checkpointing), "train",
@@ -742,6 +751,220 @@ def _gib(num_bytes: int) -> str:
 def _count(num: int) -> str:
     """``1543714304`` -> ``1.54 B``; ``344384`` -> ``0.34 M``."""
     return f"{num / 1e9:.2f} B" if num >= 1e9 else f"{num / 1e6:.2f} M"
+
+
+# ---------------------------------------------------------------------------------------------
+# Host memory of a run on CPU
+
+#: Resident memory of a ``fit`` process on CPU beside what the formulas count: the interpreter with
+#: torch, transformers, Lightning, MLflow and the rollout service imported (0.58 GiB at import), plus
+#: what running adds before any weight counts (torch's thread pools and oneDNN, the rollout thread's
+#: malloc arena, the sandbox and tracking clients, trajectories). Measured as the peak resident set of
+#: ``fit --config configs/smoke.yaml`` on the tiny model less the tiny model's own parts
+#: (``tests/test_host_memory_plan.py``; Python 3.11, torch 2.13 CPU, 2026-12-04).
+CPU_RUNTIME_BYTES = int(0.75 * GiB)
+
+HostPhase = Literal["always", "generate", "train", "sync"]
+
+
+@dataclass(frozen=True)
+class HostPart:
+    name: str
+    num_bytes: int
+    phase: HostPhase
+    formula: str
+
+
+@dataclass
+class HostMemoryPlan:
+    """The resident memory (RSS) of a training process on CPU, part by part.
+
+    Each part is live in one phase: ``always`` (the whole run), ``generate`` (the engine's KV cache
+    while episodes decode), ``train`` (one micro-batch's forward and backward, the gradients until the
+    optimizer step frees them), ``sync`` (the copies a weight sync makes). The tensors live at once peak
+    at ``always`` plus the largest phase (:attr:`live_peak_bytes`), but the process's resident memory
+    does not come back down after a phase: glibc's malloc keeps what a phase freed (in the arena of the
+    thread that freed it) and the next phase reuses it only in part. The resident peak lies between the
+    live peak and the sum of every part (:attr:`peak_bytes`), which the plan predicts as its upper bound
+    (docs/memory_plan.md has the measurements: 0.94 to 1.08 of it at SmolLM2-135M). With
+    ``rollout.max_staleness > 0`` generation overlaps training: the KV cache is counted as ``always``.
+    """
+
+    model: str
+    num_parameters: int
+    episode_tokens: int
+    micro_batch_tokens: int
+    parts: list[HostPart] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def phase_total(self, phase: HostPhase) -> int:
+        return sum(p.num_bytes for p in self.parts if p.phase in ("always", phase))
+
+    @property
+    def live_peak_bytes(self) -> int:
+        """``always`` plus the largest phase: the tensors alive at the busiest moment."""
+        return max(self.phase_total(phase) for phase in ("train", "generate", "sync"))
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak resident memory: every part, an upper bound (see the class docstring)."""
+        return sum(p.num_bytes for p in self.parts)
+
+    def part(self, name: str) -> HostPart:
+        return next(p for p in self.parts if p.name == name)
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": "host", "model": self.model, "num_parameters": self.num_parameters,
+            "episode_tokens": self.episode_tokens, "micro_batch_tokens": self.micro_batch_tokens,
+            "parts": {p.name: {"bytes": p.num_bytes, "phase": p.phase, "formula": p.formula} for p in self.parts},
+            **{f"{phase}_bytes": self.phase_total(phase) for phase in ("train", "generate", "sync")},
+            "live_peak_bytes": self.live_peak_bytes, "peak_bytes": self.peak_bytes, "notes": self.notes,
+        }
+
+
+def micro_batch_tokens_at(episode_tokens: int, micro_batch_tokens: int, episodes: int) -> int:
+    """Tokens of the longest micro-batch when every episode has ``e`` tokens: micro-batches hold whole
+    episodes (``module._micro_batches``), ``max(1, min(E, M // e))`` of them, ``E`` the episodes of one
+    update on one process.
+
+    >>> micro_batch_tokens_at(450, 4096, 16), micro_batch_tokens_at(450, 4096, 4), micro_batch_tokens_at(5000, 4096, 8)
+    (4050, 1800, 5000)
+    """
+    return max(1, min(episodes, micro_batch_tokens // episode_tokens)) * episode_tokens
+
+
+def state_dict_elements(shape: ModelShape) -> int:
+    """Elements of a full ``state_dict`` copy: ``P``, plus ``V*H`` when the output head is tied to the
+    input embedding (the state dict names the one tensor twice, and a copy of it copies it twice)."""
+    return shape.num_parameters() + (shape.vocab_size * shape.hidden_size if shape.tie_word_embeddings else 0)
+
+
+def host_memory_plan(settings: Settings, shape: ModelShape, *, episode_tokens: int | None = None,
+                     model: str = "") -> HostMemoryPlan:
+    """The resident memory of the training process of a CPU run (``trainer.accelerator: cpu``, or auto
+    without CUDA), from ``shape`` and the settings. ``episode_tokens`` (``e``): the tokens of one
+    episode, ``env.max_context_tokens`` by default (the bound; a run whose episodes end earlier needs
+    less, in the KV cache and the activations). Formulas in the parts; ``docs/memory_plan.md`` says
+    which run measured what."""
+    t, m, r = settings.trainer, settings.model, settings.rollout
+    context = settings.env.max_context_tokens
+    e = min(episode_tokens or context, context)
+    b = param_bytes_of(settings)
+    processes = t.devices * t.num_nodes if isinstance(t.devices, int) else t.num_nodes
+    episodes = max(1, r.group_size * r.groups_per_step // (t.mini_batches * processes))
+    n = micro_batch_tokens_at(e, t.micro_batch_tokens, episodes)
+    plan = HostMemoryPlan(model or m.path, shape.num_parameters(), e, n)
+    add = plan.parts.append
+    add(HostPart("runtime", CPU_RUNTIME_BYTES, "always", "interpreter, torch, Lightning, MLflow, threads (measured)"))
+    _host_trainer_parts(plan, settings, shape, b)
+    _host_engine_parts(plan, settings, shape, e)
+    add(HostPart("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
+                 f"n={n}, " + ("L*n*H*b + n*s (checkpointed)" if m.gradient_checkpointing else "L*n*s")))
+    if settings.algorithm.privileged_critic:  # the second forward, over each segment after its critic context
+        n_critic = n + settings.env.max_observation_chars
+        add(HostPart("critic activations", activation_bytes(shape, n_critic, b, m.gradient_checkpointing), "train",
+                     f"as activations, n={n_critic} (+ env.max_observation_chars of critic context)"))
+    add(HostPart("log-prob chunk", logprob_chunk_bytes(shape.vocab_size, t.logprob_chunk_tokens, b), "train",
+                 f"C*V*(b+12), C={t.logprob_chunk_tokens}"))
+    plan.notes.append("the sandbox service runs in its own process (its memory is not in this one)")
+    if processes > 1:
+        plan.notes.append(f"per training process: {processes} of them (trainer.devices x trainer.num_nodes), "
+                          "each this large on its own machine's memory")
+    if episode_tokens is None:
+        plan.notes.append(f"episodes counted at env.max_context_tokens={context:,} tokens (the bound; "
+                          "--episode-tokens N plans for episodes of N tokens)")
+    return plan
+
+
+def _host_trainer_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelShape, b: int) -> None:
+    """The trained copy (``b*P``; LoRA: the frozen base and fp32 adapters), its gradients (from the first
+    backward until the optimizer step frees them), torch AdamW's ``m`` and ``v`` (``2*b`` per trained
+    parameter) and, with ``algorithm.kl_coef > 0`` and no LoRA, the reference model."""
+    m, add = settings.model, plan.parts.append
+    num_params = shape.num_parameters()
+    if m.lora:
+        a = 2 if settings.trainer.precision in ("bf16-true", "16-true", "bf16", "16") else 4
+        trained, trained_b = shape.lora_parameters(m.lora_rank, m.lora_target_modules), a
+        add(HostPart("parameters", b * num_params + a * trained, "always", f"{b}*P (frozen base) + {a}*P_A (adapters)"))
+    else:
+        trained, trained_b = num_params, b
+        add(HostPart("parameters", b * num_params, "always", f"{b}*P"))
+    add(HostPart("gradients", trained_b * trained, "train", f"{trained_b}*P" + ("_A" if m.lora else "")))
+    add(HostPart("optimizer states", 2 * trained_b * trained, "always",
+                 f"{2 * trained_b}*P" + ("_A" if m.lora else "") + " (AdamW m and v)"))
+    if settings.algorithm.kl_coef > 0 and not m.lora:  # LoRA's reference is the base, adapters disabled
+        add(HostPart("reference model", b * num_params, "always", f"{b}*P"))
+    copies = trained_b * (trained if m.lora else state_dict_elements(shape))
+    add(HostPart("weight-sync copy", copies, "sync",
+                 "b*(P + V*H if tied): the gathered state dict (a tied head copied under both names)"
+                 if not m.lora else "a*P_A: the adapters, gathered"))
+
+
+def _host_engine_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelShape, e: int) -> None:
+    """The torch engine's own copy of the weights (``model.dtype``; LoRA: the base, the adapters and the
+    kept base of every adapted projection, ``lightning_agentrl/lora.py::MergedAdapters``) and its KV cache:
+    ``rollout.max_in_flight`` episodes of ``e`` tokens, ``2*L*k*d*b`` bytes a token. vLLM runs in processes
+    of its own (a note, no part)."""
+    m, r = settings.model, settings.rollout
+    if settings.engine.kind != "torch":
+        plan.notes.append(f"engine.kind={settings.engine.kind}: the engine runs in processes of its own "
+                          "(its weights and KV cache are not in this process)")
+        return
+    eb = DTYPE_BYTES[m.dtype]
+    weights, formula = eb * shape.num_parameters(), f"{eb}*P"
+    if m.lora:
+        wanted = {target.rsplit(".", 1)[-1] for target in m.lora_target_modules} if m.lora_target_modules else None
+        adapted = shape.num_layers * sum(i * o for name, (i, o) in shape.projections().items()
+                                         if wanted is None or name in wanted)
+        weights += eb * adapted + 4 * shape.lora_parameters(m.lora_rank, m.lora_target_modules)
+        formula += " + b*P_adapted (kept base) + 4*P_A"
+    plan.parts.append(HostPart("engine weights", weights, "always", formula))
+    kv = r.max_in_flight * e * shape.kv_bytes_per_token(eb)
+    phase: HostPhase = "always" if r.max_staleness > 0 else "generate"
+    plan.parts.append(HostPart("engine KV cache", kv, phase,
+                               f"max_in_flight*e*2*L*k*d*b, max_in_flight={r.max_in_flight}, e={e}"))
+
+
+def host_plan_for(settings: Settings, *, episode_tokens: int | None = None,
+                  model_config: str | Path | None = None) -> HostMemoryPlan:
+    """:func:`host_memory_plan` of ``settings``, the model's shape read as :func:`plan_for` reads it."""
+    shape = ModelShape.from_config(load_model_config(settings, model_config), model_config_source(settings, model_config))
+    plan = host_memory_plan(settings, shape, episode_tokens=episode_tokens)
+    total = _host_memory_total()
+    if total and plan.peak_bytes > total:
+        plan.notes.append(f"the peak is above this machine's memory ({_gib(total)})")
+    return plan
+
+
+def _host_memory_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return int(meminfo.readline().split()[1]) * 1024  # MemTotal, in kB
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def print_host_plan(plan: HostMemoryPlan, console=None) -> None:
+    """A rich table: one row per part, its bytes, its phase, the formula; then the peak."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"host memory plan (CPU run): {plan.model}, {_count(plan.num_parameters)} parameters, "
+                        f"episodes of {plan.episode_tokens:,} tokens")
+    for column, justify in (("part", "left"), ("GiB", "right"), ("when", "left"), ("formula", "left")):
+        table.add_column(column, justify=justify)
+    for part in plan.parts:
+        table.add_row(part.name, f"{part.num_bytes / GiB:,.2f}", part.phase, part.formula)
+    table.add_section()
+    table.add_row("[bold]live at the busiest phase[/bold]", f"{plan.live_peak_bytes / GiB:,.2f}", "",
+                  "always + the largest phase")
+    table.add_row("[bold]peak resident memory[/bold]", f"[bold]{plan.peak_bytes / GiB:,.2f}[/bold]", "",
+                  "every part: an upper bound (malloc keeps part of what a phase frees)")
+    console.print(table)
+    for note in plan.notes:
+        console.print(f"note: {note}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,11 +94,12 @@ def test_zero_stages_shard_what_the_paper_says():
 
 def test_activations_with_and_without_checkpointing():
     shape = shape_of("qwen2.5-1.5b")
-    # e = 4H + 2ad + 2kd + 4I = 6,144 + 3,072 + 512 + 35,840 = 45,568 elements per token per layer
-    # without checkpointing: L * n * e * b = 28 * 32768 * 45,568 * 2
-    assert activation_bytes(shape, 32768, 2, gradient_checkpointing=False) == 83_617_644_544  # 77.9 GiB
-    # with: L * n * H * b + n * e * b = 2,818,572,288 + 2,986,344,448
-    assert activation_bytes(shape, 32768, 2, gradient_checkpointing=True) == 5_804_916_736  # 5.4 GiB
+    # s = 8H + 8 + 4a + b(4H + 2d + 2ad + 2kd + 4I) = 12,288 + 8 + 48 + 2 * (6,144 + 256 + 3,072 + 512 + 35,840)
+    #   = 12,344 + 91,648 = 103,992 bytes per token per layer
+    # without checkpointing: L * n * s = 28 * 32768 * 103,992
+    assert activation_bytes(shape, 32768, 2, gradient_checkpointing=False) == 95_413_075_968  # 88.9 GiB
+    # with: L * n * H * b + n * s = 2,818,572,288 + 3,407,609,856
+    assert activation_bytes(shape, 32768, 2, gradient_checkpointing=True) == 6_226_182_144  # 5.8 GiB
     # the sdpa path's block mask: n*n*(3 + b) = 32768^2 * 5
     assert attention_matrix_bytes(shape, 32768, 2, "sdpa") == 1_073_741_824  # one [n, n] bool mask
     assert attention_matrix_bytes(shape, 32768, 2, "flash_attention_2") == 0
@@ -129,12 +130,12 @@ def test_qwen_1_5b_zero2_recipe_fits_on_8_gpus_of_80_gib():
     assert gpu["gradients"] == 385_928_576  # 2 * P / 8
     assert gpu["optimizer states"] == 2_315_571_456  # 12 * P / 8
     assert gpu["ZeRO buckets"] == 800_000_000  # (2e8 + 2e8) * 2
-    assert gpu["activations"] == 5_804_916_736
+    assert gpu["activations"] == 6_226_182_144  # test_activations_with_and_without_checkpointing
     assert gpu["log-prob chunk"] == 256 * 151_936 * 14 == 544_538_624  # C = 256, the default
     # engine share u * M = 0.8 * 80 GiB = 64 GiB = weights 3,087,428,608 + overhead 2 GiB + KV
     assert gpu["engine KV cache"] == 68_719_476_736 - 3_087_428_608 - 2 * GiB == 63_484_564_480
     # train: resident 5,788,928,640 + buckets + activations + chunk + 2 reserves (engine asleep)
-    assert plan.phase_total("train") == 15_085_867_648  # 14.05 GiB
+    assert plan.phase_total("train") == 15_507_133_056  # 14.44 GiB
     # generate: resident 5,788,928,640 + 2 reserves 2,147,483,648 + the engine's 64 GiB
     assert plan.phase_total("generate") == 76_655_889_024  # 71.39 GiB of 80
     assert plan.kv_tokens == 2_214_165  # 63,484,564,480 // 28,672 >= 128 episodes * 16,384
@@ -151,10 +152,11 @@ def test_qwen_7b_zero3_offload_recipe_fits_on_8_gpus_of_80_gib():
     assert gpu["optimizer states"] == 0 and plan.part("optimizer states").cpu_bytes == 11_423_424_768  # 12 * P / 8
     assert gpu["ZeRO-3 gathered weights"] == 2 * 544_997_376 * 2  # 2 * max(layer, V*H = 152064*3584) * b
     assert gpu["ZeRO buckets"] == 400_000_000  # the reduce bucket only
-    # e = 4*3584 + 2*28*128 + 2*4*128 + 4*18944 = 98,304; 28*32768*3584*2 + 32768*98,304*2
-    assert gpu["activations"] == 6_576_668_672 + 6_442_450_944
+    # s = 8*3584 + 8 + 4*28 + 2 * (4*3584 + 2*128 + 2*28*128 + 2*4*128 + 4*18944) = 28,792 + 2 * 98,560 = 225,912
+    # 28*32768*3584*2 + 32768*225,912
+    assert gpu["activations"] == 6_576_668_672 + 7_402_684_416
     assert gpu["log-prob chunk"] == 256 * 152_064 * 14 == 544_997_376
-    assert plan.phase_total("train") == 22_099_398_400  # 20.58 GiB
+    assert plan.phase_total("train") == 23_059_631_872  # 21.48 GiB
     # generate: 3,807,808,256 resident + 2 GiB reserves + 0.75 * 80 GiB (64,424,509,440)
     assert plan.phase_total("generate") == 70_379_801_344  # 65.55 GiB
     # KV: 64,424,509,440 - 15,231,233,024 weights - 2 GiB = 47,045,792,768 bytes // 57,344
@@ -200,8 +202,8 @@ def test_an_engine_share_too_large_beside_the_trainer_names_the_utilization_that
 def test_without_sleep_the_engine_counts_in_the_train_phase_too():
     settings = zero2_recipe(**{"engine": {"sleep_while_training": False}})
     plan = memory_plan(settings, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
-    # train = 15,085,867,648 + the engine's 68,719,476,736 = 83,805,344,384 <= M: fits, with 1.95 GiB to spare
-    assert plan.phase_total("train") == 83_805_344_384
+    # train = 15,507,133,056 + the engine's 68,719,476,736 = 84,226,609,792 <= M: fits, with 1.56 GiB to spare
+    assert plan.phase_total("train") == 84_226_609_792
     assert plan.fits
     assert plan.host_bytes == 0
 
@@ -211,8 +213,8 @@ def test_activations_without_checkpointing_are_refused_with_the_fix():
     plan = memory_plan(settings, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
     (problem,) = plan.problems
     assert problem.part == "activations (train phase)"
-    # train = 15,085,867,648 - 5,804,916,736 + 83,617,644,544 = 92,898,595,456
-    assert problem.over_by == 92_898_595_456 - GPU_80 == 6_999_249_536
+    # train = 15,507,133,056 - 6,226,182,144 + 95,413,075,968 = 104,694,026,880
+    assert problem.over_by == 104_694_026_880 - GPU_80 == 18_794_680_960
     assert problem.fix == "set model.gradient_checkpointing=true"
 
 
@@ -318,7 +320,8 @@ def test_plan_cli_table_and_refusal(capsys):
 
 
 def test_plan_says_what_it_assumed_without_a_gpu(capsys):
-    assert main(["plan", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), "--trainer.devices=auto"]) == 0
+    assert main(["plan", "--config", str(REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"), "--trainer.devices=auto",
+                 "--trainer.accelerator=gpu"]) == 0
     out = capsys.readouterr().out
     assert "counted as 1 GPU" in out and "GPUs of 80 GiB" in out
 
@@ -477,12 +480,12 @@ def test_activations_are_planned_for_the_longest_micro_batch():
     """F7: an episode longer than micro_batch_tokens is its own micro-batch, so n = max(both)."""
     settings = zero2_recipe(**{"trainer": {"micro_batch_tokens": 8192}})  # env.max_context_tokens = 16384
     plan = memory_plan(settings, shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
-    # checkpointed, n = 16384: 28 * 16384 * 1536 * 2 + 16384 * 45,568 * 2 = 1,409,286,144 + 1,493,172,224
-    assert plan.part("activations").gpu_bytes == 2_902_458_368
+    # checkpointed, n = 16384: 28 * 16384 * 1536 * 2 + 16384 * 103,992 = 1,409,286,144 + 1,703,804,928
+    assert plan.part("activations").gpu_bytes == 3_113_091_072
     assert plan.part("activations").formula.startswith("n=16384,")
     # the recipe's own 32768-token micro-batches are longer than any episode: n = 32768
     plan = memory_plan(zero2_recipe(), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
-    assert plan.part("activations").gpu_bytes == 5_804_916_736
+    assert plan.part("activations").gpu_bytes == 6_226_182_144
 
 
 def test_a_privileged_critic_adds_its_second_forward_over_the_context():
@@ -490,7 +493,7 @@ def test_a_privileged_critic_adds_its_second_forward_over_the_context():
     recipe = REPO / "configs" / "gpu_zero2.yaml"
     plan = memory_plan(load_settings(recipe, overrides), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
     gpu = {p.name: p.gpu_bytes for p in plan.parts}
-    # n = 32,768 + 2,000 (env.max_observation_chars of context); L*n*H*b + n*e*b = 28*34768*1536*2 + 34768*45568*2
-    assert gpu["critic activations"] == 2_990_604_288 + 3_168_616_448 == 6_159_220_736
+    # n = 32,768 + 2,000 (env.max_observation_chars of context); L*n*H*b + n*s = 28*34768*1536*2 + 34768*103,992
+    assert gpu["critic activations"] == 2_990_604_288 + 3_615_593_856 == 6_606_198_144
     plain = memory_plan(load_settings(recipe, overrides[:1]), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
-    assert plan.phase_total("train") - plain.phase_total("train") == 6_159_220_736
+    assert plan.phase_total("train") - plain.phase_total("train") == 6_606_198_144

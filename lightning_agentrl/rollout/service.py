@@ -248,9 +248,13 @@ class RolloutService:
         return [t for group in groups for t in group]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Push weights to the engine (blocks until loaded) and open the staleness gate."""
+        """Push weights to the engine (blocks until loaded) and open the staleness gate.
+
+        No copy is made: the call returns only once the engine has loaded them, so the caller cannot change
+        them meanwhile (a clone here was a second full copy of the weights at every sync: 0.6 GiB of
+        SmolLM2-135M in float32, docs/memory_plan.md)."""
         assert self._loop is not None, "start() first"
-        named = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
         future = asyncio.run_coroutine_threadsafe(self._update(named, version), self._loop)
         try:
             future.result()
