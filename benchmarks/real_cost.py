@@ -12,7 +12,7 @@ run played (``python -m lightning_agentrl plan ... --episode-tokens N``, N the l
 The base model earns no reward on this suite, so every step takes the zero-gradient shortcut (no forward and
 backward over the batch, ``module.py::_zero_gradient``). ``--learning-step`` adds a small entropy bonus
 (``algorithm.entropy_coef=0.001``) so that each step runs the full forward and backward a step with reward
-variance runs. Writes benchmarks/results/real_cost.json (``real_cost_learning.json`` with ``--learning-step``)
+variance runs. Writes benchmarks/results/real_cost/real_cost.json (``real_cost_learning.json`` with ``--learning-step``)
 and prints one line.
 """
 
@@ -87,8 +87,10 @@ def main() -> None:
               "planned_live_gib": round(plan.live_peak_bytes / 2**30, 2), "plan": plan.to_dict(),
               "load_avg_1min": round(os.getloadavg()[0], 2), "steps": steps}
     name = "real_cost_learning.json" if args.learning_step else "real_cost.json"
-    path = REPO / "benchmarks" / "results" / name
-    write_record(path, record)
+    path = REPO / "benchmarks" / "results" / "real_cost" / name
+    overrides = ["--env.system_prompt=null", f"--trainer.threads={args.threads}", f"--trainer.max_steps={args.steps}",
+                 f"--rollout.group_size={args.group_size}", *args.overrides]
+    write_record(path, record, config="configs/smoke.yaml", overrides=overrides, seed=0)
     last = {key: values[-1] for key, values in steps.items() if values}
     print(f"{args.steps} steps in {wall_s:.0f} s, peak RSS {peak_gib:.2f} GiB (planned {plan.peak_bytes / 2**30:.2f}, "
           f"{record['measured_over_planned']}x), last step {last.get('time/step_s')} s "
