@@ -51,7 +51,7 @@ def test_a_new_run_refuses_a_folder_holding_a_previous_runs_outputs(tmp_path, pr
 def test_the_other_processes_of_a_new_run_accept_the_mlflow_run_that_rank_zero_just_recorded(tmp_path, monkeypatch,
                                                                                              variable):
     """Lightning starts rank 1 once rank 0 has recorded the run in MLflow; another node may start while it does."""
-    from lightning_agentrl.train import check_run_dir
+    from lightning_agentrl.resume import check_run_dir
 
     settings = learn_settings(tmp_path)
     _mlflow_run(Path(settings.run.dir))
