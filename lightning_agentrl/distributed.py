@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_agentrl.sandbox_health import check_harness_support, check_judge_isolation
+from lightning_agentrl.sandbox_checks import check_harness_support, check_judge_isolation
 from lightning_agentrl.settings import PreflightError
 
 

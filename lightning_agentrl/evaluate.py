@@ -96,7 +96,8 @@ def _run(policy: Path, settings: Settings, folder: Path):
     from lightning_agentrl.envs.registry import load_env_tasks
     from lightning_agentrl.preflight import check_sandbox
     from lightning_agentrl.rollout.chat import chat_codec
-    from lightning_agentrl.sandbox import harness_timeout, judge_policy, make_sandbox
+    from lightning_agentrl.sandbox import make_sandbox
+    from lightning_agentrl.sandbox_checks import harness_timeout, judge_policy
     from lightning_agentrl.train import build_rollout_service
 
     if settings.trainer.threads:  # as `fit` does: on busy cores one thread decodes several times faster

@@ -32,8 +32,13 @@ from urllib.parse import urlparse
 from lightning_agentrl.envs.registry import load_env_tasks
 from lightning_agentrl.models.gguf_convert import GGUFError, check_source, is_gguf_source
 from lightning_agentrl.rollout.chat import chat_codec, native_tools
-from lightning_agentrl.sandbox import env_uses_sandbox, harness_timeout, judge_policy
-from lightning_agentrl.sandbox_health import check_harness_support, check_judge_isolation
+from lightning_agentrl.sandbox_checks import (
+    check_harness_support,
+    check_judge_isolation,
+    env_uses_sandbox,
+    harness_timeout,
+    judge_policy,
+)
 from lightning_agentrl.settings import (
     PreflightError,
     SandboxSettings,

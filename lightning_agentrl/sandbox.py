@@ -1,4 +1,4 @@
-"""The sandbox service as a run uses it: whether the environment needs one, and the object that stands for it.
+"""The object that stands for the run's sandbox service (whether the environment uses one: ``sandbox_checks.py``).
 
 :func:`make_sandbox` gives :class:`~lightning_agentrl.distributed.NodeSandbox` (a named service, a fleet, or
 the reference server that local rank 0 of each node starts in ``setup``) where the environment runs actions in
@@ -13,24 +13,8 @@ from pathlib import Path
 import lightning as L
 
 from lightning_agentrl.distributed import NodeSandbox
-from lightning_agentrl.envs.registry import settings_env_class
+from lightning_agentrl.sandbox_checks import env_uses_sandbox, judge_policy
 from lightning_agentrl.settings import Settings
-
-
-def env_uses_sandbox(settings: Settings) -> bool:
-    """Whether ``env.kind``'s environment runs actions in the sandbox service (``Environment.uses_sandbox``)."""
-    return settings_env_class(settings.env).uses_sandbox
-
-
-def judge_policy(settings: Settings) -> str | None:
-    """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
-    (nothing to check) for environments that reward without it."""
-    return settings.sandbox.judge_isolation if settings_env_class(settings.env).runs_hidden_tests else None
-
-
-def harness_timeout(settings: Settings) -> float | None:
-    """``env.episode_timeout_s`` where a harness runs in the sandbox (``env.agent_in_sandbox``), else None."""
-    return settings.env.episode_timeout_s if settings.env.agent_in_sandbox else None
 
 
 class NoSandbox(L.Callback):
@@ -62,4 +46,4 @@ def make_sandbox(settings: Settings, log_dir: Path) -> NodeSandbox | NoSandbox:
                        episode_timeout_s=settings.env.episode_timeout_s, urls=s.urls)
 
 
-__all__ = ["NoSandbox", "env_uses_sandbox", "harness_timeout", "judge_policy", "make_sandbox"]
+__all__ = ["NoSandbox", "make_sandbox"]

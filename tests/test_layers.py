@@ -13,6 +13,8 @@ here, and the table itself must stay free of circles (it is the layer order).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,23 +33,23 @@ MAY_IMPORT: dict[str, set[str]] = {
     "plots": {"trajectory"},
     "strategies": {"settings"},
     "checkpoint_io": {"run_layout", "settings"},
-    "sandbox_health": {"settings"},
+    "sandbox_checks": {"envs", "settings"},
     "resume": {"run_layout", "settings"},
     "lora": {"settings", "strategies"},
     "plan": {"models", "settings"},
-    "distributed": {"sandbox_health", "settings"},
+    "distributed": {"sandbox_checks", "settings"},
     # rollout, and what watches it
     "rollout": {"algorithms", "envs", "lora", "models", "settings", "trajectory"},
     "experiments": {"rollout"},
     "shutdown": {"rollout"},
-    "sandbox": {"distributed", "envs", "settings"},
+    "sandbox": {"distributed", "sandbox_checks", "settings"},
     # training
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
     "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "strategies", "trajectory"},
     # what the composition root builds with
-    "preflight": {"envs", "models", "rollout", "sandbox", "sandbox_health", "settings"},
+    "preflight": {"envs", "models", "rollout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},
     "tracking": {"plots", "run_layout", "settings"},
     "export": {"callbacks", "lora", "settings"},
@@ -56,7 +58,7 @@ MAY_IMPORT: dict[str, set[str]] = {
               "models", "module", "plan", "preflight", "resume", "rollout", "run_layout", "sandbox", "settings",
               "shutdown", "strategies", "tracking"},
     "evaluate": {"callbacks", "console", "engines", "envs", "models", "preflight", "resume", "rollout", "run_layout",
-                 "sandbox", "settings", "train", "trajectory"},
+                 "sandbox", "sandbox_checks", "settings", "train", "trajectory"},
     "sft": {"algorithms", "callbacks", "checkpoint_io", "envs", "lora", "module", "rollout", "run_layout", "sandbox",
             "settings", "tracking", "train"},
     "__main__": {"credit", "evaluate", "export", "lora", "plan", "preflight", "render", "resume", "run_layout",
@@ -192,6 +194,14 @@ def test_the_sandbox_packages_know_nothing_of_training_and_nothing_imports_tests
             assert not tops & set(NEVER_IMPORTED), f"{module} imports {sorted(tops & set(NEVER_IMPORTED))}"
             if package != PACKAGE:
                 assert PACKAGE not in tops, f"{module} imports {PACKAGE}"
+
+
+def test_the_start_up_checks_and_the_settings_import_no_torch():
+    """``validate`` answers in about a second: its modules stay off torch and Lightning (seconds to import)."""
+    code = ("import sys, lightning_agentrl.preflight, lightning_agentrl.run_layout, lightning_agentrl.resume; "
+            "print(sorted({'torch', 'lightning', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_the_reader_sees_function_level_circles_and_skips_type_only_imports(tmp_path):

@@ -1,12 +1,31 @@
-"""What a sandbox service's health answer must say for a run: a judge isolated from the agent, and what
-a harness run in the sandbox needs. Checked at start-up for a service the settings name (``preflight.py``)
-and for the one a run starts itself (:class:`~lightning_agentrl.distributed.NodeSandbox`)."""
+"""What a run needs of the sandbox service: whether its environment uses one at all, and what the service's
+health answer must say (a judge isolated from the agent; what a harness run in the sandbox needs). Checked at
+start-up for a service the settings name (``preflight.py``) and for the one a run starts itself
+(:class:`~lightning_agentrl.distributed.NodeSandbox`). Light on purpose: ``validate`` imports it, not torch.
+"""
 
 from __future__ import annotations
 
 import warnings
 
-from lightning_agentrl.settings import PreflightError
+from lightning_agentrl.envs.registry import settings_env_class
+from lightning_agentrl.settings import PreflightError, Settings
+
+
+def env_uses_sandbox(settings: Settings) -> bool:
+    """Whether ``env.kind``'s environment runs actions in the sandbox service (``Environment.uses_sandbox``)."""
+    return settings_env_class(settings.env).uses_sandbox
+
+
+def judge_policy(settings: Settings) -> str | None:
+    """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
+    (nothing to check) for environments that reward without it."""
+    return settings.sandbox.judge_isolation if settings_env_class(settings.env).runs_hidden_tests else None
+
+
+def harness_timeout(settings: Settings) -> float | None:
+    """``env.episode_timeout_s`` where a harness runs in the sandbox (``env.agent_in_sandbox``), else None."""
+    return settings.env.episode_timeout_s if settings.env.agent_in_sandbox else None
 
 
 def check_harness_support(health: dict, *, where: str, episode_timeout_s: float) -> None:
@@ -49,4 +68,4 @@ def check_judge_isolation(health: dict, policy: str | None, *, where: str) -> bo
     return False
 
 
-__all__ = ["check_harness_support", "check_judge_isolation"]
+__all__ = ["check_harness_support", "check_judge_isolation", "env_uses_sandbox", "harness_timeout", "judge_policy"]
