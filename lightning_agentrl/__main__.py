@@ -141,7 +141,7 @@ def _inspect(args: argparse.Namespace) -> int:
         if run.policy.exists():
             tokenizer_path = str(run.policy)
         else:
-            from lightning_agentrl.train import resolve_model_path
+            from lightning_agentrl.models.resolve import resolve_model_path
 
             config = run.settings_file
             tokenizer_path = resolve_model_path(load_settings(config if config.exists() else None))
@@ -252,7 +252,7 @@ def _validate(settings, *, offline: bool) -> int:
         codec = preflight(settings, network=not offline)
         if settings.model.lora:  # the adapters fit the model's layers (fit checks it at the same point)
             from lightning_agentrl.lora import check_lora
-            from lightning_agentrl.train import resolve_model_path
+            from lightning_agentrl.models.resolve import resolve_model_path
 
             check_lora(settings.model, resolve_model_path(settings))
     except SettingsError as err:

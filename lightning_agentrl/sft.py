@@ -242,9 +242,10 @@ def sft(settings: Settings):
     from lightning_agentrl.callbacks.export_policy import ExportPolicy
     from lightning_agentrl.checkpoint_io import AtomicCheckpointIO, StepCheckpoint
     from lightning_agentrl.lora import check_lora
+    from lightning_agentrl.models.resolve import resolve_model_path
     from lightning_agentrl.rollout.chat import chat_codec
     from lightning_agentrl.tracking import attach_logger, finish_run, tracking_uri
-    from lightning_agentrl.train import FitResult, build_tasks, prepare_run, resolve_model_path
+    from lightning_agentrl.train import FitResult, build_tasks, prepare_run
 
     check_sft_settings(settings)
     layout, _ = prepare_run(settings)

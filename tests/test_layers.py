@@ -22,10 +22,11 @@ PACKAGE = "lightning_agentrl"
 
 MAY_IMPORT: dict[str, set[str]] = {
     # leaves
-    "trajectory": set(), "console": set(), "tasks": set(), "run_layout": set(), "models": set(),
+    "trajectory": set(), "console": set(), "tasks": set(), "run_layout": set(),
     # message-space environments and the settings that check them
     "envs": {"tasks"},
     "settings": {"envs"},
+    "models": {"settings"},  # models/resolve.py: model.path -> a folder
     # pure parts on the settings
     "algorithms": {"settings"},
     "credit": {"algorithms", "trajectory"},
@@ -59,10 +60,10 @@ MAY_IMPORT: dict[str, set[str]] = {
               "shutdown", "strategies", "tracking"},
     "evaluate": {"callbacks", "console", "engines", "envs", "models", "preflight", "resume", "rollout", "run_layout",
                  "sandbox", "sandbox_checks", "settings", "train", "trajectory"},
-    "sft": {"algorithms", "callbacks", "checkpoint_io", "envs", "lora", "module", "rollout", "run_layout", "sandbox",
-            "settings", "tracking", "train"},
-    "__main__": {"credit", "evaluate", "export", "lora", "plan", "preflight", "render", "resume", "run_layout",
-                 "settings", "sft", "shutdown", "train", "trajectory"},
+    "sft": {"algorithms", "callbacks", "checkpoint_io", "envs", "lora", "models", "module", "rollout", "run_layout",
+            "sandbox", "settings", "tracking", "train"},
+    "__main__": {"credit", "evaluate", "export", "lora", "models", "plan", "preflight", "render", "resume",
+                 "run_layout", "settings", "sft", "shutdown", "train", "trajectory"},
 }
 """Group -> the groups it may import (its own modules aside)."""
 
