@@ -60,7 +60,7 @@ test: install
 # The pure parts (credit math, settings, trajectories, buffer, chat templates, code structure): no
 # sandbox service, no training run; under 2 minutes on 2 cores.
 FAST_TESTS = tests/algorithms tests/test_settings.py tests/test_trajectory.py tests/test_structure.py \
-	tests/rollout/test_buffer.py tests/rollout/test_chat_templates.py tests/models
+	tests/rollout/test_buffer.py tests/rollout/test_chat_templates.py tests/models tests/test_layers.py
 test-fast: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(FAST_TESTS)
 

@@ -137,13 +137,15 @@ def _inspect(args: argparse.Namespace) -> int:
         return 2
     tokenizer_path = args.model
     if tokenizer_path is None:
-        run_dir = path if path.is_dir() and (path / "settings.yaml").exists() else files[-1].parent.parent
-        if (run_dir / "policy").exists():
-            tokenizer_path = str(run_dir / "policy")
-        else:
-            from lightning_agentrl.train import resolve_model_path
+        from lightning_agentrl.run_layout import RunLayout
 
-            config = run_dir / "settings.yaml"
+        run = RunLayout(path if path.is_dir() and RunLayout(path).settings_file.exists() else files[-1].parent.parent)
+        if run.policy.exists():
+            tokenizer_path = str(run.policy)
+        else:
+            from lightning_agentrl.models.resolve import resolve_model_path
+
+            config = run.settings_file
             tokenizer_path = resolve_model_path(load_settings(config if config.exists() else None))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     console = Console()
@@ -158,8 +160,8 @@ def _resume_base(overrides: list[str]) -> Path | None:
     """``fit --run.dir X --resume last`` without ``--config``: the settings the run last ran with
     (its ``settings.yaml``, or its newest ``settings.resume-*.yaml``) are the base; overrides apply
     on top."""
+    from lightning_agentrl.resume import last_settings_file
     from lightning_agentrl.settings import parse_overrides
-    from lightning_agentrl.train import last_settings_file
 
     run = parse_overrides(overrides).get("run", {})
     if run.get("resume") != "last":
@@ -271,7 +273,7 @@ def _validate(settings, *, offline: bool) -> int:
         codec = preflight(settings, network=not offline)
         if settings.model.lora:  # the adapters fit the model's layers (fit checks it at the same point)
             from lightning_agentrl.lora import check_lora
-            from lightning_agentrl.train import resolve_model_path
+            from lightning_agentrl.models.resolve import resolve_model_path
 
             check_lora(settings.model, resolve_model_path(settings))
     except SettingsError as err:

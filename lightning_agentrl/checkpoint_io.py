@@ -50,6 +50,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_agentrl.run_layout import LAST_CHECKPOINT
+
 TEMP_SUFFIX = ".tmp"
 
 
@@ -181,7 +183,7 @@ class StepCheckpoint(ModelCheckpoint):
             return
         steps = sorted(((int(m.group(1)), p) for p in Path(self.dirpath).iterdir()
                         if (m := STEP_FILE.fullmatch(p.name))), reverse=True)
-        last = Path(self.dirpath) / "last.ckpt"
+        last = Path(self.dirpath) / LAST_CHECKPOINT
         keep_target = last.resolve() if last.is_symlink() else None
         for _, path in steps[self.keep :]:
             if path.resolve() == keep_target:

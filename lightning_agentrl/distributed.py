@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_agentrl.sandbox_checks import check_harness_support, check_judge_isolation
+from lightning_agentrl.settings import PreflightError
+
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -116,8 +119,6 @@ def _check_local_judge(url: str, token: str, policy: str | None) -> None:
         return
     import httpx2
 
-    from lightning_agentrl.preflight import check_judge_isolation
-
     health = httpx2.get(f"{url}/v1/health", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
     check_judge_isolation(health, policy, where="the reference sandbox server started on this node")
 
@@ -131,6 +132,9 @@ class NodeSandbox(L.Callback):
     stops it in :meth:`teardown`; the node's other ranks learn its address and token from rank 0 of the
     node. :meth:`make_client` is what the rollout service and evaluation call.
     """
+
+    uses_service = True
+    """The run's environments talk to a sandbox service (:class:`~lightning_agentrl.sandbox.NoSandbox`: they do not)."""
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float, max_retries: int,
                  log_dir: Path, call_timeout_s: float | None = None, judge_isolation: str | None = "require",
@@ -167,16 +171,12 @@ class NodeSandbox(L.Callback):
                     "tools_dir": str(self.tools_dir), "max_timeout_s": max(3600.0, self.episode_timeout_s)}
                 server = self._stack.enter_context(start_local_server(log_file=self.log_dir / name, **tools))
             except (OSError, RuntimeError, TimeoutError) as err:  # it never answered its health call
-                from lightning_agentrl.preflight import PreflightError
-
                 raise PreflightError(
                     f"sandbox.url: unset, so the reference sandbox server was started on this node, and it did not "
                     f"come up: {type(err).__name__}: {err} (log: {self.log_dir / name})"
                 ) from None
             _check_local_judge(server.url, server.token, self.judge_isolation)
             if self.tools_dir is not None:  # env.agent_in_sandbox
-                from lightning_agentrl.preflight import check_harness_support
-
                 check_harness_support(server.health(), where="the reference sandbox server started on this node",
                                       episode_timeout_s=self.episode_timeout_s)
             mine = (node_rank, server.url, server.token)

@@ -26,7 +26,8 @@ def resolve_policy(path: str | Path) -> tuple[Path, Path | None]:
     """``(policy folder, settings file or None)`` of a run folder, a policy folder, a named model or a GGUF file
     (converted once, ``models/gguf_convert.py``)."""
     from lightning_agentrl.models.gguf_convert import GGUFError, converted_model, is_gguf_source
-    from lightning_agentrl.train import last_settings_file
+    from lightning_agentrl.resume import last_settings_file
+    from lightning_agentrl.run_layout import RunLayout
 
     try:
         if is_gguf_source(str(path)):
@@ -39,10 +40,11 @@ def resolve_policy(path: str | Path) -> tuple[Path, Path | None]:
     settings_file = last_settings_file(path)
     if settings_file is None:
         raise SettingsError(f"{path} is neither a policy folder (config.json) nor a run folder (settings.yaml)")
-    if not (path / "policy" / "config.json").exists():
+    layout = RunLayout(path)
+    if not (layout.policy / "config.json").exists():
         raise SettingsError(f"the run in {path} has no policy/ yet (it ends with one); write one from a checkpoint "
-                            f"with `python -m lightning_agentrl export {path}/checkpoints/last.ckpt OUT`")
-    return (path / "policy").resolve(), settings_file
+                            f"with `python -m lightning_agentrl export {layout.last_checkpoint} OUT`")
+    return layout.policy.resolve(), settings_file
 
 
 def evaluation_settings(path: str | Path, *, split: str, samples: int, config: Path | None,
@@ -90,15 +92,13 @@ def _run(policy: Path, settings: Settings, folder: Path):
     from transformers import AutoTokenizer
 
     from lightning_agentrl.callbacks.evaluation import score_episodes
+    from lightning_agentrl.engines import make_engine, start_local_servers
     from lightning_agentrl.envs.registry import load_env_tasks
-    from lightning_agentrl.preflight import check_sandbox, env_uses_sandbox, harness_timeout, judge_policy
-    from lightning_agentrl.train import (
-        build_rollout_service,
-        chat_codec,
-        make_engine,
-        make_sandbox,
-        start_local_servers,
-    )
+    from lightning_agentrl.preflight import check_sandbox
+    from lightning_agentrl.rollout.chat import chat_codec
+    from lightning_agentrl.sandbox import make_sandbox
+    from lightning_agentrl.sandbox_checks import harness_timeout, judge_policy
+    from lightning_agentrl.train import build_rollout_service
 
     if settings.trainer.threads:  # as `fit` does: on busy cores one thread decodes several times faster
         torch.set_num_threads(settings.trainer.threads)
@@ -114,7 +114,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
     sandbox = make_sandbox(settings, folder)
     servers = None
     try:
-        if not env_uses_sandbox(settings):
+        if not sandbox.uses_service:
             pass  # the environment needs no sandbox service: none is started or checked
         elif not s.addresses:
             sandbox.start()
@@ -125,7 +125,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
         service = build_rollout_service(settings, engine, sandbox, chat_codec(settings, tokenizer), tasks)
         temperature = settings.engine.temperature if settings.eval.temperature is None else settings.eval.temperature
         sampling = replace(service.sampling, temperature=temperature)
-        push = settings.engine.kind == "vllm_server" and bool(settings.engine.urls)  # remote servers: load the policy
+        push = bool(settings.engine.urls)  # servers run elsewhere (engine.urls, vllm_server only): they load the policy
         with EpisodeProgress(len(tasks) * settings.eval.samples_per_task) as progress:
             trajectories = asyncio.run(_play(service, tasks, settings.eval.samples_per_task, sampling,
                                              policy if push else None, on_episode=progress.add))

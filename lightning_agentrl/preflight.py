@@ -25,21 +25,32 @@ import asyncio
 import json
 import os
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-from lightning_agentrl.settings import SandboxSettings, Settings, SettingsError, TrackingSettings
+from lightning_agentrl.envs.registry import load_env_tasks
+from lightning_agentrl.models.gguf_convert import GGUFError, check_source, is_gguf_source
+from lightning_agentrl.rollout.chat import chat_codec, native_tools
+from lightning_agentrl.sandbox_checks import (
+    check_harness_support,
+    check_judge_isolation,
+    env_uses_sandbox,
+    harness_timeout,
+    judge_policy,
+)
+from lightning_agentrl.settings import (
+    PreflightError,
+    SandboxSettings,
+    Settings,
+    SettingsError,
+    TrackingSettings,
+)
 
 TIMEOUT_S = 5.0
 """Deadline of one start-up health call: a service that does not answer within it counts as down."""
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-
-
-class PreflightError(SettingsError):
-    """An input or service named by the settings is missing or down. The message starts with the setting."""
 
 
 def preflight(settings: Settings, *, network: bool = True):
@@ -75,8 +86,6 @@ def check_infra_wait(settings: Settings) -> None:
 def check_tasks(settings: Settings) -> None:
     """The tasks exist, load (by ``env.kind``'s loader), and hold tasks of ``env.split`` (and of ``eval.split``
     when evaluating)."""
-    from lightning_agentrl.envs.registry import load_env_tasks
-
     root = Path(settings.env.tasks)
     if not root.exists():
         raise PreflightError(f"env.tasks: no such file or folder: {root}")
@@ -132,8 +141,6 @@ def check_model_path(path: str, *, network: bool = True, safetensors: bool = Fal
 
 
 def _is_gguf_source(path: str) -> bool:
-    from lightning_agentrl.models.gguf_convert import GGUFError, is_gguf_source
-
     try:
         return is_gguf_source(path)
     except GGUFError as err:
@@ -143,8 +150,6 @@ def _is_gguf_source(path: str) -> bool:
 def gguf_model_folder(path: str, cache_dir: str | Path) -> Path | None:
     """A GGUF ``model.path``'s converted folder if it has one yet; None otherwise, or for another kind of path.
     A GGUF file that cannot be converted raises :class:`PreflightError`."""
-    from lightning_agentrl.models.gguf_convert import GGUFError, check_source
-
     if not _is_gguf_source(path):
         return None
     try:
@@ -205,8 +210,6 @@ def check_chat_template(settings: Settings):
         return None
     from transformers import AutoTokenizer
 
-    from lightning_agentrl.train import chat_codec
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as err:  # transformers raises OSError, ValueError, ... for a folder it cannot read
@@ -225,8 +228,6 @@ CALL_FORMAT_MARKS = ("{tools}", "<tool_call>", '"name"', "[TOOL_CALLS]")
 def describe_model(settings: Settings, codec) -> tuple[list[str], list[str]]:
     """What ``validate`` says about the model: lines (the observation role chosen, the end-of-turn token, how
     the tools reach the model) and warnings (a custom system prompt that tells the model no call format)."""
-    from lightning_agentrl.train import native_tools
-
     if codec is None:
         when = "when the run builds it" if settings.model.path == "tiny" else "when the model is loaded or converted"
         lines = [f"chat template of {settings.model.path}: checked {when}"]
@@ -285,26 +286,6 @@ def _check_on_hub(repo_id: str) -> None:
 
 
 # -- network ---------------------------------------------------------------------------------------
-def env_uses_sandbox(settings: Settings) -> bool:
-    """Whether ``env.kind``'s environment runs actions in the sandbox service (``Environment.uses_sandbox``)."""
-    from lightning_agentrl.envs.registry import settings_env_class
-
-    return settings_env_class(settings.env).uses_sandbox
-
-
-def judge_policy(settings: Settings) -> str | None:
-    """``sandbox.judge_isolation`` where ``env.kind``'s environment is scored by the service's judge; None
-    (nothing to check) for environments that reward without it."""
-    from lightning_agentrl.envs.registry import settings_env_class
-
-    return settings.sandbox.judge_isolation if settings_env_class(settings.env).runs_hidden_tests else None
-
-
-def harness_timeout(settings: Settings) -> float | None:
-    """``env.episode_timeout_s`` where a harness runs in the sandbox (``env.agent_in_sandbox``), else None."""
-    return settings.env.episode_timeout_s if settings.env.agent_in_sandbox else None
-
-
 def check_sandbox(sandbox: SandboxSettings, judge: str | None, timeout_s: float = TIMEOUT_S,
                   harness: float | None = None) -> None:
     """Each of ``sandbox.url`` / ``sandbox.urls`` answers ``GET /v1/health`` with ``sandbox.token``, speaks this
@@ -362,46 +343,6 @@ def _check_one_sandbox(url: str, answer: dict | BaseException, judge: str | None
     check_judge_isolation(answer, judge, where=f"the sandbox service at {url}")
     if harness is not None:
         check_harness_support(answer, where=f"{setting}: the sandbox service at {url}", episode_timeout_s=harness)
-
-
-def check_harness_support(health: dict, *, where: str, episode_timeout_s: float) -> None:
-    """The service's health answer says it forwards a gateway URL into its sandboxes, mounts a tools folder
-    (``gateway``, ``tools``) and takes commands as long as an episode: what ``env.agent_in_sandbox`` needs;
-    else a :class:`PreflightError`."""
-    health = health if isinstance(health, dict) else {}
-    missing = [what for key, what in (("gateway", "bwrap isolation, so that a command reaches its gateway URL and "
-                                       "nothing else"), ("tools", "a tools folder mounted at /tools (--tools-dir)"))
-               if health.get(key) is not True]
-    if missing:
-        raise PreflightError(f"env.agent_in_sandbox: {where} cannot run a harness in its sandboxes: it lacks "
-                             + " and ".join(missing))
-    limits = health.get("limits") if isinstance(health.get("limits"), dict) else {}
-    longest = limits.get("max_timeout_s")
-    if isinstance(longest, int | float) and longest < episode_timeout_s:
-        raise PreflightError(f"env.episode_timeout_s: {where} runs a command for at most {longest:g} s "
-                             f"(max_timeout_s), less than an episode's {episode_timeout_s:g} s")
-
-
-def check_judge_isolation(health: dict, policy: str | None, *, where: str) -> bool:
-    """Whether the service's health answer says how each sandbox's judge runs under its own uid
-    (``isolation.enforced.judge_uid_per_sandbox``, a non-empty string); when it does not (null, another
-    type, a health answer of another shape), a :class:`PreflightError` naming
-    ``sandbox.judge_isolation`` with ``policy="require"``, a warning with ``"warn"``; ``None``: no check."""
-    if policy is None:
-        return True
-    isolation = health.get("isolation") if isinstance(health, dict) else None
-    enforced = isolation.get("enforced") if isinstance(isolation, dict) else None
-    how = enforced.get("judge_uid_per_sandbox") if isinstance(enforced, dict) else None
-    if isinstance(how, str) and how.strip():  # the service says how, e.g. "uids 100256..100511 ..."
-        return True
-    message = (f"{where} runs the judge that holds the hidden tests under the agent's own uid (not run as root), "
-               "so an agent can read the tests and be rewarded without solving the task (docs/sandbox.md, "
-               "single-uid mode)")
-    if policy == "require":
-        raise PreflightError(f"sandbox.judge_isolation: {message}; run the service as root, or set "
-                             "sandbox.judge_isolation=warn to train anyway")
-    warnings.warn(f"sandbox.judge_isolation=warn: {message}", stacklevel=2)
-    return False
 
 
 def check_tracking(tracking: TrackingSettings, timeout_s: float = TIMEOUT_S) -> None:

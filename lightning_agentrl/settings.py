@@ -28,6 +28,9 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from lightning_agentrl.envs.gateway import load_agent
+from lightning_agentrl.envs.registry import env_class
+
 StrategyName = Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
 StalenessKind = Literal["none", "exp", "inverse"]  # algorithms/staleness.py implements each
 ImportanceLevel = Literal["token", "sequence", "geometric"]  # algorithms/importance.py implements each
@@ -256,8 +259,6 @@ class EnvSettings(_Section):
     @field_validator("kind")
     @classmethod
     def _known_environment(cls, kind: str) -> str:
-        from lightning_agentrl.envs.registry import env_class
-
         env_class(kind)  # imports the module: a typo or a missing package fails here, before any work starts
         return kind
     split: Literal["train", "test", "all"] = "train"
@@ -324,8 +325,6 @@ class EnvSettings(_Section):
 
     @model_validator(mode="after")
     def _one_agent(self) -> EnvSettings:
-        from lightning_agentrl.envs.gateway import load_agent
-
         if (self.agent is None) == (self.agent_command is None):
             if self.kind == "gateway":
                 raise ValueError("env.kind=gateway needs exactly one of env.agent (a function path) and env.agent_command (argv)")
@@ -861,6 +860,11 @@ def _check_lora(settings: Settings) -> None:
 
 class SettingsError(ValueError):
     """Settings that cannot run, with every problem named by its dotted field path."""
+
+
+class PreflightError(SettingsError):
+    """An input or service named by the settings is missing or down. The message starts with the setting
+    (the start-up checks of ``preflight.py``, and the sandbox service a run starts itself)."""
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

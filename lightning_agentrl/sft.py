@@ -32,12 +32,12 @@ import json
 import random
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_agentrl.run_layout import RunLayout
 from lightning_agentrl.settings import Settings, SettingsError
 
 
@@ -112,7 +112,7 @@ async def play_demonstration(env, codec, rng: random.Random, *, max_observation_
 def build_demonstrations(settings: Settings, codec, tasks: list, client) -> tuple[list[Demonstration], Counter]:
     """``sft.demos_per_task`` demonstrations of every task; the second value counts those left out, by reason."""
     from lightning_agentrl.envs.registry import env_class
-    from lightning_agentrl.train import native_tools
+    from lightning_agentrl.rollout.chat import native_tools
 
     cls, env, rng = env_class(settings.env.kind), settings.env, random.Random(settings.run.seed)
     tools_in_template = native_tools(settings, codec)
@@ -242,40 +242,34 @@ def sft(settings: Settings):
     from lightning_agentrl.callbacks.export_policy import ExportPolicy
     from lightning_agentrl.checkpoint_io import AtomicCheckpointIO, StepCheckpoint
     from lightning_agentrl.lora import check_lora
-    from lightning_agentrl.train import (
-        FitResult,
-        attach_logger,
-        build_tasks,
-        chat_codec,
-        finish_run,
-        prepare_run,
-        resolve_model_path,
-        tracking_uri,
-    )
+    from lightning_agentrl.models.resolve import resolve_model_path
+    from lightning_agentrl.rollout.chat import chat_codec
+    from lightning_agentrl.tracking import attach_logger, finish_run, tracking_uri
+    from lightning_agentrl.train import FitResult, build_tasks, prepare_run
 
     check_sft_settings(settings)
-    run_dir, _ = prepare_run(settings)
+    layout, _ = prepare_run(settings)
     tasks = build_tasks(settings)
     model_path = resolve_model_path(settings)
     check_lora(settings.model, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     codec = chat_codec(settings, tokenizer)
-    demos = _demonstrations(settings, codec, tasks, run_dir)
+    demos = _demonstrations(settings, codec, tasks, layout)
     s, t = settings.sft, settings.trainer
     batches = demonstration_batches(demos, steps=s.steps, batch_size=s.batch_size, seed=settings.run.seed)
     trainer = L.Trainer(
         max_steps=s.steps, accelerator=t.accelerator, devices=1, precision=t.precision, logger=False,
-        callbacks=[StepCheckpoint(run_dir / "checkpoints", t.checkpoint_every),
-                   ExportPolicy(run_dir / "policy", tokenizer, adapter_directory=run_dir / "adapter")],
-        plugins=[AtomicCheckpointIO()], default_root_dir=run_dir, log_every_n_steps=1, num_sanity_val_steps=0,
+        callbacks=[StepCheckpoint(layout.checkpoints, t.checkpoint_every),
+                   ExportPolicy(layout.policy, tokenizer, adapter_directory=layout.adapter)],
+        plugins=[AtomicCheckpointIO()], default_root_dir=layout.root, log_every_n_steps=1, num_sanity_val_steps=0,
         limit_val_batches=0, enable_model_summary=False,
     )
-    logger = attach_logger(settings, run_dir, trainer)
+    logger = attach_logger(settings, layout, trainer)
     trainer.fit(SFTModule(settings, model_path), train_dataloaders=DataLoader(batches, batch_size=None,
                                                                               collate_fn=_as_is))
-    finish_run(trainer, logger, run_dir, tracking_uri(settings, run_dir))
-    return FitResult(run_dir=run_dir, checkpoint=run_dir / "checkpoints" / "last.ckpt", policy_dir=run_dir / "policy",
-                     tracking_uri=tracking_uri(settings, run_dir) if logger is not None else None,
+    finish_run(settings, layout, trainer, logger)
+    return FitResult(run_dir=layout.root, checkpoint=layout.last_checkpoint, policy_dir=layout.policy,
+                     tracking_uri=tracking_uri(settings, layout) if logger is not None else None,
                      mlflow_run_id=logger.run_id if logger is not None else None, global_step=trainer.global_step)
 
 
@@ -283,21 +277,21 @@ def _as_is(batch):
     return batch
 
 
-def _demonstrations(settings: Settings, codec, tasks: list, run_dir: Path) -> list[Demonstration]:
+def _demonstrations(settings: Settings, codec, tasks: list, layout: RunLayout) -> list[Demonstration]:
     """The demonstrations (with the sandbox service up while they are played, where the environment uses it),
     written to ``<run.dir>/demonstrations.jsonl``; a line says how many, and what was left out."""
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-    from lightning_agentrl.train import NoSandbox, make_sandbox
+    from lightning_agentrl.sandbox import make_sandbox
 
-    sandbox = make_sandbox(settings, run_dir)
+    sandbox = make_sandbox(settings, layout.root)
     try:
         if sandbox.url is None:  # sandbox.url unset: the reference server on loopback, as fit starts it
             sandbox.start()
         demos, left_out = build_demonstrations(settings, codec, tasks, sandbox.make_client())
     finally:
         sandbox.close()
-    with open(run_dir / "demonstrations.jsonl", "w", encoding="utf-8") as out:
+    with open(layout.demonstrations, "w", encoding="utf-8") as out:
         for demo in demos:
             record = {"task_id": demo.task_id, "reward": demo.reward, "turns": demo.num_turns,
                       "action_tokens": sum(demo.loss_mask), "text": codec.tokenizer.decode(demo.token_ids)}
@@ -305,7 +299,7 @@ def _demonstrations(settings: Settings, codec, tasks: list, run_dir: Path) -> li
     mean_reward = sum(d.reward for d in demos) / len(demos)
     rank_zero_info(f"sft: {len(demos)} demonstrations of {len(tasks)} training tasks, mean reward {mean_reward:.2f}, "
                    f"{sum(sum(d.loss_mask) for d in demos) / len(demos):.0f} action tokens each on average"
-                   + ("" if isinstance(sandbox, NoSandbox) else " (played in the sandbox service)"))
+                   + (" (played in the sandbox service)" if sandbox.uses_service else ""))
     if left_out:
         rank_zero_warn("sft: left out " + ", ".join(f"{count} {why}" for why, count in left_out.items()))
     return demos

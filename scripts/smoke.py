@@ -75,7 +75,7 @@ def warm_started_model(settings, steps: int, batch_size: int = WARM_START_BATCH,
     one already there is kept (a rerun into the folder: ``fit`` refuses it or resumes it)."""
     from benchmarks.warm_start import warm_start
     from lightning_agentrl.envs.learn_tasks import LearnSuiteSpec
-    from lightning_agentrl.train import resolve_model_path
+    from lightning_agentrl.models.resolve import resolve_model_path
 
     out = Path(settings.run.dir) / "warm_start"
     if (out / "warm_start.json").exists():

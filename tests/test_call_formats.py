@@ -108,7 +108,7 @@ def test_mistral_calls_as_its_own_tokenizer_encodes_them_are_read_back():
 def test_a_template_that_writes_calls_in_no_known_format_is_refused_naming_the_setting(tiny_model_path):
     from transformers import AutoTokenizer
 
-    from lightning_agentrl.train import chat_codec
+    from lightning_agentrl.rollout.chat import chat_codec
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     tokenizer.chat_template = tokenizer.chat_template.replace(

@@ -246,8 +246,9 @@ def test_a_resume_that_changes_the_sampling_distribution_is_refused_before_it_st
     resume with another would weight them wrongly. The run's settings file may predate `engine.logprobs`
     (it then ran with the default). Under the softmax rule the filters change what is sampled but not the
     log-probs recorded, so a softmax run may change them."""
+    from lightning_agentrl.resume import check_resume_keeps
     from lightning_agentrl.settings import SettingsError
-    from lightning_agentrl.train import check_resume_keeps, fit
+    from lightning_agentrl.train import fit
 
     scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=1"), {"e0": SOLVE})
     settings_file = tmp_path / "run" / "settings.yaml"

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from lightning_agentrl.lora import ADAPTER, hf_model, merged_state_dict
+from lightning_agentrl.resume import check_resume_keeps
 from lightning_agentrl.settings import SettingsError, load_settings
-from lightning_agentrl.train import check_resume_keeps, fit, resolve_model_path
+from lightning_agentrl.train import fit, resolve_model_path
 from tests.fitting import SOLVE, TeacherForcedEngine, learn_settings
 
 RANK, ALPHA = 4, 8.0

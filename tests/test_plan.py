@@ -257,7 +257,7 @@ def test_fit_refuses_before_writing_or_loading_anything(tmp_path, monkeypatch):
 
 def test_make_engine_sizes_the_kv_cache_by_utilization_on_gpus(monkeypatch, tmp_path):
     import lightning_agentrl.rollout.vllm_engine as vllm_engine
-    from lightning_agentrl.train import make_engine
+    from lightning_agentrl.engines import make_engine
 
     built = {}
     monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kwargs: built.update(kwargs) or kwargs)

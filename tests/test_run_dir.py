@@ -51,7 +51,7 @@ def test_a_new_run_refuses_a_folder_holding_a_previous_runs_outputs(tmp_path, pr
 def test_the_other_processes_of_a_new_run_accept_the_mlflow_run_that_rank_zero_just_recorded(tmp_path, monkeypatch,
                                                                                              variable):
     """Lightning starts rank 1 once rank 0 has recorded the run in MLflow; another node may start while it does."""
-    from lightning_agentrl.train import check_run_dir
+    from lightning_agentrl.resume import check_run_dir
 
     settings = learn_settings(tmp_path)
     _mlflow_run(Path(settings.run.dir))
@@ -82,3 +82,25 @@ def test_the_closing_mlflow_line_is_one_shell_command_for_a_folder_with_spaces(t
                                  "--host", "127.0.0.1"]
     assert main(argv) == 2  # the same command again: refused, before any model loads
     assert f"error: run.dir: {run} already holds a run" in capfd.readouterr().err
+
+
+def test_every_output_of_a_run_lies_where_run_layout_says(tmp_path):
+    """``fit``'s paths and the files it writes are :class:`RunLayout`'s, the one spelling of the run folder."""
+    import doctest
+    import json
+
+    from lightning_agentrl import run_layout
+    from lightning_agentrl.run_layout import RunLayout
+
+    assert doctest.testmod(run_layout, raise_on_error=False, verbose=False).failed == 0
+    settings = learn_settings(tmp_path, "--trainer.max_steps=1", "--tracking.enabled=true")
+    result = fit(settings)
+    layout = RunLayout(settings.run.dir)
+    assert (result.run_dir, result.checkpoint, result.policy_dir) == (layout.root, layout.last_checkpoint, layout.policy)
+    assert result.tracking_uri == f"sqlite:///{layout.mlflow_db.resolve()}"
+    for path in (layout.settings_file, layout.last_checkpoint, layout.policy / "config.json", layout.mlflow_run_id):
+        assert path.exists(), path
+    assert layout.mlflow_run_id.read_text() == result.mlflow_run_id
+    assert sorted(p.name for p in layout.trajectories.iterdir())[:1] == ["step_000000.jsonl"]
+    assert json.loads(layout.summary.read_text()) == {
+        "global_step": 1, "checkpoint": str(layout.last_checkpoint), "policy": str(layout.policy)}

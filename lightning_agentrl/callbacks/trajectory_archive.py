@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_agentrl.credit import credit_rows
 from lightning_agentrl.distributed import gather_to_zero
 from lightning_agentrl.render import to_html
+from lightning_agentrl.run_layout import RunLayout
 from lightning_agentrl.trajectory import RolloutBatch, save_trajectories
 
 
@@ -24,7 +25,7 @@ class TrajectoryArchive(L.Callback):
     def __init__(self, run_dir: str | Path, tokenizer, num_samples: int = 1) -> None:
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-        self.dir = Path(run_dir) / "trajectories"
+        self.dir = RunLayout(run_dir).trajectories
         self.tokenizer = tokenizer
         self.num_samples = num_samples
 

@@ -2,7 +2,7 @@
 
 A reply may hold several calls, and an argument may be any JSON value. A format reads the calls out of a
 reply's text (:meth:`CallFormat.read`, ``(name, arguments)`` pairs, nothing where the reply holds no call,
-:class:`~lightning_agentrl.envs.tools.ToolCallError` where one is malformed) and writes calls the way the
+:class:`ToolCallError` where one is malformed) and writes calls the way the
 family does (:meth:`CallFormat.write`, for a template that writes no ``tool_calls`` itself). Checking the
 calls against the tools offered is :func:`~lightning_agentrl.envs.tools.parse_tool_calls`'s.
 
@@ -21,9 +21,21 @@ import json
 import math
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lightning_agentrl.envs.tools import ToolCall, ToolCallError
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call of a tool, checked against the tools offered (:func:`~lightning_agentrl.envs.tools.parse_tool_calls`)."""
+
+    name: str
+    arguments: dict
+
+
+class ToolCallError(ValueError):
+    """The action does not contain one well-formed call of a known tool."""
+
 
 RawCall = tuple[str, Any]  # (name, arguments) as the reply writes them, not yet checked against the tools
 

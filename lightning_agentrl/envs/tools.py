@@ -18,6 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from lightning_agentrl.envs.call_formats import ToolCall, ToolCallError, read_calls, value_of
+
 CALL_PATTERN = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -86,16 +88,6 @@ def tool_spec(name: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS) -> ToolSpec
     return next(tool for tool in tools if tool.name == name)
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict
-
-
-class ToolCallError(ValueError):
-    """The action does not contain one well-formed call of a known tool."""
-
-
 JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,
     "null": type(None),
@@ -115,8 +107,6 @@ def parse_tool_calls(text: str, tools: tuple[ToolSpec, ...] = CODING_TOOLS, call
     ...                                    '<tool_call>{"name": "submit", "arguments": {}}</tool_call>')]
     ['read_file', 'submit']
     """
-    from lightning_agentrl.envs.call_formats import read_calls
-
     read_in, calls = read_calls(text, call_format)
     if not calls:
         raise ToolCallError('no tool call found in the reply: write <tool_call>{"name": ..., "arguments": {...}}</tool_call>')
@@ -161,6 +151,4 @@ def _checked(name: str, arguments, tools: tuple[ToolSpec, ...], *, typed: bool) 
 
 
 def _typed(text: str):
-    from lightning_agentrl.envs.call_formats import value_of
-
     return value_of(text)

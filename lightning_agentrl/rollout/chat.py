@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_agentrl.envs.call_formats import resolve_call_format
+from lightning_agentrl.settings import Settings, SettingsError
 
 _ACTION = "\u2063ACTION\u2063"
 _OBSERVATION = "\u2063OBSERVATION\u2063"
@@ -208,3 +209,26 @@ class ChatCodec:
         """What ends an action that did not end with the end-of-turn id (cut by the token budget, or
         stopped on the tokenizer's eos); nothing for one that did."""
         return [] if action_ids and action_ids[-1] == self.end_of_turn_id else [self.end_of_turn_id]
+
+
+def chat_codec(settings: Settings, tokenizer):
+    """The model's chat template as a :class:`ChatCodec`; a template that cannot hold the episode's
+    conversation is a :class:`SettingsError` naming the setting."""
+    env = settings.env
+    try:
+        codec = ChatCodec(tokenizer, observation_role=env.observation_role, call_format=env.tool_call_format)
+    except ChatTemplateError as err:
+        setting = "env.observation_role" if env.observation_role is not None else "model.path"
+        setting = "env.tool_call_format" if isinstance(err, CallFormatError) else setting
+        raise SettingsError(f"{setting}: unsupported chat template of {settings.model.path}: {err}") from None
+    if env.tool_format == "template" and not codec.renders_tools:
+        raise SettingsError(
+            f"env.tool_format: the chat template of {settings.model.path} does not render tools (tools=); "
+            "use `auto` or `text`"
+        )
+    return codec
+
+
+def native_tools(settings: Settings, codec) -> bool:
+    """Whether the environment gives its tools to the chat template (``env.tool_format``)."""
+    return settings.env.tool_format != "text" and codec.renders_tools

@@ -133,8 +133,8 @@ def test_prepare_weight_update_checks_names_shapes_and_fills_tied_head():
 def test_cpu_kv_cache_is_sized_for_each_replicas_share_of_the_episodes_in_flight(tiny_model_path, tmp_path, caplog):
     """2 layers x 2 kv heads x head dim 64 x 4 bytes x 2 (K, V) = 2048 bytes a token; 2 replicas share
     rollout.max_in_flight=16, 8 each, of 1,025 tokens: 9 blocks of 128 tokens each, plus the null block."""
+    from lightning_agentrl.engines import cpu_kv_cache_bytes
     from lightning_agentrl.settings import SettingsError, load_settings
-    from lightning_agentrl.train import cpu_kv_cache_bytes
 
     def settings(*overrides):
         return load_settings(None, ["--engine.kind=vllm", "--engine.num_replicas=2", "--rollout.max_in_flight=16",

@@ -19,9 +19,10 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from lightning_agentrl.engines import make_engine, start_local_servers
 from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.settings import load_settings
-from lightning_agentrl.train import fit, make_engine, start_local_servers
+from lightning_agentrl.train import fit
 from lightning_agentrl.trajectory import TerminationReason
 from tests.test_fit import (
     CaptureBatches,
