@@ -12,7 +12,9 @@ gradient. ``sft`` trains the policy on demonstrations first:
   (``tools=`` where the template renders them), each action's ids and the end-of-turn id (loss mask 1), each
   observation inside the template's scaffolding (mask 0). A demonstration that ``fit`` could not produce (an
   action longer than ``engine.max_new_tokens``, more turns than ``env.max_turns``, a context past
-  ``env.max_context_tokens``) is left out, and counted.
+  ``env.max_context_tokens``) is left out, and counted; so is one that does not solve its task (a reward below
+  the full reward, :data:`~lightning_agentrl.callbacks.evaluation.SOLVED_REWARD`: a wrong ``solution/``),
+  so a failed episode is never imitated.
 - **Loss.** The mean negative log-likelihood of the mask-1 tokens of a batch (token mean, as ``fit``'s
   ``token-mean``), with ids ``y`` [T] and mask ``m`` [T] per demonstration::
 
@@ -37,6 +39,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_agentrl.callbacks.evaluation import SOLVED_REWARD
 from lightning_agentrl.run_layout import RunLayout
 from lightning_agentrl.settings import Settings, SettingsError
 
@@ -134,14 +137,16 @@ def build_demonstrations(settings: Settings, codec, tasks: list, client) -> tupl
             left_out[reason] += 1
     if not kept:
         reasons = ", ".join(f"{count} {why}" for why, count in left_out.items())
-        raise SettingsError(f"env.kind: no demonstration of the {len(tasks)} training tasks can be trained on "
-                            f"({reasons})")
+        raise SettingsError(f"env.tasks: no demonstration of the {len(tasks)} training tasks in {settings.env.tasks} "
+                            f"can be trained on ({reasons})")
     return kept, left_out
 
 
 def _left_out_because(settings: Settings, demo: Demonstration | None) -> str | None:
     if demo is None:
         return f"without a solver ({settings.env.kind} returns no Environment.demonstration)"
+    if demo.reward < SOLVED_REWARD:  # a wrong solution: imitating it would teach the failure
+        return f"where the solver failed (reward below {SOLVED_REWARD:g})"
     if demo.num_turns > settings.env.max_turns:
         return f"longer than env.max_turns={settings.env.max_turns} turns"
     if demo.longest_action > settings.engine.max_new_tokens:

@@ -130,12 +130,39 @@ def test_coding_demonstrations_are_played_in_the_sandbox_and_solve_their_tasks(t
     assert f'"content": {json.dumps(key)}' in first and "<|im_start|>tool\n" + key in first  # read, then copied
 
 
+def learn_suite(root: Path, *, wrong: tuple[str, ...]) -> Path:
+    """Two training tasks and a held-out one of tasks/learn; the tasks in ``wrong`` get a solution that writes a
+    wrong key (the hidden check fails: reward 0)."""
+    for name in ("train_000", "train_001", "test_040"):
+        shutil.copytree(REPO / "tasks" / "learn" / name, root / name)
+    for name in wrong:
+        key = (root / name / "workspace" / "key.txt").read_text()
+        (root / name / "solution" / "answer.txt").write_text("9" if key.strip() != "9" else "8")
+    return root
+
+
+def test_failed_demonstrations_are_left_out_and_none_succeeding_stops_sft_before_training(tmp_path, capsys):
+    args = ["sft", "--config", str(REPO / "configs" / "smoke.yaml"), CACHE, *TINY, "--trainer.threads=1",
+            "--sft.steps=1", "--sft.batch_size=1", "--tracking.enabled=false"]
+    one_wrong = learn_suite(tmp_path / "one_wrong", wrong=("train_000",))
+    with pytest.warns(Warning, match=r"sft: left out 1 where the solver failed \(reward below 1\)"):
+        assert main([*args, f"--run.dir={tmp_path / 'kept'}", f"--env.tasks={one_wrong}"]) == 0
+    demos = [json.loads(line) for line in (tmp_path / "kept" / "demonstrations.jsonl").read_text().splitlines()]
+    assert [(d["task_id"], d["reward"]) for d in demos] == [("train_001", 1.0)]  # the failed one is not trained on
+    all_wrong = learn_suite(tmp_path / "all_wrong", wrong=("train_000", "train_001"))
+    assert main([*args, f"--run.dir={tmp_path / 'none'}", f"--env.tasks={all_wrong}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: env.tasks: no demonstration of the 2 training tasks in {all_wrong} can be trained on (2 where the "
+        "solver failed (reward below 1))")
+    assert not (tmp_path / "none" / "checkpoints").exists() and not (tmp_path / "none" / "policy").exists()
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("--env.split=test", "error: env.split: sft learns from the training split only"),
     ("--run.resume=last", "error: run.resume: sft does not resume"),
     ("--sft.steps=0", "sft.steps: Input should be greater than or equal to 1"),
-    ("--env.max_turns=2", "error: env.kind: no demonstration of the 7 training tasks can be trained on (7 longer "
-                          "than env.max_turns=2 turns)"),
+    ("--env.max_turns=2", "error: env.tasks: no demonstration of the 7 training tasks in tasks/keydoor can be trained "
+                          "on (7 longer than env.max_turns=2 turns)"),
 ])
 def test_sft_refuses_what_it_cannot_train_before_training(tmp_path, capsys, override, message):
     code = main(["sft", "--config", str(KEYDOOR), f"--run.dir={tmp_path / 'sft'}", CACHE, *TINY, override])

@@ -29,6 +29,9 @@ from lightning_agentrl.lora import engine_weights
 from lightning_agentrl.tasks import Task
 from lightning_agentrl.trajectory import TerminationReason, Trajectory
 
+SOLVED_REWARD = 1.0
+"""The full reward: an episode with at least it is solved (all hidden tests passed, the goal reached)."""
+
 
 def score_episodes(trajectories: list[Trajectory]) -> dict:
     """Success and pass@k of held-out episodes, k being the samples per task.
@@ -54,7 +57,7 @@ def score_episodes(trajectories: list[Trajectory]) -> dict:
         best[t.task_id] = max(best.get(t.task_id, 0.0), t.reward)
     return {
         "success": sum(t.reward for t in scored) / max(len(scored), 1),
-        "solved": sum(t.reward >= 1.0 for t in scored) / max(len(scored), 1),
+        "solved": sum(t.reward >= SOLVED_REWARD for t in scored) / max(len(scored), 1),
         "pass_at_k": sum(best.values()) / max(len(best), 1),
         "submitted_frac": sum(t.termination is TerminationReason.SUBMITTED for t in scored) / max(len(scored), 1),
         # an agent scoring without the model (env.kind: gateway) shows here: no reply of the policy in its episode
