@@ -58,6 +58,7 @@ def preflight(settings: Settings, *, network: bool = True):
     :class:`~lightning_agentrl.rollout.chat.ChatCodec` (None for the tiny model, a hub id or an unconverted GGUF)."""
     check_tasks(settings)
     check_infra_wait(settings)
+    check_cache_dir(settings.model.cache_dir)
     check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"),
                      cache_dir=settings.model.cache_dir)
     codec = check_chat_template(settings)
@@ -111,6 +112,21 @@ def _check_scoring_fits(settings: Settings, tasks) -> None:
         raise PreflightError(f"env.episode_timeout_s: {settings.env.episode_timeout_s:g} s leaves the harness no time: "
                              f"task {longest.id!r} keeps {longest.scoring_timeout_s:g} s (its scoring_timeout_s) "
                              "of each episode for its scoring")
+
+
+def check_cache_dir(cache_dir: str | Path) -> None:
+    """``model.cache_dir`` is a folder, or can be made one: its nearest existing parent is a writable folder (an
+    existing cache may be read-only: a converted model is only read from it)."""
+    folder = Path(cache_dir).expanduser()
+    if folder.is_dir():
+        return
+    if folder.exists():
+        raise PreflightError(f"model.cache_dir: {cache_dir} is a file, not a folder")
+    parent = next(p for p in folder.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise PreflightError(f"model.cache_dir: {cache_dir} cannot be created: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PreflightError(f"model.cache_dir: {cache_dir} cannot be created: {parent} is not writable")
 
 
 def check_model_path(path: str, *, network: bool = True, safetensors: bool = False,

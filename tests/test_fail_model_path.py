@@ -79,3 +79,31 @@ def test_a_config_json_that_is_not_json_is_one_error_line(tmp_path, tiny_model_p
     (folder / "config.json").write_text('{"model_type": "llama", ')
     assert main(["validate", "--config", "tests/fixtures/tiny_bugfix.yaml", "--offline", f"--model.path={folder}"]) == 2
     assert error_line(capsys.readouterr().err).startswith(f"error: model.path: {folder} has a config.json that is not JSON")
+
+
+@pytest.mark.parametrize("model_path", ["tiny", "model.gguf"])
+def test_a_cache_dir_that_cannot_be_a_folder_is_one_error_line_before_any_work(tmp_path, model_path, capsys):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("a file where the cache's parent folder would be")
+    if model_path.endswith(".gguf"):
+        model_path = str(tmp_path / model_path)
+        Path(model_path).write_bytes(b"GGUF")  # the cache is checked before the file is read
+    run_dir, cache = tmp_path / "run", blocker / "sub"
+    args = ["fit", "--config", "configs/smoke.yaml", f"--run.dir={run_dir}", f"--model.path={model_path}"]
+    assert main([*args, f"--model.cache_dir={cache}"]) == 2
+    assert error_line(capsys.readouterr().err) == (
+        f"error: model.cache_dir: {cache} cannot be created: {blocker} is a file, not a folder")
+    assert main([*args, f"--model.cache_dir={blocker}"]) == 2
+    assert error_line(capsys.readouterr().err) == f"error: model.cache_dir: {blocker} is a file, not a folder"
+    assert not run_dir.exists()
+
+
+def test_a_gguf_cache_that_cannot_be_written_is_a_gguf_error(tmp_path):
+    from lightning_agentrl.models.gguf_convert import GGUFError, converted_model
+
+    model, blocker = tmp_path / "model.gguf", tmp_path / "file.txt"
+    model.write_bytes(b"GGUF")
+    blocker.write_text("not a folder")
+    with pytest.raises(GGUFError, match=r"model\.gguf could not be converted: the cache .*file\.txt/sub/gguf cannot be "
+                                        r"written: NotADirectoryError: Not a directory"):
+        converted_model(str(model), blocker / "sub")
