@@ -195,8 +195,13 @@ def converted_model(path: str, cache_dir: str | Path) -> Path:
     target = converted_folder(file, cache_dir)
     if is_converted(target):
         return target.resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(target.name + ".lock"), "w") as lock:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.with_name(target.name + ".lock"), "w")  # closed by the with below
+    except OSError as err:  # model.cache_dir not a folder, not writable, full: one line, not a trace
+        raise GGUFError(f"{file} could not be converted: the cache {target.parent} cannot be written: "
+                        f"{type(err).__name__}: {err.strerror or err}") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the folder done
         if not is_converted(target):
             check_gguf(file)
