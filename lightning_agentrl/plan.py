@@ -784,9 +784,9 @@ class HostMemoryPlan:
     optimizer step frees them), ``sync`` (the copies a weight sync makes). The tensors live at once peak
     at ``always`` plus the largest phase (:attr:`live_peak_bytes`), but the process's resident memory
     does not come back down after a phase: glibc's malloc keeps what a phase freed (in the arena of the
-    thread that freed it) and the next phase reuses it only in part. The resident peak lies between the
-    live peak and the sum of every part (:attr:`peak_bytes`), which the plan predicts as its upper bound
-    (docs/memory_plan.md has the measurements: 0.94 to 1.08 of it at SmolLM2-135M). With
+    thread that freed it) and the next phase reuses it only in part. The resident peak lies near the sum of
+    every part (:attr:`peak_bytes`), which the plan predicts (docs/memory_plan.md has the measurements: 0.87 to
+    1.15 of it at SmolLM2-135M). With
     ``rollout.max_staleness > 0`` generation overlaps training: the KV cache is counted as ``always``.
     """
 
@@ -807,7 +807,7 @@ class HostMemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        """The predicted peak resident memory: every part, an upper bound (see the class docstring)."""
+        """The predicted peak resident memory: every part (see the class docstring; not a bound)."""
         return sum(p.num_bytes for p in self.parts)
 
     def part(self, name: str) -> HostPart:
@@ -961,7 +961,7 @@ def print_host_plan(plan: HostMemoryPlan, console=None) -> None:
     table.add_row("[bold]live at the busiest phase[/bold]", f"{plan.live_peak_bytes / GiB:,.2f}", "",
                   "always + the largest phase")
     table.add_row("[bold]peak resident memory[/bold]", f"[bold]{plan.peak_bytes / GiB:,.2f}[/bold]", "",
-                  "every part: an upper bound (malloc keeps part of what a phase frees)")
+                  "every part (malloc keeps part of what a phase frees; measured runs lie within 0.87x-1.15x of it)")
     console.print(table)
     for note in plan.notes:
         console.print(f"note: {note}")

@@ -256,3 +256,29 @@ def test_every_built_in_tool_example_is_a_call_the_parser_accepts():
             assert parse_tool_call(tool.render(), tools).name == tool.name
             assert parse_tool_call(f"<tool_call>[{example}]</tool_call>", tools).arguments == call["arguments"]
             assert all(value for value in call["arguments"].values())  # an example value, not a blank
+
+
+def test_a_conversion_left_half_done_is_redone_not_refused_forever(tmp_path, monkeypatch):
+    """A cache folder a killed conversion left incomplete (no weights), and its staging copy, are replaced by the next
+    conversion: before, every later try failed with 'Directory not empty' and left another staging copy. The
+    conversion itself is replaced here by one that writes the folder's files."""
+    from lightning_agentrl.models import gguf_convert
+
+    source = write_gguf(tmp_path / "m.gguf")
+    target = gguf_convert.converted_folder(source, tmp_path / "cache")
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # killed before the weights were written
+    stale = target.with_name(target.name + ".tmp99999")
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 1000)
+
+    def save(file, staging):
+        staging.mkdir()
+        for name in gguf_convert._FOLDER_FILES:
+            (staging / name).write_text("converted")
+
+    monkeypatch.setattr(gguf_convert, "check_gguf", lambda file: None)
+    monkeypatch.setattr(gguf_convert, "_save_converted", save)
+    assert gguf_convert.converted_model(str(source), tmp_path / "cache") == target.resolve()
+    assert (target / "model.safetensors").read_text() == "converted"
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, target.name + ".lock"])
