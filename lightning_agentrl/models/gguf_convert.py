@@ -215,14 +215,20 @@ def converted_model(path: str, cache_dir: str | Path) -> Path:
 
 
 def _convert(file: Path, target: Path) -> None:
+    """Convert into a staging folder, then rename it to ``target``. Runs under the target's lock: a staging folder
+    or an incomplete ``target`` found here is what a killed or failed earlier conversion left, and goes first
+    (else the rename fails on every later try, and each try leaves another staging copy of the weights)."""
+    for leftover in target.parent.glob(target.name + ".tmp*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if target.exists():
+        shutil.rmtree(target)
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     try:
         _save_converted(file, staging)
+        os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # no half-written folder left behind
         raise
-    os.replace(staging, target)
 
 
 def _save_converted(file: Path, staging: Path) -> None:
