@@ -70,7 +70,8 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 
-# Ratio benchmarks; each writes benchmarks/results/<benchmark>/*.json and prints one summary line.
+# Ratio benchmarks, one after the other (benchmarks/suite.py): each writes benchmarks/results/<benchmark>/*.json;
+# then one table of each figure against its target, with the commit each record measured.
 # The `bench` extra (TRL, the peer of peer_trl.py) installs beside the pins without changing one.
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines,bench]"
@@ -78,19 +79,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(PY) benchmarks/peer_trl.py
-	$(PY) benchmarks/logprob_memory_bench.py
-	$(PY) benchmarks/sandbox_bench.py
-	$(PY) benchmarks/scoring_bench.py
-	$(PY) benchmarks/http_client_bench.py
-	$(PY) benchmarks/engine_compare.py
-	$(PY) benchmarks/sampling_bench.py
-	$(PY) benchmarks/packed_attention_bench.py
-	$(PY) benchmarks/async_bench.py
-	$(PY) benchmarks/packing_bench.py
-	$(PY) benchmarks/scaling_bench.py
-	$(PY) benchmarks/lora_bench.py
-	$(PY) benchmarks/gateway_bench.py
+	$(PY) benchmarks/suite.py
 
 # Proof that it learns: warm start + GRPO on the copy-the-key suite, held-out success per step
 # (benchmarks/results/learn_cpu/learn_cpu.json and .png).

@@ -540,3 +540,21 @@ def test_write_record_stamps_provenance_and_keeps_the_records_own_keys(tmp_path)
 
     assert shared_overrides([["--a=1", "--b=2", "--c=3"], ["--c=3", "--a=1"]]) == ["--a=1", "--c=3"]
     assert shared_overrides([]) == []
+
+
+def test_the_bench_suite_runs_every_ratio_benchmark_and_reads_each_record_it_names():
+    from benchmarks.suite import ROWS, table_row
+
+    makefile = (REPO / "Makefile").read_text()
+    assert "$(PY) benchmarks/suite.py" in makefile.split("\nbench:")[1].split("\n\n")[0]
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*_bench.py")} | {"peer_trl.py", "engine_compare.py"}
+    assert {row.argv[0] for row in ROWS} == scripts  # a new benchmark joins the suite (or this set)
+    for row in ROWS:
+        read = table_row(row)
+        assert read["figure"] != "no record" and not read["figure"].startswith("unreadable"), (row.name, read)
+        assert read["met"] in (True, False, None) and read["commit"] not in ("-", "?")
+    done = run_benchmark("benchmarks/suite.py", "--table-only", "--only", "lora,sampling")
+    assert "lora" in done.stdout and "sampling" in done.stdout and "gateway" not in done.stdout
+    bad = subprocess.run([sys.executable, "benchmarks/suite.py", "--only", "nope"], cwd=REPO, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "unknown benchmark(s) ['nope']" in bad.stderr
