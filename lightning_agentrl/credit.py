@@ -22,7 +22,7 @@ def credit_rows(trajectories: list[Trajectory], *, gamma: float = 0.95, omega: f
                 similarity: float | None = None) -> tuple[list[dict], dict[str, float]]:
     batch = pack(trajectories)
     rows = credit_table(
-        batch.rewards, batch.group_ids, batch.turn_traj, batch.anchor_states(similarity),
+        batch.rewards, batch.group_ids, batch.turn_episode, batch.anchor_states(similarity),
         turn_rewards=batch.turn_rewards, gamma=gamma, omega=omega, similarity_threshold=similarity,
     )
     for row in rows:

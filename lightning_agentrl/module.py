@@ -81,7 +81,7 @@ class AgentRLModule(L.LightningModule):
         self.loss_fn = losses.MicroBatchLoss.from_settings(settings.algorithm)
         self.automatic_optimization = False
         self.offline_policy_version = 0
-        self.skipped_step = False  # the last batch had no trainable token: no optimizer step
+        self.last_step_skipped: bool = False  # the last batch had no trainable token: no optimizer step (callbacks read it)
         self.learning_signal = True  # the last batch had a nonzero advantage (callbacks/learning_signal.py)
         self.num_skipped_steps = 0
         self.optimizer_s = 0.0  # seconds in optimizer updates (clip, step, zero), summed over the run (stage timings)
@@ -233,7 +233,7 @@ class AgentRLModule(L.LightningModule):
     def train_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """Where the loss goes: the action tokens; with ``loss_mask: false`` (an ablation) also the
         observations and scaffolding after the first action of each segment."""
-        included = batch.include[batch.seq_ids].to(batch.loss_mask.dtype)
+        included = batch.include[batch.episode_ids].to(batch.loss_mask.dtype)
         if self.settings.algorithm.loss_mask:
             return batch.loss_mask * included
         return _after_first(batch.loss_mask, batch.segment_ids) * included
@@ -280,9 +280,9 @@ class AgentRLModule(L.LightningModule):
         spans = _mini_batches(batch, t.mini_batches)
         train_mask = self.train_mask(batch)
         span_tokens = global_sum(*(float(train_mask[span].sum()) for span in spans))  # every rank agrees
-        self.skipped_step = sum(span_tokens) == 0
+        self.last_step_skipped = sum(span_tokens) == 0
         self.learning_signal = False
-        if self.skipped_step:
+        if self.last_step_skipped:
             return self._skip_step(batch)
         prepared = self.prepare(batch, train_mask, record_old=self.num_updates_per_step > 1)
         self.learning_signal = prepared.signal
@@ -381,7 +381,7 @@ class AgentRLModule(L.LightningModule):
         if prepared.token_adv is not None:
             (nonzero,) = global_sum(float(((prepared.token_adv != 0) & (prepared.train_mask > 0)).sum()))
             return nonzero > 0
-        kept = batch.include[batch.turn_traj]
+        kept = batch.include[batch.turn_episode]
         rewards = torch.cat([batch.rewards[batch.include].float(), batch.turn_rewards[kept].float()])
         highest = float(rewards.max()) if rewards.numel() else float("-inf")
         lowest = float(rewards.min()) if rewards.numel() else float("inf")
@@ -393,7 +393,7 @@ class AgentRLModule(L.LightningModule):
         backward, like every rank's) gives the optimizer the zero gradient it would have got. The entropy and
         the train/inference mismatch are measured on the first micro-batch alone, without gradients."""
         totals = _StepTotals()
-        micro = [sl for sl in _micro_batches(batch.seq_ids, self.settings.trainer.micro_batch_tokens)
+        micro = [sl for sl in _micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
                  if bool((prepared.train_mask[sl][1:] > 0).any())]
         with torch.no_grad():  # one forward on every rank (ZeRO-3 gathers the weights in each)
             if micro:
@@ -425,9 +425,9 @@ class AgentRLModule(L.LightningModule):
         token_level = self.settings.algorithm.gae_level == "token"
         if self.value_head is not None:
             prepared.old_values = (torch.full((n,), float("nan"), device=batch.input_ids.device) if token_level
-                                   else torch.zeros(batch.turn_traj.numel(), device=batch.input_ids.device))
+                                   else torch.zeros(batch.turn_episode.numel(), device=batch.input_ids.device))
             prepared.old_bootstrap = torch.zeros(batch.num_episodes, device=batch.input_ids.device)
-        micro = _micro_batches(batch.seq_ids, self.settings.trainer.micro_batch_tokens)
+        micro = _micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
         for index in range(int(global_max(len(micro)))):
             if index >= len(micro):
                 self._zero_loss(batch)
@@ -464,16 +464,16 @@ class AgentRLModule(L.LightningModule):
             prepared = self.prepare(batch, self.train_mask(batch), record_old=False)
         span = span if span is not None else slice(0, batch.num_tokens)
         train_mask = prepared.train_mask
-        first, last = int(batch.seq_ids[span.start]), int(batch.seq_ids[span.stop - 1])
-        in_span = (batch.turn_traj >= first) & (batch.turn_traj <= last)
-        num_turns_local = float(batch.include[batch.turn_traj[in_span]].sum()) if in_span.any() else 0.0
+        first, last = int(batch.episode_ids[span.start]), int(batch.episode_ids[span.stop - 1])
+        in_span = (batch.turn_episode >= first) & (batch.turn_episode <= last)
+        num_turns_local = float(batch.include[batch.turn_episode[in_span]].sum()) if in_span.any() else 0.0
         num_tokens, num_seqs, num_turns_kept = global_sum(
             float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns_local
         )
         totals = _StepTotals(self.loss_fn.importance_cap)
         micro = [
             slice(span.start + sl.start, span.start + sl.stop)
-            for sl in _micro_batches(batch.seq_ids[span], self.settings.trainer.micro_batch_tokens)
+            for sl in _micro_batches(batch.episode_ids[span], self.settings.trainer.micro_batch_tokens)
             if bool((train_mask[span][sl][1:] > 0).any())
         ]
         num_micro = int(global_max(len(micro)))
@@ -530,7 +530,7 @@ class AgentRLModule(L.LightningModule):
             proximal = dense_lp.detach() if stale or self.loss_fn.importance_level != "token" else None
             recomputed = logprobs.detach()
         loss, metrics = self.loss_fn(
-            dense_lp, behavior, micro_adv, mask, batch.seq_ids[sl],
+            dense_lp, behavior, micro_adv, mask, batch.episode_ids[sl],
             num_seqs=num_seqs, num_tokens=num_tokens,
             proximal_logprobs=proximal, is_weights=batch.token_weights[sl],
             entropy=_dense(entropy, targets_at, mask) if entropy is not None else None,
@@ -539,7 +539,7 @@ class AgentRLModule(L.LightningModule):
         )
         totals.add_micro_batch(metrics, share=float(mask.sum()))
         if proximal is not None:
-            totals.importance.append(self._importance(proximal, behavior, mask, batch.seq_ids[sl]))
+            totals.importance.append(self._importance(proximal, behavior, mask, batch.episode_ids[sl]))
         if entropy is not None:
             totals.add("policy/entropy", float(entropy.detach().sum()))
         totals.add_mismatch(recomputed, batch.behavior_logprobs[sl][targets_at], lag[targets_at] == 0,
@@ -646,20 +646,20 @@ class AgentRLModule(L.LightningModule):
         """
         a = self.settings.algorithm
         turns, episodes = _turns_and_episodes(batch, sl)
-        first = int(batch.seq_ids[sl.start])
+        first = int(batch.episode_ids[sl.start])
         if a.gae_level == "token":
             targets_at = _targets_at(mask)
             values = self._token_values(hidden, targets_at)
             old_values = (prepared.old_values[sl.start + targets_at] if prepared.old_values is not None
                           else values.detach())
-            step_traj = batch.seq_ids[sl][targets_at] - first
+            step_traj = batch.episode_ids[sl][targets_at] - first
             rewards = adv.turn_end_rewards(batch.turn_rewards, batch.token_turn[sl][targets_at])
             keep = torch.ones_like(values)  # the trained tokens are those of included episodes
         else:
             values = self._turn_values(batch, sl, hidden, turns)
             old_values = prepared.old_values[turns] if prepared.old_values is not None else values.detach()
-            step_traj, rewards = batch.turn_traj[turns] - first, batch.turn_rewards[turns]
-            keep = batch.include[batch.turn_traj[turns]].to(values.dtype)
+            step_traj, rewards = batch.turn_episode[turns] - first, batch.turn_rewards[turns]
+            keep = batch.include[batch.turn_episode[turns]].to(values.dtype)
         truncated = torch.tensor(
             [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
         )
@@ -802,9 +802,9 @@ def _targets_at(mask: torch.Tensor) -> torch.Tensor:
 
 def _turns_and_episodes(batch: RolloutBatch, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """Global indices of the turns [k] and the episodes [b] of a slice of whole episodes."""
-    first, last = int(batch.seq_ids[sl.start]), int(batch.seq_ids[sl.stop - 1])
-    turns = torch.nonzero((batch.turn_traj >= first) & (batch.turn_traj <= last)).squeeze(-1)
-    return turns, torch.arange(first, last + 1, device=batch.seq_ids.device)
+    first, last = int(batch.episode_ids[sl.start]), int(batch.episode_ids[sl.stop - 1])
+    turns = torch.nonzero((batch.turn_episode >= first) & (batch.turn_episode <= last)).squeeze(-1)
+    return turns, torch.arange(first, last + 1, device=batch.episode_ids.device)
 
 
 def _dense(values: torch.Tensor, targets_at: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

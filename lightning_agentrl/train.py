@@ -160,7 +160,7 @@ def build_tasks(settings: Settings) -> list:
 def build_stop(settings: Settings, layout: RunLayout, service, sandbox) -> StopOnSignal:
     """The signal handler: a checkpoint at the next step boundary, then a clean exit."""
     return StopOnSignal(layout.last_checkpoint, grace_s=settings.trainer.stop_grace_s,
-                        wake=service.buffer.fail, on_hard_exit=sandbox.close)
+                        wake=service.interrupt, on_hard_exit=sandbox.close)
 
 
 def run_trainer(settings: Settings, model_path: str, trainer, service, sandbox, stop, resume_from: Path | None) -> None:

@@ -169,7 +169,7 @@ class RolloutBatch:
     loss_mask: torch.Tensor  # float 0/1
     behavior_logprobs: torch.Tensor  # NaN where mask 0
     policy_versions: torch.Tensor  # -1 where mask 0
-    seq_ids: torch.Tensor  # episode index in [0, B)
+    episode_ids: torch.Tensor  # episode index in [0, B)
     segment_ids: torch.Tensor  # segment index in [0, S)
     token_turn: torch.Tensor  # global turn index in [0, K), -1 outside actions
     token_weights: torch.Tensor  # multiplies the per-token loss; 1 by default
@@ -179,7 +179,7 @@ class RolloutBatch:
     include: torch.Tensor  # bool: takes part in the loss and the group baseline
     num_turns: torch.Tensor
     # per turn [K]
-    turn_traj: torch.Tensor
+    turn_episode: torch.Tensor  # each turn's episode index
     turn_rewards: torch.Tensor
     turn_state_keys: list[str] = field(default_factory=list)
     turn_state_texts: list[str] = field(default_factory=list)
@@ -187,7 +187,7 @@ class RolloutBatch:
     turn_starts: torch.Tensor | None = None  # [K] packed index of each turn's first action token
     episode_last: torch.Tensor | None = None  # [B] packed index of each episode's last token
     # per segment [S]
-    segment_traj: torch.Tensor | None = None
+    segment_episode: torch.Tensor | None = None  # each segment's episode index
     # the critic's stream (only where an episode has critic context): each segment after its episode's
     # critic_context_ids; critic_index[N] is where each token of the policy's stream sits in it, and
     # critic_segment_start[S] where each segment's context begins
@@ -273,7 +273,7 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         loss_mask=torch.tensor(mask, dtype=torch.float32),
         behavior_logprobs=torch.tensor(blp, dtype=torch.float32),
         policy_versions=torch.tensor(ver, dtype=long),
-        seq_ids=torch.tensor(seq, dtype=long),
+        episode_ids=torch.tensor(seq, dtype=long),
         segment_ids=torch.tensor(seg, dtype=long),
         token_turn=torch.tensor(tturn, dtype=long),
         token_weights=torch.ones(len(ids), dtype=torch.float32),
@@ -281,14 +281,14 @@ def pack(trajectories: list[Trajectory]) -> RolloutBatch:
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=long),
         include=torch.ones(len(trajectories), dtype=torch.bool),
         num_turns=torch.tensor(num_turns, dtype=long),
-        turn_traj=torch.tensor(turn_traj, dtype=long),
+        turn_episode=torch.tensor(turn_traj, dtype=long),
         turn_rewards=torch.tensor(turn_rewards, dtype=torch.float32),
         turn_state_keys=state_keys,
         turn_state_texts=state_texts,
         trajectories=list(trajectories),
         turn_starts=torch.tensor(turn_starts, dtype=long),
         episode_last=torch.tensor(episode_last, dtype=long),
-        segment_traj=torch.tensor(segment_traj, dtype=long),
+        segment_episode=torch.tensor(segment_traj, dtype=long),
     )
 
 

@@ -139,7 +139,7 @@ def main(argv: list[str], log: str | None = None) -> None:
     settings = learn_settings(Path(root), *overrides)
     # the teacher-forced solver reads the torch engine's model; vLLM rows sample every episode
     result, log = scripted_fit(settings, {"e0": SOLVE} if settings.engine.kind == "torch" else None)
-    turns = [int(batch.turn_traj.numel()) for batch in log.batches]
+    turns = [int(batch.turn_episode.numel()) for batch in log.batches]
     import resource
 
     cpu_s = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),

@@ -85,7 +85,7 @@ def test_segment_boundaries_count_split_episodes_and_keep_the_outcome_on_the_las
     assert module.logged["segments/split_episodes"] == 1.0
     assert module.logged["segments/per_episode"] == 2.0
     assert batch.turn_rewards.tolist() == [0.0, 0.0, 1.0, 0.0]
-    assert batch.seq_ids.unique().tolist() == [0, 1]  # the three segments are one episode
+    assert batch.episode_ids.unique().tolist() == [0, 1]  # the three segments are one episode
 
 
 def test_rollout_metrics_logs_a_credit_table_every_step_for_long_runs(tmp_path, tiny_tokenizer):

@@ -74,7 +74,7 @@ WORKER = textwrap.dedent(
             "max_grad": max(float(g_ref[k].abs().max()) for k in g_ref),
             "loss": [log["loss/total"], log_ref["loss/total"]],
             "tokens": [log["tokens/train"], log_ref["tokens/train"]],
-            "micro_batches": len(_micro_batches(share.seq_ids, 64)),
+            "micro_batches": len(_micro_batches(share.episode_ids, 64)),
         }
     gathered = [None, None]
     dist.all_gather_object(gathered, result)

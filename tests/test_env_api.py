@@ -163,5 +163,5 @@ def test_an_environment_s_own_similarity_groups_gigpo_anchor_states(tmp_path):
     (batch,), (step,) = log.batches, log.metrics
     assert step["gigpo/num_anchor_groups"] == 4.0
     assert step["gigpo/max_anchor_group_size"] == 5.0
-    by_text = adv.anchor_group_ids(batch.anchor_states(0.99), batch.group_ids[batch.turn_traj], 0.99)
+    by_text = adv.anchor_group_ids(batch.anchor_states(0.99), batch.group_ids[batch.turn_episode], 0.99)
     assert int(by_text.max()) + 1 == 6  # the default similarity on the same turns

@@ -130,7 +130,7 @@ def assert_trained_ids_are_generated_ids(engine: RecordingEngine, batches: list[
             # the packed tensors the loss sees are the recorded ids and mask
             assert batch.input_ids[offset : offset + n].tolist() == segment.token_ids
             assert batch.loss_mask[offset : offset + n].tolist() == [float(m) for m in segment.loss_mask]
-            assert (batch.seq_ids[offset : offset + n] == index).all()
+            assert (batch.episode_ids[offset : offset + n] == index).all()
             offset += n
             # every mask=1 span is exactly one generation of the engine, in order, nothing else
             generations = engine.generations[trajectory.episode_id]

@@ -60,8 +60,8 @@ def shifted_fit(settings):
 
 def episode_log_weights(batch) -> torch.Tensor:
     """SHIFT x the trained tokens of each included episode: its log sequence weight."""
-    trained = (batch.loss_mask > 0) & batch.include[batch.seq_ids]
-    counts = torch.zeros(batch.num_episodes).index_add_(0, batch.seq_ids, trained.float())
+    trained = (batch.loss_mask > 0) & batch.include[batch.episode_ids]
+    counts = torch.zeros(batch.num_episodes).index_add_(0, batch.episode_ids, trained.float())
     return SHIFT * counts[counts > 0]
 
 

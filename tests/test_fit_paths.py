@@ -84,7 +84,7 @@ class ExpectedGaeLoss(L.Callback):
         truncated = torch.tensor([t.termination.truncated for t in batch.trajectories])
         losses = []
         for bootstrap in (torch.stack(last_values), None):
-            turn_adv, _ = adv.gae(batch.turn_rewards, torch.stack(turn_values), batch.turn_traj, self.gamma, self.lam,
+            turn_adv, _ = adv.gae(batch.turn_rewards, torch.stack(turn_values), batch.turn_episode, self.gamma, self.lam,
                                   bootstrap_values=bootstrap, truncated=truncated if bootstrap is not None else None)
             token_adv = torch.where(batch.token_turn >= 0, turn_adv[batch.token_turn.clamp(min=0)], 0.0)
             losses.append(float(-(token_adv * batch.loss_mask).sum() / batch.loss_mask.sum()))
@@ -160,7 +160,7 @@ def test_starpo_keeps_the_groups_with_reward_variance_and_counts_the_rest(tmp_pa
         assert step["filter/starpo_groups_dropped"] == 1
         kept = {int(g) for g in batch.group_ids[batch.include]}
         assert kept == {int(batch.group_ids.min())}  # the group with the success
-        expected_tokens = float(batch.loss_mask[batch.include[batch.seq_ids]].sum())
+        expected_tokens = float(batch.loss_mask[batch.include[batch.episode_ids]].sum())
         assert step["tokens/train"] == expected_tokens < float(batch.loss_mask.sum())
         assert step["reward/mean"] == pytest.approx(1 / 4)  # every episode counts in the reward metrics
 

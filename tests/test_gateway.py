@@ -121,7 +121,7 @@ def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_
         assert [keys[i] == keys[i + 1] for i in range(0, len(keys), 2)] == [True] * (len(keys) // 2)
     for batch, metrics in zip(log.batches, log.metrics, strict=True):
         assert metrics["gateway/prefix_breaks"] == sum(t.info["prefix_breaks"] for t in batch.trajectories) >= 2
-        assert batch.turn_traj.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)
+        assert batch.turn_episode.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)
 
 
 @pytest.mark.parametrize("call_format", ["hermes", "qwen3_coder"])

@@ -131,7 +131,7 @@ def test_keydoor_trains_through_fit_and_gigpo_merges_recurring_states(tmp_path):
     assert step["gigpo/num_anchor_groups"] == 22.0
     assert step["gigpo/max_anchor_group_size"] == 6.0
     assert step["gigpo/anchor_hit_rate"] == pytest.approx(11 / 20)
-    exact = adv.anchor_group_ids(batch.turn_state_keys, batch.group_ids[batch.turn_traj])
+    exact = adv.anchor_group_ids(batch.turn_state_keys, batch.group_ids[batch.turn_episode])
     assert int(exact.max()) + 1 == 22  # the hashes of equal texts group the same turns
     solved = [t for t in batch.trajectories if t.episode_id.endswith("e0")]
     assert [t.termination for t in solved] == [TerminationReason.SUBMITTED] * 2

@@ -50,7 +50,7 @@ def test_spec_vector_token_mean_denominator_is_800():
     values = torch.zeros(batch.num_tokens)
     first_action = int(torch.nonzero(batch.loss_mask)[0])
     values[first_action] = 1.0
-    loss = aggregate(values, batch.loss_mask, batch.seq_ids, "token-mean")
+    loss = aggregate(values, batch.loss_mask, batch.episode_ids, "token-mean")
     assert math.isclose(float(loss), 1 / 800, rel_tol=1e-6)
 
 

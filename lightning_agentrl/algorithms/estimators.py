@@ -37,7 +37,7 @@ def _episode_level(per_episode: Callable[[RolloutBatch, torch.Tensor, AlgorithmS
         keep = batch.include
         full = torch.zeros_like(batch.rewards)
         full[keep] = per_episode(batch, keep, a).to(full.dtype)
-        return adv.expand_to_tokens(full, batch.seq_ids, train_mask), {}
+        return adv.expand_to_tokens(full, batch.episode_ids, train_mask), {}
 
     return estimate
 
@@ -45,12 +45,12 @@ def _episode_level(per_episode: Callable[[RolloutBatch, torch.Tensor, AlgorithmS
 def _gigpo(batch: RolloutBatch, train_mask, token_turn, a: AlgorithmSettings, similarity=None):
     """GiGPO: an episode-level plus a step-level advantage per turn, the turn's advantage on its tokens."""
     keep = batch.include
-    turn_keep = keep[batch.turn_traj]
+    turn_keep = keep[batch.turn_episode]
     # re-index included episodes 0..B'-1 so the estimator sees a dense batch
     new_index = torch.cumsum(keep.long(), 0) - 1
     per_turn, stats = adv.gigpo(
         batch.turn_rewards[turn_keep],
-        new_index[batch.turn_traj[turn_keep]],
+        new_index[batch.turn_episode[turn_keep]],
         [k for k, kept in zip(batch.anchor_states(a.gigpo_similarity), turn_keep.tolist(), strict=True) if kept],
         batch.group_ids[keep],
         gamma=a.gamma,
@@ -59,7 +59,7 @@ def _gigpo(batch: RolloutBatch, train_mask, token_turn, a: AlgorithmSettings, si
         similarity=similarity,
         episode_rewards=batch.rewards[keep],
     )
-    full = torch.zeros(batch.turn_traj.numel(), dtype=torch.float32, device=batch.rewards.device)
+    full = torch.zeros(batch.turn_episode.numel(), dtype=torch.float32, device=batch.rewards.device)
     full[turn_keep] = per_turn.to(full.dtype)
     metrics = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
     return adv.expand_to_tokens(full, token_turn, train_mask), metrics

@@ -15,7 +15,7 @@ service does not crash a run: it silently trains on nothing, step after step. Tw
   the episodes on the dead one count, and the breaker stays closed; with ``wait``, a fleet is back once
   any of its servers answers.
 - :class:`EmptyStepGuard`: a batch with no trainable token takes no optimizer step
-  (``AgentRLModule.skipped_step``); the guard lets the rollout service start the next step's groups
+  (``AgentRLModule.last_step_skipped``); the guard lets the rollout service start the next step's groups
   at the current weights (its staleness gate otherwise opens only on new weights) and stops the
   run with :class:`NothingToTrain` after ``max_empty_steps`` such batches in a row.
 
@@ -181,7 +181,7 @@ class EmptyStepGuard(L.Callback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if not getattr(pl_module, "skipped_step", False):
+        if not pl_module.last_step_skipped:
             self.num_empty_in_a_row = 0
             return
         self.num_empty += 1

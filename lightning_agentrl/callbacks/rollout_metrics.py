@@ -41,14 +41,7 @@ class RolloutMetrics(L.Callback):
         metrics["episode/turns_mean"] = float(batch.num_turns.float().mean())
         metrics["episode/seconds_mean"] = sum(t.timings.get("episode_s", 0.0) for t in trajectories) / len(trajectories)
         if self.service is not None:
-            metrics["rollout/in_flight"] = float(self.service.num_in_flight)
-            metrics.update(self._service_counters())
-            live = getattr(self.service.engine, "num_live_servers", None)  # a server fleet's
-            if live is not None:
-                metrics["rollout/engine_servers_live"] = float(live)
-            live = getattr(self.service.sandbox_client, "live_servers", None)  # a sandbox fleet's (averaged)
-            if live is not None:
-                metrics["sandbox/servers_live"] = float(live)
+            metrics.update(self.service.metrics())
         metrics = reduce_metrics(metrics, sums=lambda key: key.startswith(("termination/", "rollout/", "groups/num")))
         if "rollout/in_flight" in metrics:
             pl_module.log("in_flight", metrics["rollout/in_flight"], prog_bar=True, on_step=True, batch_size=1)
@@ -56,17 +49,6 @@ class RolloutMetrics(L.Callback):
         pl_module.log("reward", metrics["reward/mean"], prog_bar=True, on_step=True, batch_size=len(trajectories))
 
         self._within_group_std.append(metrics["reward/within_group_std"])
-
-    def _service_counters(self) -> dict[str, float]:
-        """Groups started but never trained (each replaced by another), and what generation cost."""
-        buffer = self.service.buffer
-        return {
-            "rollout/dropped_stale_groups": float(buffer.num_dropped_stale),
-            "rollout/discarded_groups": float(buffer.num_discarded),  # dynamic sampling, cumulative
-            "rollout/filled_groups": float(buffer.num_filled),  # dynamic sampling budget spent, cumulative
-            "rollout/step_discarded_groups": float(buffer.last_take["discarded"]),
-            "rollout/episodes_generated": float(self.service.num_episodes_finished),
-        }
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:

@@ -23,9 +23,9 @@ class SegmentBoundaries(L.Callback):
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        if not isinstance(batch, RolloutBatch) or batch.segment_traj is None:
+        if not isinstance(batch, RolloutBatch) or batch.segment_episode is None:
             return
-        segments_per_episode = torch.bincount(batch.segment_traj, minlength=batch.num_episodes)
+        segments_per_episode = torch.bincount(batch.segment_episode, minlength=batch.num_episodes)
         split = segments_per_episode > 1
         last_turn = torch.cumsum(batch.num_turns, 0) - 1
         for episode in torch.nonzero(split & (batch.num_turns > 0)).squeeze(-1).tolist():

@@ -34,7 +34,7 @@ class StalenessWeighting(L.Callback):
             return
         lag = staleness.lag(batch.policy_versions, trainer.global_step)
         batch.token_weights = batch.token_weights * staleness.staleness_weight(lag, self.kind, self.rate)
-        episode_lag = staleness.trajectory_lag(lag, batch.seq_ids, batch.num_episodes)
+        episode_lag = staleness.trajectory_lag(lag, batch.episode_ids, batch.num_episodes)
         keep, counts = staleness.apply_staleness_bound(episode_lag, self.max_staleness)
         batch.include &= keep
         sampled = lag >= 0

@@ -27,7 +27,7 @@ class WeightSync(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
-        if getattr(pl_module, "skipped_step", False):
+        if pl_module.last_step_skipped:
             return  # no optimizer step, no new weights (EmptyStepGuard lets the service go on)
         if step % self.every_n_steps != 0 or step >= (trainer.max_steps if trainer.max_steps > 0 else step + 1):
             return  # no sync after the final step: nothing would use it

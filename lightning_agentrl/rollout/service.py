@@ -282,6 +282,31 @@ class RolloutService:
         async with self._changed:
             self._changed.notify_all()
 
+    def metrics(self) -> dict[str, float]:
+        """The service's own counters for the step's metrics: episodes in flight, groups started but never
+        trained (each replaced by another), what generation cost, and the live servers of an engine or sandbox
+        fleet (where there is one)."""
+        buffer = self.buffer
+        out = {
+            "rollout/in_flight": float(self.num_in_flight),
+            "rollout/dropped_stale_groups": float(buffer.num_dropped_stale),
+            "rollout/discarded_groups": float(buffer.num_discarded),  # dynamic sampling, cumulative
+            "rollout/filled_groups": float(buffer.num_filled),  # dynamic sampling budget spent, cumulative
+            "rollout/step_discarded_groups": float(buffer.last_take["discarded"]),
+            "rollout/episodes_generated": float(self.num_episodes_finished),
+        }
+        live = getattr(self.engine, "num_live_servers", None)  # a server fleet's
+        if live is not None:
+            out["rollout/engine_servers_live"] = float(live)
+        live = getattr(self.sandbox_client, "live_servers", None)  # a sandbox fleet's (averaged over ranks)
+        if live is not None:
+            out["sandbox/servers_live"] = float(live)
+        return out
+
+    def interrupt(self, error: BaseException) -> None:
+        """Wake the trainer waiting for a batch with ``error`` (a stop signal) instead of letting it wait."""
+        self.buffer.fail(error)
+
     @property
     def num_parked(self) -> int:
         """Episodes parked right now, waiting for newer weights."""

@@ -90,7 +90,7 @@ def test_pack_restarts_positions_per_segment_and_keeps_one_episode(codec, kind):
     lengths = [len(s.token_ids) for s in trajectory.segments]
     expected_positions = [p for n in lengths for p in range(n)]
     assert batch.position_ids.tolist() == expected_positions
-    assert batch.seq_ids.tolist() == [0] * sum(lengths)
+    assert batch.episode_ids.tolist() == [0] * sum(lengths)
     assert batch.segment_ids.tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
     assert batch.num_episodes == 1 and batch.group_ids.tolist() == [3]
     assert batch.loss_mask.sum().item() == trajectory.num_action_tokens
