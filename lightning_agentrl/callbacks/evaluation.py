@@ -25,7 +25,6 @@ from dataclasses import replace
 import lightning as L
 from typing_extensions import override
 
-from lightning_agentrl.lora import engine_weights
 from lightning_agentrl.tasks import Task
 from lightning_agentrl.trajectory import TerminationReason, Trajectory
 
@@ -133,7 +132,7 @@ class HeldOutEvaluation(L.Callback):
         datamodule.ensure_started()  # the baseline comes before the first batch starts the service
         service, step = datamodule.service, trainer.global_step
         if service.engine_version < step:  # every rank: its own service; a collective under ZeRO-3
-            service.update_weights(engine_weights(pl_module.policy).items(), version=step)  # LoRA: adapters
+            service.sync_weights(pl_module.policy, version=step)
         if not trainer.is_global_zero:
             # Every rank records that step ``step`` was evaluated: under ZeRO each rank resumes from
             # its own callback state, and a rank that would evaluate again alone would wait forever

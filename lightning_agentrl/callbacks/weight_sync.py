@@ -12,8 +12,6 @@ import time
 import lightning as L
 from typing_extensions import override
 
-from lightning_agentrl.lora import engine_weights
-
 
 class WeightSync(L.Callback):
     def __init__(self, service, every_n_steps: int = 1) -> None:
@@ -33,8 +31,7 @@ class WeightSync(L.Callback):
             return  # no sync after the final step: nothing would use it
         # every rank gathers (a collective under ZeRO-3); rank 0's copy feeds the engine
         started = time.perf_counter()
-        weights = engine_weights(pl_module.policy)  # every weight, or the LoRA adapters only
-        self.service.update_weights(weights.items(), version=step)
+        self.service.sync_weights(pl_module.policy, version=step)
         self.seconds += time.perf_counter() - started
         self.num_syncs += 1
         pl_module.log("rollout/policy_version", float(step), on_step=True, batch_size=1)

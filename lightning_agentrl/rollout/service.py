@@ -44,6 +44,7 @@ import torch
 
 from lightning_agentrl.envs.base import Environment
 from lightning_agentrl.envs.registry import EnvTask as Task  # any environment's task: an object with an id
+from lightning_agentrl.lora import engine_weights
 from lightning_agentrl.rollout.agent_loop import (
     EpisodeBudget,
     EpisodeState,
@@ -260,6 +261,12 @@ class RolloutService:
             future.result()
         except Exception as err:  # e.g. an engine process that died: the run cannot go on
             raise RolloutServiceError(f"the engine could not load the weights of version {version}") from err
+
+    def sync_weights(self, policy: torch.nn.Module, version: int) -> None:
+        """Push the trained policy's weights to the engine as ``version``: every weight, or under LoRA the
+        adapters only (:func:`lightning_agentrl.lora.engine_weights`). Under ZeRO-3 every rank calls it (the
+        weights are gathered collectively)."""
+        self.update_weights(engine_weights(policy).items(), version=version)
 
     async def _update(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
         await self.engine.update_weights(named, version)
