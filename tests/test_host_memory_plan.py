@@ -125,6 +125,15 @@ def test_the_kl_reference_is_a_second_copy_only_without_lora():
     assert parts["engine weights"] == 538_060_032 + 424_673_280 + 9_768_960
 
 
+def test_an_engine_in_bfloat16_holds_half_the_bytes_beside_a_float32_trainer():
+    same = host_memory_plan(learn_real(), smollm2(), episode_tokens=430)
+    half = host_memory_plan(learn_real("--engine.dtype=bfloat16"), smollm2(), episode_tokens=430)
+    assert same.part("engine weights").num_bytes == 538_060_032  # 4 * P
+    assert half.part("engine weights").num_bytes == 269_030_016  # 2 * P
+    assert half.part("engine KV cache").num_bytes * 2 == same.part("engine KV cache").num_bytes
+    assert half.part("parameters").num_bytes == same.part("parameters").num_bytes  # the trainer keeps float32
+
+
 def test_staleness_overlaps_generation_with_training_and_vllm_is_another_process():
     stale = host_memory_plan(learn_real("--rollout.max_staleness=1"), smollm2(), episode_tokens=430)
     assert stale.part("engine KV cache").phase == "always"
