@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lightning_agentrl.callbacks.export_policy import save_policy
-from lightning_agentrl.lora import apply_lora, merged_state_dict, save_adapter
+from lightning_agentrl.lora import apply_lora, check_base_fingerprint, merged_state_dict, save_adapter
 
 POLICY_PREFIX = "policy."
 
@@ -82,6 +82,8 @@ def export_policy(checkpoint: str | Path, out: str | Path, *, dtype: str | None 
         raise ValueError(f"--adapter: {checkpoint} is not of a LoRA run (model.lora_rank 0): it has no adapter")
     if adapter and cast is not None:
         raise ValueError("--dtype applies to the merged model; --adapter writes the adapters as trained")
+    if lora:
+        check_base_fingerprint(state, model_path, setting=str(checkpoint))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if lora:
         policy = _lora_policy(model_path, model_settings, weights)

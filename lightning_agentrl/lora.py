@@ -204,6 +204,36 @@ def check_lora(model: ModelSettings, model_path: str) -> None:
             )
 
 
+def base_fingerprint(model_path: str | Path) -> str:
+    """A cheap identity of the base model's files: SHA-256 over ``config.json`` and, for each weight file
+    (``*.safetensors``, ``*.bin``, sorted by name), its name, size and 16 evenly spaced 64 KiB samples of its
+    bytes (about 1 MiB read per file). Another model of the same shape put under the same path has the same
+    names and sizes but other bytes; a copy of the same files gives the same fingerprint."""
+    import hashlib
+
+    folder, digest = Path(model_path), hashlib.sha256()
+    digest.update((folder / "config.json").read_bytes())
+    for file in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size};".encode())
+        with file.open("rb") as handle:
+            for offset in sorted({size * i // 16 for i in range(16)}):
+                handle.seek(offset)
+                digest.update(handle.read(64 << 10))
+    return digest.hexdigest()
+
+
+def check_base_fingerprint(checkpoint: dict, model_path: str | Path, setting: str = "model.path") -> None:
+    """The base under ``model_path`` is the one the checkpoint's adapters were trained on
+    (:func:`base_fingerprint`, stored as ``lora_base_fingerprint``; older checkpoints have none)."""
+    stored = checkpoint.get("lora_base_fingerprint")
+    if stored is not None and stored != base_fingerprint(model_path):
+        raise SettingsError(
+            f"{setting}: the model files in {model_path} are not the base the checkpoint's LoRA adapters were trained "
+            f"on (its config.json or weight files changed since); put that base back, or start a new run.dir"
+        )
+
+
 def save_adapter(policy: torch.nn.Module, directory: Path, adapters: dict[str, torch.Tensor] | None = None) -> None:
     """peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained``
     on the base model, or ``vllm serve --lora-modules``. ``adapters``: :func:`adapter_state`, gathered by every rank
@@ -233,7 +263,12 @@ class VLLMAdapters:
     computed with another version. The two newest folders are kept."""
 
     def __init__(self, model: ModelSettings, folder: Path, base_model: str) -> None:
+        import secrets
+
         self.model, self.folder, self.base_model = model, Path(folder), base_model
+        # a server outlives runs: an adapter another run (or this run before a resume) left loaded there
+        # must never share a name with one of this process
+        self.nonce = secrets.token_hex(4)
 
     def engine_args(self) -> dict:
         """``AsyncEngineArgs`` fields that enable LoRA at this rank (one adapter at a time)."""
@@ -267,13 +302,11 @@ class VLLMAdapters:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    @staticmethod
-    def name(version: int) -> str:
-        """The adapter's name for vLLM: one per policy version."""
-        return f"policy-v{version}"
+    def name(self, version: int) -> str:
+        """The adapter's name for vLLM: one per policy version and process (``policy-<nonce>-v<version>``)."""
+        return f"policy-{self.nonce}-v{version}"
 
-    @classmethod
-    def request(cls, version: int, path: Path):
+    def request(self, version: int, path: Path):
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(lora_name=cls.name(version), lora_int_id=version + 1, lora_path=str(path))
+        return LoRARequest(lora_name=self.name(version), lora_int_id=version + 1, lora_path=str(path))

@@ -135,6 +135,15 @@ class AgentRLModule(L.LightningModule):
 
             keep = trainable_names(self)
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+            checkpoint["lora_base_fingerprint"] = self._base_fingerprint()
+
+    def _base_fingerprint(self) -> str:
+        """The base's fingerprint (lightning_agentrl/lora.py), taken once: it reads ~1 MiB per weight file."""
+        from lightning_agentrl.lora import base_fingerprint
+
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = base_fingerprint(self.model_path)
+        return self._fingerprint
 
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -156,13 +165,14 @@ class AgentRLModule(L.LightningModule):
     def _check_lora_checkpoint(self, checkpoint: dict) -> None:
         """A LoRA checkpoint's adapters belong to this base, and it holds every trainable tensor (loading is not
         strict: the frozen base is not in it)."""
-        from lightning_agentrl.lora import trainable_names
+        from lightning_agentrl.lora import check_base_fingerprint, trainable_names
         from lightning_agentrl.settings import SettingsError
 
         trained_from = checkpoint.get("hyper_parameters", {}).get("model_path")
         if trained_from != self.model_path:
             raise SettingsError(f"model.path: the checkpoint's LoRA adapters were trained on {trained_from}, this run "
                                 f"loads {self.model_path}; resume with the same model.path")
+        check_base_fingerprint(checkpoint, self.model_path)
         if "state_dict" not in checkpoint:  # DeepSpeed: its engine loaded the adapters, non-strictly
             return
         missing = sorted(trainable_names(self) - set(checkpoint["state_dict"]))

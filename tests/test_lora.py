@@ -384,7 +384,7 @@ def test_the_vllm_engine_samples_each_version_with_its_adapters(tmp_path):
     result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
     assert result.global_step == 2
     (engine,) = engines
-    assert engine._lora_request.lora_name == "policy-v1" and engine._lora_request.lora_int_id == 2
+    assert engine._lora_request.lora_name == f"policy-{engine.lora.nonce}-v1" and engine._lora_request.lora_int_id == 2
     synced = load_file(Path(engine._lora_request.lora_path) / "adapter_model.safetensors")
     assert len(synced) == 14 and max(float(v.abs().max()) for k, v in synced.items() if ".lora_B." in k) > 0
     from mlflow.tracking import MlflowClient
@@ -430,7 +430,7 @@ def test_vllm_servers_load_each_version_as_a_new_adapter(tmp_path):
     result = fit(settings, wrap_engine=lambda engine: engines.append(engine) or engine)
     assert result.global_step == 2
     (engine,) = engines
-    assert engine._adapter == "policy-v1" and engine.num_live_servers == 1
+    assert engine._adapter is None and engine.policy_version == 1 and engine.num_live_servers == 1  # unloaded at close
     assert (result.run_dir / "engine_weights" / "v1" / "adapter_model.safetensors").exists()
     history = MlflowClient(result.tracking_uri).get_metric_history(result.mlflow_run_id, "mismatch/logprob_max")
     assert len(history) == 2 and all(m.value < 1e-4 for m in history)
@@ -481,3 +481,29 @@ def test_the_engines_merged_adapters_follow_its_copy_to_another_device():
     model.to("meta")
     merged.merge()
     assert [base.device.type for base in merged.base] == ["meta"]
+
+
+def test_a_lora_resume_and_export_refuse_another_base_under_the_same_path(tmp_path):
+    """Another model of the same shape put under the same model.path (same names and sizes, other bytes): the
+    adapters would train on, or merge into, a base they were not trained on; resume and export say so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lightning_agentrl.export import export_policy
+
+    cache = tmp_path / "cache"
+    base = cache / Path(resolve_model_path(learn_settings(tmp_path, *LORA))).name
+    shutil.copytree(resolve_model_path(learn_settings(tmp_path, *LORA)), base)
+    settings = learn_settings(tmp_path, *LORA, "--trainer.max_steps=1", f"--model.cache_dir={cache}")
+    assert Path(resolve_model_path(settings)) == base
+    result = fit(settings)
+    assert result.global_step == 1
+    weights = load_file(base / "model.safetensors")
+    save_file({k: v.flip(0).contiguous() for k, v in weights.items()}, base / "model.safetensors", {"format": "pt"})
+    resumed = learn_settings(tmp_path, *LORA, f"--model.cache_dir={cache}", "--run.resume=last")
+    message = r"the model files in .* are not the base the checkpoint's LoRA adapters were trained on"
+    with pytest.raises(SettingsError, match=r"model\.path: " + message):
+        fit(resumed)
+    with pytest.raises(ValueError, match=message):
+        export_policy(result.checkpoint, tmp_path / "exported")

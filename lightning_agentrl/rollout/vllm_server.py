@@ -33,7 +33,9 @@ What this engine guarantees, and how:
   With LoRA (``lora``) the update is the adapters only, written as a peft folder and loaded on every
   server as a new adapter named after the version (``/v1/load_lora_adapter``, the servers started
   with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); requests then name it as
-  their ``model``, and the previous version's adapter is unloaded.
+  their ``model``, and the previous version's adapter is unloaded (and the last one when the engine closes:
+  a server outlives runs). Names carry a nonce of the process (``policy-<nonce>-v<version>``), so a run
+  never collides with adapters another run, or a killed run before its resume, left on a shared server.
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ class VLLMServerEngine:
 
     async def close(self) -> None:
         if self._client is not None:
+            if self._adapter is not None:  # a server outlives the run: leave it no adapter of ours
+                await self._unload(self._adapter)
+                self._adapter = None
             await self._client.aclose()
             self._client = None
 
@@ -322,11 +327,15 @@ class VLLMServerEngine:
                 self._adapter, self.policy_version = name, version
             finally:
                 self._admission_open.set()
-        if previous is not None and previous != name:  # frees the server's slot; a failure costs only memory
-            live = [i for i, server in enumerate(self.servers) if server.alive]
-            await asyncio.gather(*(self._client.post(f"{self.servers[i].url}/v1/unload_lora_adapter",
-                                                     json={"lora_name": previous}) for i in live),
-                                 return_exceptions=True)
+        if previous is not None and previous != name:  # frees the server's slot
+            await self._unload(previous)
+
+    async def _unload(self, name: str) -> None:
+        """Unload adapter ``name`` from every live server, best effort: a failure costs only the server's memory."""
+        live = [i for i, server in enumerate(self.servers) if server.alive]
+        await asyncio.gather(*(self._client.post(f"{self.servers[i].url}/v1/unload_lora_adapter",
+                                                 json={"lora_name": name}, timeout=30.0) for i in live),
+                             return_exceptions=True)
 
     async def _post_or_die(self, index: int, path: str, body: dict, version: int) -> None:
         import httpx2
@@ -337,7 +346,8 @@ class VLLMServerEngine:
             if response.status_code == 404:
                 raise RuntimeError(f"{url}{path} is missing: start the server with --enable-lora and "
                                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-            response.raise_for_status()
+            if not response.is_success:  # the server's reason (a rank above --max-lora-rank, a name taken) matters
+                raise RuntimeError(f"HTTP {response.status_code} from {url}{path}: {response.text[:500]}")
         except (httpx2.HTTPError, RuntimeError) as err:
             self._mark_dead(index, f"adapter update to version {version} failed: {type(err).__name__}: {err}")
 
