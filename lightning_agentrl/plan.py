@@ -84,6 +84,11 @@ class MemoryPlanError(SettingsError):
 # The model's shape
 
 
+_BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+"""The block holding each projection of :meth:`ModelShape.projections` in a decoder layer (its module name)."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a Llama/Qwen2-style decoder that memory depends on (from ``config.json``)."""
@@ -179,16 +184,30 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def adapted_projections(self, targets: list[str] | None = None) -> list[tuple[int, int]]:
+        """``(in, out)`` of every projection LoRA adapts, over all layers: all of them by default (peft's
+        ``all-linear``), else those peft's own matching picks for ``targets`` among the module names of a
+        decoder-only model (``model.layers.<l>.self_attn.q_proj``, ``model.layers.<l>.mlp.up_proj``), so a
+        bare name (``q_proj``) adapts every layer and a full name one layer only."""
+        if not targets:
+            return [shape for _ in range(self.num_layers) for shape in self.projections().values()]
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        config = LoraConfig(target_modules=list(targets))
+        return [
+            shape for layer in range(self.num_layers) for name, shape in self.projections().items()
+            if check_target_module_exists(config, f"model.layers.{layer}.{_BLOCK_OF[name]}.{name}")
+        ]
+
     def lora_parameters(self, rank: int, targets: list[str] | None = None) -> int:
-        """LoRA adapter parameters: ``L * sum r * (in + out)`` over the adapted projections (all of them by
-        default, as peft's ``all-linear``; else those whose name ends a target, the last part compared).
+        """LoRA adapter parameters: ``sum r * (in + out)`` over the adapted projections
+        (:meth:`adapted_projections`).
 
         >>> ModelShape(100, 64, 256, 2, 4, 2, 16, True).lora_parameters(8)  # r (7H + 2ad + 2kd + 3I) per layer
         22528
         """
-        wanted = {target.rsplit(".", 1)[-1] for target in targets} if targets else None
-        per_layer = sum(i + o for name, (i, o) in self.projections().items() if wanted is None or name in wanted)
-        return self.num_layers * rank * per_layer
+        return rank * sum(i + o for i, o in self.adapted_projections(targets))
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache of one token: ``2 (K and V) * L * k * d * b``."""
@@ -914,9 +933,7 @@ def _host_engine_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelSha
     eb = DTYPE_BYTES[settings.engine_dtype]
     weights, formula = eb * shape.num_parameters(), f"{eb}*P"
     if m.lora:
-        wanted = {target.rsplit(".", 1)[-1] for target in m.lora_target_modules} if m.lora_target_modules else None
-        adapted = shape.num_layers * sum(i * o for name, (i, o) in shape.projections().items()
-                                         if wanted is None or name in wanted)
+        adapted = sum(i * o for i, o in shape.adapted_projections(m.lora_target_modules))
         weights += eb * adapted + 4 * shape.lora_parameters(m.lora_rank, m.lora_target_modules)
         formula += " + b*P_adapted (kept base) + 4*P_A"
     plan.parts.append(HostPart("engine weights", weights, "always", formula))
