@@ -234,6 +234,20 @@ def check_base_fingerprint(checkpoint: dict, model_path: str | Path, setting: st
         )
 
 
+def zero_adapters(model: ModelSettings, model_path: str) -> list[tuple[str, torch.Tensor]]:
+    """The adapters ``model.lora_*`` puts on ``model_path``, all zeros, under the HF names a weight sync sends
+    (``...q_proj.lora_A.default.weight``, A [r, k], B [d, r]); shapes from a meta-device copy built from
+    ``config.json``, no weight loaded. A start-up probe loads them on inference servers (the base unchanged)."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        adapted = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path)),
+                                 lora_config(model))
+    return [(name, torch.zeros(parameter.shape)) for name, parameter in hf_model(adapted).named_parameters()
+            if parameter.requires_grad]
+
+
 def save_adapter(policy: torch.nn.Module, directory: Path, adapters: dict[str, torch.Tensor] | None = None) -> None:
     """peft's adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained``
     on the base model, or ``vllm serve --lora-modules``. ``adapters``: :func:`adapter_state`, gathered by every rank

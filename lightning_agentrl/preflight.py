@@ -70,6 +70,8 @@ def preflight(settings: Settings, *, network: bool = True):
         check_sandbox(settings.sandbox, judge_policy(settings), harness=harness_timeout(settings))
     check_tracking(settings.tracking)
     check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
+    if settings.model.lora and settings.engine.urls:
+        check_lora_servers(settings)
     return codec
 
 
@@ -481,7 +483,57 @@ def check_inference_servers(urls: list[str], *, min_model_len: int, timeout_s: f
                                  f"needs --max-model-len {min_model_len}")
 
 
+def check_lora_servers(settings: Settings, timeout_s: float = 120.0) -> None:
+    """With ``model.lora_rank`` every ``engine.urls`` server takes this run's adapters: a zero adapter of the
+    run's rank and targets, written where the syncs write theirs (``run.dir/engine_weights``, which the servers
+    must see), is loaded on each server under a name of its own, then unloaded. A server started without
+    ``--enable-lora``, or with a ``--max-lora-rank`` below ``model.lora_rank``, is one error naming the setting."""
+    import secrets
+    import shutil
+
+    import httpx2
+
+    from lightning_agentrl.lora import VLLMAdapters, check_lora, vllm_lora_args, zero_adapters
+    from lightning_agentrl.models.resolve import resolve_model_path
+    from lightning_agentrl.run_layout import RunLayout
+
+    model_path = resolve_model_path(settings)
+    check_lora(settings.model, model_path)  # the targets and rank fit the model before an adapter is made
+    adapters = VLLMAdapters(settings.model, RunLayout(settings.run.dir).engine_weights / f"probe-{secrets.token_hex(4)}",
+                            model_path)
+    folder, name = adapters.write(zero_adapters(settings.model, model_path), 0), f"probe-{adapters.nonce}"
+    needs = f"start them with {' '.join(vllm_lora_args(settings.model.lora_rank))} and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+    try:
+        for url in settings.engine.urls:
+            base = url.rstrip("/")
+            try:
+                response = httpx2.post(f"{base}/v1/load_lora_adapter", timeout=timeout_s,
+                                       json={"lora_name": name, "lora_path": str(folder.resolve())})
+            except httpx2.HTTPError as err:
+                raise PreflightError(f"engine.urls: {url} did not answer a LoRA adapter load ({type(err).__name__})") from None
+            if response.status_code == 404:
+                raise PreflightError(f"engine.urls: {url} takes no LoRA adapters (no /v1/load_lora_adapter), which "
+                                     f"model.lora_rank={settings.model.lora_rank} needs; {needs}")
+            if not response.is_success:
+                raise PreflightError(_lora_refusal(url, response, settings.model.lora_rank, needs))
+            httpx2.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=timeout_s)
+    finally:
+        shutil.rmtree(adapters.folder, ignore_errors=True)
+
+
+def _lora_refusal(url: str, response, rank: int, needs: str) -> str:
+    """One line for a server's refusal of the start-up adapter, its reason as the server gave it."""
+    try:
+        reason = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        reason = response.text
+    reason = " ".join(str(reason).split())[:300]
+    setting = "model.lora_rank" if "max_lora_rank" in reason else "engine.urls"
+    return (f"{setting}: {url} refused a LoRA adapter of rank {rank} (HTTP {response.status_code}: {reason}); "
+            f"{needs}")
+
+
 __all__ = [
     "PreflightError", "check_health", "check_inference_servers", "check_judge_isolation", "check_model_path",
-    "check_sandbox", "check_tasks", "judge_policy", "check_tracking", "model_folder_problem", "preflight",
+    "check_lora_servers", "check_sandbox", "check_tasks", "judge_policy", "check_tracking", "model_folder_problem", "preflight",
 ]

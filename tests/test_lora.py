@@ -370,6 +370,26 @@ def test_the_memory_plan_counts_the_base_once_and_the_adapters_with_their_states
     assert q.part("gradients").gpu_bytes == 4 * shape.num_layers * RANK * sum(shape.projections()["q_proj"])
 
 
+@pytest.mark.parametrize("targets", ["[model.layers.0.self_attn.q_proj]", "[q_proj,model.layers.1.mlp.down_proj]"])
+def test_the_memory_plan_counts_full_name_targets_as_peft_adapts_them(tiny_model_path, targets):
+    """A full module name adapts that one layer (peft's matching), not the projection of every layer."""
+    import json
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_agentrl.lora import lora_config
+    from lightning_agentrl.plan import GiB, ModelShape, memory_plan
+
+    settings = load_settings(overrides=[*LORA, f"--model.lora_target_modules={targets}"])
+    shape = ModelShape.from_config(json.loads((tiny_model_path / "config.json").read_text()))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), lora_config(settings.model))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape.num_layers == 2 and shape.lora_parameters(RANK, settings.model.lora_target_modules) == adapters
+    plan = memory_plan(settings, shape, num_gpus=1, gpu_bytes=80 * GiB)
+    assert plan.part("gradients").gpu_bytes == 4 * adapters and plan.part("optimizer states").gpu_bytes == 8 * adapters
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_vllm_engine_samples_each_version_with_its_adapters(tmp_path):
@@ -507,3 +527,48 @@ def test_a_lora_resume_and_export_refuse_another_base_under_the_same_path(tmp_pa
         fit(resumed)
     with pytest.raises(ValueError, match=message):
         export_policy(result.checkpoint, tmp_path / "exported")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_shared_vllm_servers_serve_run_after_run_and_refuse_adapters_they_cannot_take(tmp_path):
+    """engine.urls: a server outlives runs. Two runs in a row on one server each load their own adapters (a name
+    per process) and leave none loaded; a server without --enable-lora, or with a --max-lora-rank below
+    model.lora_rank, is one start-up error naming the setting, before any work."""
+    pytest.importorskip("vllm")
+    import httpx2
+
+    from lightning_agentrl.preflight import PreflightError
+    from lightning_agentrl.rollout.vllm_launch import LocalVLLMServers, vllm_serve_args
+
+    settings = learn_settings(tmp_path / "shape", *LORA)
+    model_path = resolve_model_path(settings)
+
+    def servers(name: str, rank: int) -> LocalVLLMServers:
+        args = vllm_serve_args(model_path, dtype="float32", max_model_len=settings.env.max_context_tokens + 1, seed=0,
+                               kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=None, cpu=True, lora_rank=rank)
+        return LocalVLLMServers(args, num_servers=1, log_dir=tmp_path / name)
+
+    lora, plain = servers("lora", RANK), servers("plain", 0)  # --max-lora-rank 8; no --enable-lora
+    try:
+        lora.start(), plain.start()  # from this thread: a server dies with the thread that started it
+        (url,), (plain_url,) = lora.urls, plain.urls
+
+        def run(name: str, *overrides: str, server: str = url):
+            return fit(learn_settings(tmp_path / name, "--engine.kind=vllm_server", f"--engine.urls=[{server}]",
+                                      *overrides))
+
+        def adapters_loaded() -> list[str]:
+            return [m["id"] for m in httpx2.get(f"{url}/v1/models").json()["data"] if m["id"] != model_path]
+
+        for name in ("first", "second"):
+            assert run(name, *LORA).global_step == 2, name
+            assert adapters_loaded() == [], name
+        with pytest.raises(PreflightError, match=r"^model\.lora_rank: .*LoRA rank 9 is greater than max_lora_rank 8"):
+            run("rank9", "--model.lora_rank=9")
+        with pytest.raises(PreflightError, match=rf"^engine\.urls: {plain_url} refused a LoRA adapter .*--enable-lora"):
+            run("plain", *LORA, server=plain_url)
+        assert not (tmp_path / "plain" / "run" / "checkpoints").exists() and adapters_loaded() == []
+    finally:
+        lora.stop()
+        plain.stop()
