@@ -185,15 +185,12 @@ def check_lora(model: ModelSettings, model_path: str) -> None:
         raise SettingsError(f"model.path: cannot read the config of {model_path} to place LoRA adapters: {err}") from None
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config)
-    names = [name for name, _ in base.named_modules() if name]
     for target in model.lora_target_modules or ():
-        if not any(name == target or name.endswith(f".{target}") for name in names):
-            raise SettingsError(f"model.lora_target_modules: {model.path} has no layer named {target!r} "
-                                f"(its layers end in: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))})")
+        _check_target(base, target, model.path)
     try:
         adapted = get_peft_model(base, lora_config(model))
     except ValueError as err:  # a layer type peft cannot adapt (a norm, an activation)
-        raise SettingsError(f"model.lora_target_modules: {err}") from None
+        raise SettingsError(f"model.lora_target_modules: {str(err).splitlines()[0]}") from None
     from peft.tuners.lora import LoraLayer
 
     for name, layer in adapted.named_modules():
@@ -202,6 +199,32 @@ def check_lora(model: ModelSettings, model_path: str) -> None:
                 f"model.lora_rank ({model.lora_rank}) is above the smaller side of {name.removeprefix('base_model.model.')} "
                 f"({layer.in_features} -> {layer.out_features}): the adapter would not be low-rank"
             )
+
+
+def _check_target(base: torch.nn.Module, target: str, path: str) -> None:
+    """One ``model.lora_target_modules`` entry: it names layers of ``base`` (by name or its last part), each a
+    linear projection that is neither the input embedding nor the output head. Those two are refused: the log-prob
+    head reads the output layer's own weight (an adapter there would never train), and a tied model shares it with
+    the embedding."""
+    from transformers.pytorch_utils import (
+        Conv1D,  # GPT-2's projections: a linear map with its weight transposed
+    )
+
+    linear = (torch.nn.Linear, Conv1D)
+    modules = [(name, module) for name, module in base.named_modules() if name]
+    matched = [(name, module) for name, module in modules if name == target or name.endswith(f".{target}")]
+    if not matched:
+        raise SettingsError(f"model.lora_target_modules: {path} has no layer named {target!r} "
+                            f"(its layers end in: {', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in modules}))})")
+    ends = {id(base.get_input_embeddings()): "input embedding", id(base.get_output_embeddings()): "output head"}
+    for name, module in matched:
+        if id(module) in ends:
+            raise SettingsError(f"model.lora_target_modules: {target!r} is the model's {ends[id(module)]} ({name}); "
+                                "adapters go on the attention and MLP projections (the log-prob head reads the output "
+                                "layer's own weight, and a tied model shares it with the embedding)")
+        if not isinstance(module, linear):
+            raise SettingsError(f"model.lora_target_modules: {target!r} names {name}, a {type(module).__name__}, not "
+                                "a linear projection (adapters go on nn.Linear layers such as q_proj or up_proj)")
 
 
 def save_adapter(policy: torch.nn.Module, directory: Path, adapters: dict[str, torch.Tensor] | None = None) -> None:

@@ -79,8 +79,8 @@ class ModelSettings(_Section):
     With `flash_attention_*` packed segments are separated by their position ids; otherwise each segment runs alone, in length buckets of padded rows."""
     value_head: bool = False
     """Add a scalar value head (turn-level critic, SPEC §3); needed by `algorithm.advantage=gae`."""
-    lora_rank: int = Field(0, ge=0)
-    """Rank of LoRA adapters (0 = off: every weight trains). Above 0 the base weights stay frozen and peft's
+    lora_rank: int = Field(0, ge=0, le=65536)
+    """Rank of LoRA adapters (0 = off: every weight trains; below the smaller side of every adapted layer). Above 0 the base weights stay frozen and peft's
     low-rank adapters train on `model.lora_target_modules` (the value head, when there is one, trains in full beside
     them); the KL reference is the base with the adapters disabled (no second copy); weight syncs send the adapters
     only; checkpoints hold the adapters and their optimizer state, not the base, so a resume needs the same
@@ -88,8 +88,9 @@ class ModelSettings(_Section):
     engines take each sync as a new adapter named after its policy version (servers in `engine.urls` must run with
     `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). Under DeepSpeed ZeRO-2/3 the optimizer state (and
     under ZeRO-3 the base too) is partitioned over the processes and checkpoints leave the frozen base out."""
-    lora_alpha: float = Field(16.0, gt=0)
-    """LoRA scale: each adapted layer computes W x + (lora_alpha / lora_rank) B A x."""
+    lora_alpha: float = Field(16.0, gt=0, le=10_000, allow_inf_nan=False)
+    """LoRA scale: each adapted layer computes W x + (lora_alpha / lora_rank) B A x (a finite number up to 10,000;
+    the usual values are 1 to 4 times the rank)."""
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapters' input while training. Above 0 the trainer scores a thinned model while the engine
     samples from the whole one, so the lag-0 mismatch (`mismatch/logprob_max`) is no longer float rounding."""

@@ -48,7 +48,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
-    "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "strategies", "trajectory"},
+    "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "shutdown", "strategies", "trajectory"},
     # what the composition root builds with
     "preflight": {"envs", "models", "rollout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},

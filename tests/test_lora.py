@@ -211,6 +211,9 @@ def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
         (["--model.lora_alpha=32"], "model.lora_alpha applies to model.lora_rank > 0 only"),
         (["--model.lora_target_modules=[q_proj]"], "model.lora_target_modules applies to model.lora_rank > 0"),
         (["--model.lora_rank=4", "--model.lora_target_modules=[]"], "model.lora_target_modules is empty"),
+        (["--model.lora_rank=4", "--model.lora_alpha=inf"], "model.lora_alpha"),
+        (["--model.lora_rank=4", "--model.lora_alpha=1e30"], "model.lora_alpha"),
+        (["--model.lora_rank=100000000000000000000"], "model.lora_rank"),
     ],
 )
 def test_lora_settings_that_cannot_run_are_refused(overrides, message):
@@ -225,13 +228,18 @@ def test_lora_settings_that_cannot_run_are_refused(overrides, message):
         (["--model.lora_target_modules=[q_proj,qproj]"], "model.lora_target_modules: tiny has no layer named 'qproj'"),
         (["--model.lora_target_modules=[input_layernorm]"], "model.lora_target_modules: "),
         (["--model.lora_rank=65"], "model.lora_rank (65) is above the smaller side of"),
+        # the embedding and the output head: adapters there would break the engine or never train
+        (["--model.lora_target_modules=[embed_tokens]"], "model.lora_target_modules: 'embed_tokens' is the model's input embedding"),
+        (["--model.lora_target_modules=[q_proj,lm_head]"], "model.lora_target_modules: 'lm_head' is the model's output head (lm_head)"),
+        # a block, not a projection: its class named in one line (not the module's repr)
+        (["--model.lora_target_modules=[mlp]"], "model.lora_target_modules: 'mlp' names model.layers.0.mlp, a LlamaMLP, not a linear"),
     ],
 )
 def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, capsys, overrides, message):
     settings = learn_settings(tmp_path, "--model.lora_rank=4", *overrides)
     with pytest.raises(SettingsError) as err:
         fit(settings)
-    assert message in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value)
     assert not (Path(settings.run.dir) / "checkpoints").exists()
     from lightning_agentrl.__main__ import main
 
