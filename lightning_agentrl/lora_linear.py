@@ -21,11 +21,11 @@ transposed ``dy``) run a skinny matmul at a third to a fifth of that speed on on
 
 :class:`FusedLoraLinear` (peft's ``lora.Linear``, made by peft itself through ``LoraConfig._register_custom_module``)
 takes this path only where it is peft's computation exactly: one active adapter, not merged, adapters enabled,
-no dropout, no variant (DoRA ...), no LoRA bias, a frozen base, one float dtype throughout, no autocast, and a base
-whose weight is whole. Under DeepSpeed ZeRO-3 the weight is a partition gathered by hooks around ``base_layer``'s
-own forward (and again for its backward), which a function reading ``base_layer.weight`` directly would bypass:
-there, and in every other case, the layer runs peft's forward. Its state (names, parameters, ``adapter/``
-folder) is peft's own.
+no dropout, no variant (DoRA ...), no LoRA bias, a frozen base, one float dtype throughout (over a bfloat16 base peft
+keeps the adapters in float32 and casts between the two), no autocast, and a base whose weight is whole. Under
+DeepSpeed ZeRO-3 the weight is a partition gathered by hooks around ``base_layer``'s own forward (and again for its
+backward), which a function reading ``base_layer.weight`` directly would bypass. There, and in every other case,
+the layer runs peft's forward. Its state (names, parameters, the ``adapter/`` folder) is peft's own.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class FusedLoraLinear(PeftLoraLinear):
         if self.disable_adapters or self.merged or self.fan_in_fan_out or len(self.active_adapters) != 1:
             return False
         adapter = self.active_adapters[0]
-        if adapter not in self.lora_A or adapter in self.lora_variant or self.lora_bias.get(adapter, False):
+        variant = adapter in getattr(self, "lora_variant", {}) or self.use_dora.get(adapter, False)  # older peft
+        if adapter not in self.lora_A or variant or getattr(self, "lora_bias", {}).get(adapter, False):
             return False
         if not isinstance(self.lora_dropout[adapter], torch.nn.Identity):
             return False

@@ -195,11 +195,13 @@ def test_the_fused_adapter_computes_peft_s_layer(shape, bias, input_grad):
     assert all(p.grad is None for p in fused.parameters() if not p.requires_grad)
 
 
-@pytest.mark.parametrize(("overrides", "fused"), [([], True), (["--model.lora_dropout=0.1"], False)],
-                         ids=["plain", "dropout"])
+@pytest.mark.parametrize(("overrides", "fused"),
+                         [([], True), (["--model.lora_dropout=0.1"], False), (["--model.dtype=bfloat16"], False)],
+                         ids=["plain", "dropout", "bfloat16"])
 def test_adapters_with_dropout_run_peft_s_own_layer(tiny_model_path, overrides, fused):
-    """The trainer's step runs the fused adapter when it is peft's computation, and peft's forward when it is not
-    (dropout draws a mask the fused function would not): the adapters learn either way."""
+    """The trainer's step runs the fused adapter when it is peft's computation, and peft's forward when it is not:
+    dropout draws a mask the fused function would not; over a bfloat16 base peft keeps float32 adapters and casts.
+    The adapters learn either way."""
     from lightning_agentrl.module import AgentRLModule
     from tests.test_module import make_batch
 
