@@ -30,16 +30,23 @@ ADAPTER = "default"  # peft's name for a model's single adapter
 
 
 def lora_config(model: ModelSettings):
-    """The peft ``LoraConfig`` of ``model.lora_*`` (``all-linear`` when no target is named)."""
+    """The peft ``LoraConfig`` of ``model.lora_*`` (``all-linear`` when no target is named). Its ``torch.nn.Linear``
+    layers become :class:`~lightning_agentrl.lora_linear.FusedLoraLinear`: peft's layer, whose adapter runs fused
+    into the base's matmuls where that computes exactly what peft's forward does (a process-local choice: the
+    saved ``adapter_config.json`` is the same)."""
     from peft import LoraConfig
 
-    return LoraConfig(
+    from lightning_agentrl.lora_linear import FusedLoraLinear
+
+    config = LoraConfig(
         r=model.lora_rank,
         lora_alpha=model.lora_alpha,
         lora_dropout=model.lora_dropout,
         target_modules=model.lora_target_modules or "all-linear",
         task_type="CAUSAL_LM",
     )
+    config._register_custom_module({torch.nn.Linear: FusedLoraLinear})
+    return config
 
 
 def apply_lora(model: torch.nn.Module, settings: ModelSettings, *, seed: int = 0):
