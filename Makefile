@@ -91,6 +91,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/scaling_bench.py
 	$(PY) benchmarks/lora_bench.py
 	$(PY) benchmarks/gateway_bench.py
+	$(PY) benchmarks/gateway_bench.py --model-path smollm2-135m-instruct --calls 4
 
 # Proof that it learns: warm start + GRPO on the copy-the-key suite, held-out success per step
 # (benchmarks/results/learn_cpu/learn_cpu.json and .png).
