@@ -11,6 +11,8 @@ is an agent with the real `openai` client (``AsyncOpenAI``, all agents in one cl
 agents are not the trainer) calling its own gateway URL with the same messages; the gateway renders the same ids, and each request carries the seed the direct arm used
 (``request_seed`` of the same run seed, episode id and call index), so both arms sample the same tokens
 and the difference is the gateway's: HTTP on loopback, JSON, rendering, the reply's decoding and parsing.
+Each arm's calls run in ``--parts`` parts, the arms alternating, so that other work starting or ending on the
+machine mid-run weighs on both.
 Writes ``--out`` (p50 and p99 of each arm, their ratios, each arm's prefills, decode steps and CPU per call, the
 agents' CPU apart, and the ratio that CPU alone sets: on 2 cores, every arm of the tiny model is CPU-bound) and
 prints one line.
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.record import write_record
@@ -35,15 +39,37 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results" / "gateway" / "gateway.json"
 
 
+def _episode_id(index: int, part: int) -> str:
+    return f"b{index}.{part}"
+
+
 def _conversation(episode: int, call: int) -> list[dict]:
     return [{"role": "system", "content": "You are a careful assistant."},
             {"role": "user", "content": f"Task {episode}, step {call}: read the file and say what it does."}]
 
 
-def _per_call(cpu_start: float, calls: int) -> float:
-    """This process's CPU time (all its threads: the event loop, the engine's decode thread) per call since
-    ``cpu_start``, in ms: unlike latency, it barely moves with other processes' load."""
-    return 1000 * (time.process_time() - cpu_start) / calls
+@dataclass
+class _Tally:
+    """One arm over its parts: each call's latency, the engine's prefills and decode steps, and this process's CPU
+    time (all its threads: the event loop, the engine's decode thread), which unlike latency barely moves with
+    other processes' load."""
+
+    seconds: list[float] = field(default_factory=list)
+    prefills: int = 0
+    steps: int = 0
+    cpu_s: float = 0.0
+
+    @contextlib.contextmanager
+    def counting(self, engine):
+        prefills, steps, cpu = engine.num_batches, engine.num_steps, time.process_time()
+        yield
+        self.prefills += engine.num_batches - prefills
+        self.steps += engine.num_steps - steps
+        self.cpu_s += time.process_time() - cpu
+
+    def summary(self, num_calls: int) -> dict:
+        return {**_quantiles(self.seconds), "engine_prefills": self.prefills, "engine_steps": self.steps,
+                "cpu_ms_per_call": 1000 * self.cpu_s / num_calls}
 
 
 def _quantiles(seconds: list[float]) -> dict[str, float]:
@@ -52,7 +78,7 @@ def _quantiles(seconds: list[float]) -> dict[str, float]:
             "calls": len(ordered)}
 
 
-async def _direct(engine, codec, sampling, in_flight: int, calls: int) -> list[float]:
+async def _direct(engine, codec, sampling, in_flight: int, calls: int, part: int = 0) -> list[float]:
     from dataclasses import replace
 
     from lightning_agentrl.rollout.agent_loop import request_seed
@@ -61,9 +87,10 @@ async def _direct(engine, codec, sampling, in_flight: int, calls: int) -> list[f
         latencies = []
         for call in range(calls):
             t0 = time.perf_counter()
-            ids = codec.prompt_ids(_conversation(index, call))
-            request = replace(sampling, seed=request_seed(sampling.seed, f"b{index}", call))
-            await engine.generate(ids, request, f"b{index}")
+            ids = codec.prompt_ids(_conversation(index, part * calls + call))
+            # the seed the gateway gives the same call of the same episode (its id, its call index)
+            request = replace(sampling, seed=request_seed(sampling.seed, _episode_id(index, part), call))
+            await engine.generate(ids, request, _episode_id(index, part))
             latencies.append(time.perf_counter() - t0)
         return latencies
 
@@ -103,15 +130,15 @@ def _timed(app, seconds: list[float]):
     return timed
 
 
-async def _through_gateway(gateway, engine, codec, sampling, budget, in_flight: int, calls: int) -> dict:
+async def _through_gateway(gateway, engine, codec, sampling, budget, in_flight: int, calls: int, part: int = 0) -> dict:
     handed, finished = asyncio.Queue(), asyncio.Event()
     plays = [asyncio.create_task(gateway.play(
         engine=engine, env=_WaitingAgent(i, handed, finished), codec=codec, sampling=sampling, budget=budget,
-        episode_id=f"b{i}", task_id="bench", group_id=0)) for i in range(in_flight)]
+        episode_id=_episode_id(i, part), task_id="bench", group_id=0)) for i in range(in_flight)]
     episodes = [await handed.get() for _ in range(in_flight)]
     client = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--client", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-    out, _ = await client.communicate(json.dumps({"episodes": episodes, "calls": calls,
+    out, _ = await client.communicate(json.dumps({"episodes": episodes, "calls": calls, "first_call": part * calls,
                                                   "tokens": sampling.max_new_tokens}).encode())
     finished.set()
     await asyncio.gather(*plays)
@@ -134,7 +161,7 @@ async def _client(plan: dict) -> dict:
         await ready.wait()  # all start together, as the direct arm's episodes do
         for call in range(plan["calls"]):
             t0 = time.perf_counter()
-            await client.chat.completions.create(model="policy", messages=_conversation(index, call),
+            await client.chat.completions.create(model="policy", messages=_conversation(index, plan["first_call"] + call),
                                                  max_tokens=plan["tokens"])
             latencies.append(time.perf_counter() - t0)
         await client.close()
@@ -173,13 +200,13 @@ def note(record: dict) -> str:
 
 def resolved_model(path: str) -> str:
     """The local folder of a ``model.path`` (``tiny`` built, a named model converted, once, as ``fit`` does)."""
+    from lightning_agentrl.models.resolve import resolve_model_path
     from lightning_agentrl.settings import load_settings
-    from lightning_agentrl.train import resolve_model_path
 
     return resolve_model_path(load_settings(overrides=[f"--model.path={path}"]))
 
 
-async def measure(model_path: str, in_flights: list[int], calls: int, tokens: int, window_ms: float) -> dict:
+async def measure(model_path: str, in_flights: list[int], calls: int, tokens: int, window_ms: float, parts: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lightning_agentrl.models import pad_token_id
@@ -202,17 +229,17 @@ async def measure(model_path: str, in_flights: list[int], calls: int, tokens: in
     await _through_gateway(gateway, engine, codec, sampling, budget, 2, 1)
     rows = {}
     for in_flight in in_flights:
-        prefills, steps, cpu = engine.num_batches, engine.num_steps, time.process_time()
-        direct = _quantiles(await _direct(engine, codec, sampling, in_flight, calls))
-        direct.update(engine_prefills=engine.num_batches - prefills, engine_steps=engine.num_steps - steps,
-                      cpu_ms_per_call=_per_call(cpu, in_flight * calls))
-        prefills, steps, cpu, served[:] = engine.num_batches, engine.num_steps, time.process_time(), []
-        client = await _through_gateway(gateway, engine, codec, sampling, budget, in_flight, calls)
-        through = _quantiles(client["seconds"])
-        through.update(engine_prefills=engine.num_batches - prefills, engine_steps=engine.num_steps - steps,
-                       cpu_ms_per_call=_per_call(cpu, in_flight * calls),
-                       client_cpu_ms_per_call=1000 * client["cpu_s"] / (in_flight * calls))
-        server = _quantiles(served)
+        direct, through, client_cpu_s, num_calls = _Tally(), _Tally(), 0.0, in_flight * calls
+        served.clear()
+        for part in range(parts):  # alternating, so a change in the machine's load falls on both arms alike
+            with direct.counting(engine):
+                direct.seconds += await _direct(engine, codec, sampling, in_flight, calls // parts, part)
+            with through.counting(engine):
+                measured = await _through_gateway(gateway, engine, codec, sampling, budget, in_flight, calls // parts, part)
+            through.seconds += measured["seconds"]
+            client_cpu_s += measured["cpu_s"]
+        direct, server = direct.summary(num_calls), _quantiles(served)
+        through = {**through.summary(num_calls), "client_cpu_ms_per_call": 1000 * client_cpu_s / num_calls}
         rows[str(in_flight)] = {"direct": direct, "gateway": through, "gateway_server_side": server,
                                 "p50_ratio": through["p50_ms"] / direct["p50_ms"],
                                 "p99_ratio": through["p99_ms"] / direct["p99_ms"],
@@ -220,7 +247,7 @@ async def measure(model_path: str, in_flights: list[int], calls: int, tokens: in
                                 "cpu_bound_ratio": cpu_bound_ratio(direct, through)}
     await gateway.close()
     await engine.close()
-    return {"in_flight": rows, "calls_per_episode": calls, "max_new_tokens": tokens,
+    return {"in_flight": rows, "calls_per_episode": calls, "parts": parts, "max_new_tokens": tokens,
             "model": f"{model_path} (torch engine, CPU)", "admission_window_ms": window_ms, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0]}  # latency ratios on a busy machine mislead
 
 
@@ -231,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--calls", type=int, default=8, help="calls per episode")
     parser.add_argument("--tokens", type=int, default=16, help="max new tokens per call")
+    parser.add_argument("--parts", type=int, default=2,
+                        help="each arm's calls in this many parts, the arms alternating (it must divide --calls)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--model-path", default="tiny", help="the model (a model.path: tiny, smollm2-135m-instruct, a folder)")
     parser.add_argument("--admission-window-ms", type=float, default=EngineSettings().admission_window_ms,
@@ -242,12 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.client:
         print(json.dumps(asyncio.run(_client(json.loads(sys.stdin.read())))))
         return
-    if min(args.in_flight) < 1 or args.calls < 1 or args.tokens < 1:
-        parser.error("--in-flight, --calls and --tokens must be >= 1")
+    if min(args.in_flight) < 1 or args.calls < 1 or args.tokens < 1 or args.parts < 1:
+        parser.error("--in-flight, --calls, --tokens and --parts must be >= 1")
+    if args.calls % args.parts:
+        parser.error(f"--parts {args.parts} must divide --calls {args.calls}")
     import torch
 
     torch.set_num_threads(args.threads)
-    result = asyncio.run(measure(args.model_path, args.in_flight, args.calls, args.tokens, args.admission_window_ms))
+    result = asyncio.run(measure(args.model_path, args.in_flight, args.calls, args.tokens, args.admission_window_ms,
+                                 args.parts))
     result["note"] = note(result)
     out = args.out or (RESULTS if args.model_path == "tiny" else RESULTS.with_name(f"gateway_{Path(args.model_path).name}.json"))
     write_record(out, result, config=None, overrides=None, seed=None)
