@@ -137,7 +137,8 @@ class EngineSettings(_Section):
     may wait to be admitted together, one prefill and one join, rather than each at the next step; they go in at
     once when they fill `engine.max_batch_size`, and a request to an idle engine is never held. Arrivals spread
     over several decode steps (many agents calling through the gateway) then share prefills; each waits up to
-    this long more. 0 = each at the next step (docs/benchmarks.md, the gateway row, has the measurements)."""
+    this long more. 0 = each at the next step: on CPU, with the tiny model and SmolLM2-135M, a window saved
+    prefills but no latency (docs/agents.md, "What a call costs")."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of training episodes (> 0: the importance ratios need a sampling distribution; greedy
     evaluation is `eval.temperature: 0`). Every log-prob, the engine's and the trainer's, is of the distribution
