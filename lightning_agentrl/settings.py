@@ -139,6 +139,13 @@ class EngineSettings(_Section):
     """`vllm_server` without `engine.urls`: longest wait for the local servers to answer `/health`."""
     max_batch_size: int = Field(16, ge=1)
     """Most concurrent requests the torch engine decodes in one batch."""
+    admission_window_ms: float = Field(0.0, ge=0.0)
+    """`torch` only (the policy's engine and a sub-agent's): how long requests that arrive while a batch decodes
+    may wait to be admitted together, one prefill and one join, rather than each at the next step; they go in at
+    once when they fill `engine.max_batch_size`, and a request to an idle engine is never held. Arrivals spread
+    over several decode steps (many agents calling through the gateway) then share prefills; each waits up to
+    this long more. 0 = each at the next step: on CPU, with the tiny model and SmolLM2-135M, a window saved
+    prefills but no latency (docs/agents.md, "What a call costs")."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of training episodes (> 0: the importance ratios need a sampling distribution; greedy
     evaluation is `eval.temperature: 0`). Every log-prob, the engine's and the trainer's, is of the distribution
@@ -838,6 +845,9 @@ def _check_engine(settings: Settings) -> None:
     if e.logprobs == "softmax" and e.kind != "torch":
         raise ValueError(f"engine.logprobs=softmax needs engine.kind=torch for now: vLLM reports log-probs after "
                          f"top-k and top-p (processed_logprobs) or before temperature (raw), not between "
+                         f"(engine.kind is {e.kind!r})")
+    if e.admission_window_ms and e.kind != "torch":
+        raise ValueError(f"engine.admission_window_ms applies to engine.kind=torch; vLLM schedules its own batches "
                          f"(engine.kind is {e.kind!r})")
     if e.kind != "vllm_server":
         for name, value in (("urls", e.urls), ("num_servers", e.num_servers != 1)):

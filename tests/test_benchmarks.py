@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.record import PROVENANCE_KEYS, RUN_KEYS
+from lightning_agentrl.settings import EngineSettings
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--trainer.max_steps=2", "--rollout.groups_per_step=1", "--rollout.group_size=2", "--engine.max_new_tokens=24"]
@@ -459,6 +460,11 @@ def test_gateway_benchmark_times_both_arms_on_the_same_calls(tmp_path):
     for in_flight, row in record["in_flight"].items():
         assert row["direct"]["calls"] == row["gateway"]["calls"] == 2 * int(in_flight)
         assert 0 < row["direct"]["p50_ms"] <= row["direct"]["p99_ms"] and row["p50_ratio"] > 0
+        for arm in ("direct", "gateway"):  # every call is one prefill at most, and its 2 tokens one step at most
+            assert 1 <= row[arm]["engine_prefills"] <= 2 * int(in_flight) and row[arm]["engine_steps"] <= 2 * int(in_flight)
+        assert row["cpu_bound_ratio"]["one_core"] > row["cpu_bound_ratio"]["core_each"] > 0
+    assert record["model"].startswith("tiny") and record["admission_window_ms"] == EngineSettings().admission_window_ms
+    assert record["note"].startswith("2 in flight, CPU per call")
 
 
 # Outputs that are not records: a run's own summary inside its run folder, a side's half-record handed to
