@@ -451,9 +451,9 @@ def earlier_trl(args: argparse.Namespace) -> tuple[dict, dict]:
     shape, wanted = record.get("shape", {}), {"torch_threads": args.threads, "warmup_steps": args.warmup,
                                                "measured_steps": args.steps}
     got = {"model": record.get("model", {}).get("path", "tiny"), "seed": record.get("seed"),
-           **{k: shape.get(k) for k in wanted}}
-    if got != {"model": args.model, "seed": args.seed, **wanted}:
-        sys.exit(f"error: --trl-from: {path} measured {got}, not this run's model, seed, threads and steps")
+           "bf16": record.get("trl", {}).get("settings", {}).get("bf16"), **{k: shape.get(k) for k in wanted}}
+    if got != {"model": args.model, "seed": args.seed, "bf16": args.trl_bf16, **wanted}:
+        sys.exit(f"error: --trl-from: {path} measured {got}, not this run's model, seed, bf16, threads and steps")
     trl = {**record["trl"], "reused_from": {"record": str(path), "commit": record.get("commit")}}
     return trl, trl_profile_
 

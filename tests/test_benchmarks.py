@@ -349,6 +349,12 @@ def test_peer_model_option_reaches_both_sides_and_names_its_record():
     assert "--model.path=smollm2-135m-instruct" in project_overrides(real, Path("run"))
 
 
+def test_engine_compare_refuses_zero_threads():
+    done = subprocess.run([sys.executable, "benchmarks/engine_compare.py", "--threads", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--threads must be at least 1" in done.stderr
+
+
 def test_peer_trl_profile_splits_the_median_step_into_stages():
     from benchmarks.peer_trl import trl_profile
 
@@ -361,7 +367,7 @@ def test_peer_trl_profile_splits_the_median_step_into_stages():
 
 
 def test_peer_trl_from_refuses_a_record_of_another_model_or_shape(tmp_path):
-    record = {"model": {"path": "tiny"}, "seed": 0, "trl": {},
+    record = {"model": {"path": "tiny"}, "seed": 0, "trl": {"settings": {"bf16": False}},
               "shape": {"torch_threads": 1, "warmup_steps": 1, "measured_steps": 3}}
     (tmp_path / "r.json").write_text(json.dumps(record))
     (tmp_path / "r_profile.json").write_text(json.dumps({"trl": {}}))
@@ -369,6 +375,9 @@ def test_peer_trl_from_refuses_a_record_of_another_model_or_shape(tmp_path):
                            "smollm2-135m-instruct", "--threads", "1", "--steps", "3"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1 and "error: --trl-from:" in done.stderr and "'model': 'tiny'" in done.stderr
+    done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--trl-from", str(tmp_path / "r.json"), "--threads",
+                           "1", "--steps", "3", "--trl-bf16"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "'bf16': False" in done.stderr  # the same model and shape, not the same precision
     done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--trl-from", str(tmp_path / "none.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "error: --trl-from: cannot read" in done.stderr
