@@ -38,9 +38,12 @@ with more runnable threads than cores, multi-threaded torch ops wait on each oth
 time can grow several-fold, by different factors for the two sides. The record then says
 ``load_over_cores: true`` and the printed line ends with a warning; rerun on an idle machine.
 
-Writes ``benchmarks/results/peer_trl/peer_trl.json`` (both sides' step times, tokens and settings, and the
-ratio) and ``benchmarks/results/peer_trl/peer_trl_profile.json`` (the share of the project's step taken by
-each stage, from a callback's timestamps and the episodes' own timings), and prints one line.
+Writes ``benchmarks/results/peer_trl/peer_trl.json`` (``peer_trl_<model>.json`` for another ``--model``: both
+sides' step times, tokens, settings, peak memory and the project's lag-0 engine-vs-trainer log-prob mismatch,
+and the ratio) and ``..._profile.json`` beside it (the share of each side's step taken by each stage: the
+project's from a callback's timestamps and the episodes' own timings, TRL's from timers around its
+generation, loss, backward and optimizer step), and prints one line. ``--trl-from`` takes the TRL side of an
+earlier record of the same model and shape instead of running it again (the record names it).
 """
 
 from __future__ import annotations
