@@ -36,7 +36,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "checkpoint_io": {"run_layout", "settings"},
     "sandbox_checks": {"envs", "settings"},
     "resume": {"run_layout", "settings"},
-    "lora": {"settings", "strategies"},
+    "lora_linear": set(),
+    "lora": {"lora_linear", "settings", "strategies"},
     "plan": {"models", "settings"},
     "distributed": {"sandbox_checks", "settings"},
     # rollout, and what watches it
