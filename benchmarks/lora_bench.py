@@ -6,7 +6,9 @@
 Both variants run the trainer's own path (:class:`lightning_agentrl.module.AgentRLModule`): ``configure_model``,
 ``configure_optimizers`` (the optimizer holds what requires grad), ``accumulate_gradients`` on the same packed
 batch (random tokens; behavior log-probs from the model itself, so the PPO ratios start at 1), gradient clipping
-and the optimizer step, and :func:`lightning_agentrl.lora.engine_weights` for what one weight sync sends. The
+and the optimizer step, and :func:`lightning_agentrl.lora.engine_weights` for what one weight sync sends. Under LoRA each adapted layer runs
+the fused adapter function of :mod:`lightning_agentrl.lora_linear` (peft's own forward where that would not be exact:
+dropout, ZeRO-3, autocast), as ``fit`` does. The
 model is ``--model-path`` (a ``model.path``: by default the real SmolLM2-135M-Instruct, 30 layers, H 576, I 1536,
 vocabulary 49,152, tied embeddings), or with ``random`` a randomly initialized Llama of the shape the flags give.
 Each variant runs

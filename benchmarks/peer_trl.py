@@ -2,8 +2,11 @@
 
     python benchmarks/peer_trl.py                      # make bench (needs the `bench` extra: trl)
     python benchmarks/peer_trl.py --steps 3 --warmup 1
+    python benchmarks/peer_trl.py --model smollm2-135m-instruct --threads 1 --rounds 1 --steps 3   # the 135M model
 
-Both sides train the project's tiny local model (``model.path: tiny``) on CPU with the same number of
+Both sides train the same model (``--model``, a ``model.path``: by default the project's tiny local model,
+``tiny``; ``smollm2-135m-instruct`` is the named 135M model, converted once into a local HF folder that the
+TRL side loads too) on CPU with the same number of
 torch threads (``--threads``, 2 by default; ``OMP_NUM_THREADS`` too, and each side records the count
 its process ran with): 8 prompts x 8 generations x at most 64 new tokens per optimizer step, beta 0
 (no reference model), lr 1e-5, sampling at temperature 1, no vLLM. Each side runs in its own
@@ -35,9 +38,12 @@ with more runnable threads than cores, multi-threaded torch ops wait on each oth
 time can grow several-fold, by different factors for the two sides. The record then says
 ``load_over_cores: true`` and the printed line ends with a warning; rerun on an idle machine.
 
-Writes ``benchmarks/results/peer_trl/peer_trl.json`` (both sides' step times, tokens and settings, and the
-ratio) and ``benchmarks/results/peer_trl/peer_trl_profile.json`` (the share of the project's step taken by
-each stage, from a callback's timestamps and the episodes' own timings), and prints one line.
+Writes ``benchmarks/results/peer_trl/peer_trl.json`` (``peer_trl_<model>.json`` for another ``--model``: both
+sides' step times, tokens, settings, peak memory and the project's lag-0 engine-vs-trainer log-prob mismatch,
+and the ratio) and ``..._profile.json`` beside it (the share of each side's step taken by each stage: the
+project's from a callback's timestamps and the episodes' own timings, TRL's from timers around its
+generation, loss, backward and optimizer step), and prints one line. ``--trl-from`` takes the TRL side of an
+earlier record of the same model and shape instead of running it again (the record names it).
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps per side")
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps per side before measuring")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="tiny",
+                        help="model.path of both sides: tiny (default) or a named model such as smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating TRL and project")
     parser.add_argument("--threads", type=int, default=THREADS, help="torch threads of both sides (the same)")
     parser.add_argument("--trl-python", default=sys.executable,
@@ -78,11 +86,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--project-set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="a settings override for the project side only, e.g. rollout.max_staleness=1 "
                         "(rollout overlapped with training; then not the same on-policy step as TRL's); repeatable")
+    parser.add_argument("--trl-from", default=None, metavar="RECORD",
+                        help="take the TRL side from an earlier record of the same --model, --seed, --threads, "
+                        "--warmup and --steps (and its _profile.json) instead of running it again: for a change on "
+                        "the project side only; the record names it and its load")
     parser.add_argument("--run-dir", default=None, help="the project's run folder; default runs/peer_trl-<time>")
-    parser.add_argument("--out", default=str(RESULTS / "peer_trl.json"))
+    parser.add_argument("--out", default=None,
+                        help="the record; default benchmarks/results/peer_trl/peer_trl.json, peer_trl_<model>.json "
+                        "for another --model")
     parser.add_argument("--side", choices=["trl", "project"], help=argparse.SUPPRESS)  # one side, in a subprocess
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
     parser.add_argument("--tasks", help=argparse.SUPPRESS)  # the project side's tasks file
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)  # the TRL side's local folder of --model
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step's time has no previous step end)")
@@ -90,7 +105,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    args.out = args.out or str(RESULTS / ("peer_trl.json" if args.model == "tiny" else f"peer_trl_{short_name(args.model)}.json"))
     return args
+
+
+def short_name(model: str) -> str:
+    """``smollm2-135m-instruct`` -> ``smollm2``; a folder -> its name's first part."""
+    return Path(model).name.split("-")[0].lower() or "model"
+
+
+def model_folder(model: str) -> str:
+    """The local HF folder of a ``model.path``, as ``fit`` resolves it (a named model converted once)."""
+    from lightning_agentrl.models.resolve import resolve_model_path
+    from lightning_agentrl.settings import load_settings
+
+    return resolve_model_path(load_settings(None, [f"--model.path={model}", f"--model.cache_dir={CACHE_DIR}"]))
 
 
 def step_times(ends: list[float], warmup: int) -> list[float]:
@@ -99,6 +128,37 @@ def step_times(ends: list[float], warmup: int) -> list[float]:
 
 
 # -- TRL side -------------------------------------------------------------------------------------
+def time_trl_stages(trainer, steps: list[dict]) -> None:
+    """Wrap the TRL trainer's stages (on this instance) with timers; each optimizer step appends one dict of
+    seconds to ``steps``: ``generation`` (``_generate``: ``transformers.generate`` and decoding),
+    ``scoring_and_rest_of_rollout`` (rewards, advantages, batch assembly around it), ``forward``
+    (``compute_loss``: the log-prob forward and the loss), ``backward``, and (from the step clock's optimizer
+    hooks) ``optimizer`` (``optimizer.step()``)."""
+    current = {"generation": 0.0, "rollout": 0.0, "forward": 0.0, "backward": 0.0}
+
+    def timed(key: str, fn):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                current[key] += time.perf_counter() - start
+        return wrapper
+
+    trainer._generate = timed("generation", trainer._generate)
+    trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions)
+    trainer.compute_loss = timed("forward", trainer.compute_loss)
+    trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
+
+    def on_step_end(optimizer_s: float) -> None:
+        steps.append({"generation": current["generation"],
+                      "scoring_and_rest_of_rollout": current["rollout"] - current["generation"],
+                      "forward": current["forward"], "backward": current["backward"], "optimizer": optimizer_s})
+        current.update(dict.fromkeys(current, 0.0))
+
+    trainer.stage_step_end = on_step_end
+
+
 def run_trl(args: argparse.Namespace) -> dict:
     import torch
     from datasets import Dataset
@@ -106,10 +166,8 @@ def run_trl(args: argparse.Namespace) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.peer_env import prompt_text
-    from lightning_agentrl.models.tiny import build_tiny_model
-
     torch.set_num_threads(args.threads)
-    model_path = build_tiny_model(CACHE_DIR)
+    model_path = args.model_dir
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     draw = random.Random(args.seed)
     digits = [str(draw.randrange(10)) for _ in range(NUM_PROMPTS * (args.warmup + args.steps) * 4)]
@@ -128,8 +186,15 @@ def run_trl(args: argparse.Namespace) -> dict:
             self.ends: list[float] = []
             self.completion_lengths: list[float] = []
 
+        def on_pre_optimizer_step(self, *_, **__):
+            self.optimizer_from = time.perf_counter()
+
+        def on_optimizer_step(self, *_, **__):
+            self.optimizer_s = time.perf_counter() - self.optimizer_from
+
         def on_step_end(self, *_, **__):
             self.ends.append(time.perf_counter())
+            trainer.stage_step_end(self.optimizer_s)
 
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "completions/mean_length" in logs:
@@ -145,9 +210,11 @@ def run_trl(args: argparse.Namespace) -> dict:
     )
     clock = StepClock()
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_path), reward_funcs=contains_digit, args=config,
-        train_dataset=dataset, processing_class=tokenizer, callbacks=[clock],
+        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), reward_funcs=contains_digit,
+        args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock],
     )
+    stages: list[dict] = []
+    time_trl_stages(trainer, stages)
     trainer.train()
     times = step_times(clock.ends, args.warmup)
     lengths = clock.completion_lengths[args.warmup :]
@@ -159,6 +226,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         "version": f"trl {trl.__version__}",
         "torch_threads": torch.get_num_threads(),  # after training: what its ops ran with
         "step_s": times,
+        "stages": stages[args.warmup :],
         "completion_tokens_per_step": [round(n * batch, 1) for n in lengths],
         "prompt_tokens_mean": len(prompt),
         "group_digits": group_digits,
@@ -187,7 +255,7 @@ def project_tasks(group_digits: list[str], seed: int, path: Path) -> Path:
 
 def project_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return [
-        f"--run.dir={run_dir}", f"--run.seed={args.seed}", "--model.path=tiny", f"--model.cache_dir={CACHE_DIR}",
+        f"--run.dir={run_dir}", f"--run.seed={args.seed}", f"--model.path={args.model}", f"--model.cache_dir={CACHE_DIR}",
         "--engine.kind=torch", f"--engine.max_new_tokens={NEW_TOKENS}",
         f"--engine.max_batch_size={NUM_PROMPTS * NUM_GENERATIONS}", "--engine.temperature=1.0",
         f"--env.kind={ENV_KIND}", f"--env.tasks={args.tasks}", "--env.max_turns=1",
@@ -227,7 +295,10 @@ def stage_clock():
             now = self._last_end = time.perf_counter()
             step, trajectories = self._step, batch.trajectories
             optimizer_from = step["optimizer_from"] or now
+            metrics = trainer.callback_metrics  # the engine's vs the trainer's log-probs of the lag-0 actions
             self.steps.append({
+                "mismatch_logprob_max": float(metrics.get("mismatch/logprob_max", float("nan"))),
+                "mismatch_logprob_mean": float(metrics.get("mismatch/logprob_mean", float("nan"))),
                 "end": now,
                 "between_steps": step["between"],
                 "train": now - step["start"],
@@ -267,6 +338,9 @@ def run_project(args: argparse.Namespace) -> dict:
         "completion_tokens_per_step": [s["completion_tokens"] for s in measured],
         "prompt_tokens_mean": round(statistics.fmean(s["prompt_tokens_mean"] for s in measured), 1),
         "reward_mean": round(statistics.fmean(s["reward_mean"] for s in measured), 3),
+        # over every step, warm-up included: |engine - trainer| log-prob of the sampled ids (lag 0)
+        "mismatch_logprob_max": max(s["mismatch_logprob_max"] for s in clock.steps),
+        "mismatch_logprob_mean": [s["mismatch_logprob_mean"] for s in clock.steps],
         "stages": measured,
         "step_digits": [sorted(digit_of[i] for i in s["task_ids"]) for s in clock.steps],
         "settings_overrides": overrides,
@@ -285,7 +359,10 @@ def run_side(side: str, python: str, args: argparse.Namespace, *, tasks: Path | 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / f"{side}.json"
         command = [python, __file__, "--side", side, "--side-out", str(out), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads)]
+                   "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads),
+                   "--model", args.model]
+        if side == "trl":
+            command += ["--model-dir", args.model_dir]
         if run_dir:
             command += ["--run-dir", run_dir]
         for override in args.project_set:
@@ -339,10 +416,24 @@ def profile(project: dict) -> dict:
     }
 
 
+def trl_profile(trl: dict) -> dict:
+    """Share of TRL's median step taken by each of its stages: those of the measured step whose time is the
+    (lower) median, so that they add up to it; the rest is the trainer's own work between them (logging,
+    callbacks, data loading)."""
+    at = trl["step_s"].index(statistics.median_low(trl["step_s"]))
+    step, parts = trl["step_s"][at], dict(trl["stages"][at])
+    parts["rest of the step (logging, callbacks, data loading)"] = step - sum(parts.values())
+    return {"median_step_s": round(step, 3),
+            "stages": [{"stage": name, "seconds": round(sec, 3), "share": round(sec / step, 3)}
+                       for name, sec in sorted(parts.items(), key=lambda kv: -kv[1])],
+            "source": "timers around GRPOTrainer._generate, _generate_and_score_completions, compute_loss, "
+                      "accelerator.backward and the optimizer-step callbacks (benchmarks/peer_trl.py)"}
+
+
 def pooled(rounds: list[dict]) -> dict:
     """One side's rounds as one record: the measured steps of all rounds, and each round's summary."""
     record = {**rounds[-1], "round_wall_s": [r.pop("wall_s") for r in rounds]}
-    for key in ("step_s", "completion_tokens_per_step", "stages"):
+    for key in ("step_s", "completion_tokens_per_step", "stages"):  # TRL's stages too
         if key in rounds[0]:
             record[key] = [x for r in rounds for x in r[key]]
     record["rounds"] = [{**summarize(r), "load_avg_1min": r["load_avg_1min"], "torch_threads": r["torch_threads"]}
@@ -351,11 +442,38 @@ def pooled(rounds: list[dict]) -> dict:
     return record
 
 
+def earlier_trl(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The TRL side (pooled rounds) and its profile from ``--trl-from``, after checking that it measured the
+    same model and shape; exits with an error line otherwise."""
+    path = Path(args.trl_from)
+    try:
+        record = json.loads(path.read_text())
+        trl_profile_ = json.loads(path.with_name(path.stem + "_profile.json").read_text())["trl"]
+    except (OSError, ValueError, KeyError) as err:
+        sys.exit(f"error: --trl-from: cannot read {path} and its _profile.json: {err}")
+    shape, wanted = record.get("shape", {}), {"torch_threads": args.threads, "warmup_steps": args.warmup,
+                                               "measured_steps": args.steps}
+    got = {"model": record.get("model", {}).get("path", "tiny"), "seed": record.get("seed"),
+           "bf16": record.get("trl", {}).get("settings", {}).get("bf16"), **{k: shape.get(k) for k in wanted}}
+    if got != {"model": args.model, "seed": args.seed, "bf16": args.trl_bf16, **wanted}:
+        sys.exit(f"error: --trl-from: {path} measured {got}, not this run's model, seed, bf16, threads and steps")
+    trl = {**record["trl"], "reused_from": {"record": str(path), "commit": record.get("commit")}}
+    return trl, trl_profile_
+
+
 def run_rounds(args: argparse.Namespace, tasks_dir: Path) -> tuple[dict, dict, bool]:
     """TRL and the project alternately, ``args.rounds`` times each; the project's tasks are the prompts
-    of the first TRL round. Also says whether every TRL round drew the same prompts."""
+    of the first TRL round. Also says whether every TRL round drew the same prompts. With ``--trl-from``
+    only the project runs, on the prompts of the earlier record's TRL side."""
     trl_rounds, project_rounds, tasks = [], [], None
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.trl_from:
+        trl, _ = earlier_trl(args)
+        tasks = project_tasks(trl["group_digits"], args.seed, tasks_dir / "digits.jsonl")
+        for k in range(args.rounds):
+            run_dir = f"{args.run_dir or f'runs/peer_trl-{stamp}'}-r{k}"
+            project_rounds.append(run_side("project", sys.executable, args, tasks=tasks, run_dir=run_dir))
+        return trl, pooled(project_rounds), True
     for k in range(args.rounds):
         trl_rounds.append(run_side("trl", args.trl_python, args))
         if tasks is None:
@@ -386,9 +504,19 @@ DIFFERENCES = [
     "completion lengths differ slightly; throughput is per completion token. The project's torch engine samples "
     "every row of a decoding step in one batched inverse-CDF draw (per-request seeded uniforms); TRL samples "
     "with torch.multinomial inside transformers.generate",
+    "with --trl-from, the TRL side is an earlier run's (record: trl.reused_from; its load in trl.rounds)",
     "threads: both sides run with the same torch thread count (record: torch_threads, as each process ran); "
     "a load average above the cores (record: load_over_cores) makes the step times incomparable",
 ]
+
+
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory (``VmHWM``), in MiB; None where /proc is not there."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    return next((round(int(line.split()[1]) / 1024, 1) for line in lines if line.startswith("VmHWM:")), None)
 
 
 def machine_cores() -> int:
@@ -434,8 +562,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, str(REPO))  # benchmarks.peer_env, as the subprocesses import it
     if args.side:
         record = run_trl(args) if args.side == "trl" else run_project(args)
+        record["peak_rss_mib"] = peak_rss_mib()
         Path(args.side_out).write_text(json.dumps(record))
         return
+    args.model_dir = model_folder(args.model)
+    if args.trl_from:
+        earlier_trl(args)  # an unusable record fails before any run
     with tempfile.TemporaryDirectory() as tasks_dir:
         trl_record, project_record, same_trl = run_rounds(args, Path(tasks_dir))
     trl, project = summarize(trl_record), summarize(project_record)
@@ -448,6 +580,8 @@ def main(argv: list[str] | None = None) -> None:
         "load_avg_at_end": [round(x, 2) for x in load],  # 1, 5, 15 min; the machine may be shared
         "load_over_cores": bool(overloaded), "overloaded_runs": overloaded,
         "torch_threads": thread_counts(trl_record, project_record),
+        "model": {"path": args.model, "folder": str(Path(args.model_dir).relative_to(REPO))
+                  if Path(args.model_dir).is_relative_to(REPO) else args.model_dir},
         "shape": {"prompts": NUM_PROMPTS, "generations": NUM_GENERATIONS, "max_new_tokens": NEW_TOKENS,
                   "lr": LR, "beta": 0.0, "torch_threads": args.threads, "warmup_steps": args.warmup,
                   "measured_steps": args.steps, "rounds_per_side": args.rounds, "order": "TRL, project, alternating",
@@ -464,7 +598,10 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     stated = {"config": None, "overrides": project_record["settings_overrides"], "seed": args.seed}
     write_record(out, record, **stated)
-    write_record(out.with_name(out.stem + "_profile.json"), profile(project_record), **stated)
+    write_record(out.with_name(out.stem + "_profile.json"), {**profile(project_record),
+                                                            "trl": earlier_trl(args)[1] if args.trl_from
+                                                            else trl_profile(trl_record)},
+                 **stated)
     print(summary_line(record))
 
 

@@ -112,6 +112,8 @@ ROWS = (
     Row("http_client", ("http_client_bench.py",), "http_client/http_client.json", "-",
         lambda d: (", ".join(f"{k} {v} ms" for k, v in d["client_cpu_ms_per_request"].items()), None)),
     Row("gateway", ("gateway_bench.py",), "gateway/gateway.json", "<= 1.2x direct p50 at 32 in flight", _gateway),
+    Row("gateway_smollm2", ("gateway_bench.py", "--model-path", "smollm2-135m-instruct", "--calls", "4"),
+        "gateway/gateway_smollm2-135m-instruct.json", "<= 1.2x direct p50 at 32 in flight", _gateway),
 )
 
 

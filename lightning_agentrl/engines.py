@@ -49,7 +49,7 @@ def _torch_engine(settings: Settings, model_path: str, tokenizer, urls: list[str
         model = hf_model(apply_lora(model, settings.model, seed=settings.run.seed))
         merge = MergedAdapters(model).merge
     return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), max_batch_size=settings.engine.max_batch_size,
-                       after_update=merge)
+                       admission_window_ms=settings.engine.admission_window_ms, after_update=merge)
 
 
 def _vllm_engine(settings: Settings, model_path: str, tokenizer, urls: list[str] | None) -> vllm_engine.VLLMEngine:

@@ -30,16 +30,23 @@ ADAPTER = "default"  # peft's name for a model's single adapter
 
 
 def lora_config(model: ModelSettings):
-    """The peft ``LoraConfig`` of ``model.lora_*`` (``all-linear`` when no target is named)."""
+    """The peft ``LoraConfig`` of ``model.lora_*`` (``all-linear`` when no target is named). Its ``torch.nn.Linear``
+    layers become :class:`~lightning_agentrl.lora_linear.FusedLoraLinear`: peft's layer, whose adapter runs fused
+    into the base's matmuls where that computes exactly what peft's forward does (a process-local choice: the
+    saved ``adapter_config.json`` is the same)."""
     from peft import LoraConfig
 
-    return LoraConfig(
+    from lightning_agentrl.lora_linear import FusedLoraLinear
+
+    config = LoraConfig(
         r=model.lora_rank,
         lora_alpha=model.lora_alpha,
         lora_dropout=model.lora_dropout,
         target_modules=model.lora_target_modules or "all-linear",
         task_type="CAUSAL_LM",
     )
+    config._register_custom_module({torch.nn.Linear: FusedLoraLinear})
+    return config
 
 
 def apply_lora(model: torch.nn.Module, settings: ModelSettings, *, seed: int = 0):
@@ -185,15 +192,12 @@ def check_lora(model: ModelSettings, model_path: str) -> None:
         raise SettingsError(f"model.path: cannot read the config of {model_path} to place LoRA adapters: {err}") from None
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config)
-    names = [name for name, _ in base.named_modules() if name]
     for target in model.lora_target_modules or ():
-        if not any(name == target or name.endswith(f".{target}") for name in names):
-            raise SettingsError(f"model.lora_target_modules: {model.path} has no layer named {target!r} "
-                                f"(its layers end in: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))})")
+        _check_target(base, target, model.path)
     try:
         adapted = get_peft_model(base, lora_config(model))
     except ValueError as err:  # a layer type peft cannot adapt (a norm, an activation)
-        raise SettingsError(f"model.lora_target_modules: {err}") from None
+        raise SettingsError(f"model.lora_target_modules: {str(err).splitlines()[0]}") from None
     from peft.tuners.lora import LoraLayer
 
     for name, layer in adapted.named_modules():
@@ -246,6 +250,32 @@ def zero_adapters(model: ModelSettings, model_path: str) -> list[tuple[str, torc
                                  lora_config(model))
     return [(name, torch.zeros(parameter.shape)) for name, parameter in hf_model(adapted).named_parameters()
             if parameter.requires_grad]
+
+
+def _check_target(base: torch.nn.Module, target: str, path: str) -> None:
+    """One ``model.lora_target_modules`` entry: it names layers of ``base`` (by name or its last part), each a
+    linear projection that is neither the input embedding nor the output head. Those two are refused: the log-prob
+    head reads the output layer's own weight (an adapter there would never train), and a tied model shares it with
+    the embedding."""
+    from transformers.pytorch_utils import (
+        Conv1D,  # GPT-2's projections: a linear map with its weight transposed
+    )
+
+    linear = (torch.nn.Linear, Conv1D)
+    modules = [(name, module) for name, module in base.named_modules() if name]
+    matched = [(name, module) for name, module in modules if name == target or name.endswith(f".{target}")]
+    if not matched:
+        raise SettingsError(f"model.lora_target_modules: {path} has no layer named {target!r} "
+                            f"(its layers end in: {', '.join(sorted({n.rsplit('.', 1)[-1] for n, _ in modules}))})")
+    ends = {id(base.get_input_embeddings()): "input embedding", id(base.get_output_embeddings()): "output head"}
+    for name, module in matched:
+        if id(module) in ends:
+            raise SettingsError(f"model.lora_target_modules: {target!r} is the model's {ends[id(module)]} ({name}); "
+                                "adapters go on the attention and MLP projections (the log-prob head reads the output "
+                                "layer's own weight, and a tied model shares it with the embedding)")
+        if not isinstance(module, linear):
+            raise SettingsError(f"model.lora_target_modules: {target!r} names {name}, a {type(module).__name__}, not "
+                                "a linear projection (adapters go on nn.Linear layers such as q_proj or up_proj)")
 
 
 def save_adapter(policy: torch.nn.Module, directory: Path, adapters: dict[str, torch.Tensor] | None = None) -> None:

@@ -28,6 +28,7 @@ attending only to itself) and only at positions that carry a loss, chunk by chun
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ from lightning_agentrl.distributed import all_gather, global_max, global_sum, re
 from lightning_agentrl.envs.registry import settings_env_class
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.settings import ModelSettings, Settings
+from lightning_agentrl.shutdown import RunStopped
 from lightning_agentrl.trajectory import RolloutBatch
 
 
@@ -69,6 +71,12 @@ def load_policy(model_path: str, model: ModelSettings, *, seed: int | None):
 
         policy = apply_lora(policy, model, seed=seed)  # freezes the base
     return policy.train()
+
+class NonFiniteGradient(RunStopped):
+    """The gradient norm was NaN or infinite: the run stops rather than train on it."""
+
+    exit_status = 3
+
 
 class AgentRLModule(L.LightningModule):
     def __init__(self, settings: Settings, model_path: str) -> None:
@@ -326,15 +334,32 @@ class AgentRLModule(L.LightningModule):
         grad_norm = None
         if engine is None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters(), self.settings.trainer.grad_clip))
+            self._stop_on_non_finite(grad_norm, stepped=False)
         if counted:
             optimizer.step()
         else:
             self.trainer.strategy.optimizer_step(optimizer.optimizer, closure=lambda: None)
         if engine is not None:  # ZeRO partitions the gradients: DeepSpeed clips (config) and reports the norm
             grad_norm = float(engine.get_global_grad_norm() or 0.0)
+            self._stop_on_non_finite(grad_norm, stepped=True)
         optimizer.zero_grad(set_to_none=True)
         self.optimizer_s += time.perf_counter() - started
         return grad_norm
+
+    def _stop_on_non_finite(self, grad_norm: float, *, stepped: bool) -> None:
+        """A NaN or infinite gradient norm stops the run (exit 3) before anything is saved from it: an optimizer step
+        on it would leave NaN weights that every later step, checkpoint and export keeps. Every rank sees the same
+        global norm, so all stop together. Float16 mixed precision is left to its loss scaler, which skips such
+        steps itself."""
+        if math.isfinite(grad_norm) or self.settings.trainer.precision in ("16-mixed", "transformer-engine-float16"):
+            return
+        self.optimizers().zero_grad(set_to_none=True)
+        taken = "the optimizer step was taken (DeepSpeed reports the norm after it)" if stepped else "no optimizer step"
+        raise NonFiniteGradient(
+            f"step {self.global_step}: the gradient norm is {grad_norm} ({taken}); nothing from this step is saved, "
+            "the last checkpoint holds the weights before it. Usual causes: trainer.lr or, under LoRA, "
+            "model.lora_alpha / model.lora_rank too large; a reward or advantage that is not finite"
+        )
 
     def _skip_step(self, batch: RolloutBatch) -> torch.Tensor:
         """No trainable token in the whole step (every episode excluded): an optimizer step would only
@@ -855,6 +880,11 @@ def _mean_over_updates(logs: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _nan_max(a: float, b: float) -> float:
+    """``max`` that keeps a NaN (Python's ``max(0.0, nan)`` is 0.0: a NaN step would read as a perfect one)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 class _StepTotals:
     """The metrics of one step, summed over micro-batches, then over ranks by :meth:`reduced`.
 
@@ -880,7 +910,7 @@ class _StepTotals:
         on_policy = lag_zero & actions
         if on_policy.any():
             diff = (recomputed[on_policy] - behavior[on_policy]).abs()
-            self.maxima["mismatch/logprob_max"] = max(self.maxima["mismatch/logprob_max"], float(diff.max()))
+            self.maxima["mismatch/logprob_max"] = _nan_max(self.maxima["mismatch/logprob_max"], float(diff.max()))
             self.add("mismatch_sum", float(diff.sum()))
             self.add("mismatch_n", float(on_policy.sum()))
 
@@ -892,7 +922,7 @@ class _StepTotals:
             if key.startswith("loss/"):
                 self.add(key, float(value))
             elif key.endswith("_max"):
-                self.maxima[key] = max(self.maxima.get(key, 0.0), float(value))
+                self.maxima[key] = _nan_max(self.maxima.get(key, 0.0), float(value))
             else:
                 self.add(key, float(value) * share)
 

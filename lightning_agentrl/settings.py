@@ -79,8 +79,8 @@ class ModelSettings(_Section):
     With `flash_attention_*` packed segments are separated by their position ids; otherwise each segment runs alone, in length buckets of padded rows."""
     value_head: bool = False
     """Add a scalar value head (turn-level critic, SPEC §3); needed by `algorithm.advantage=gae`."""
-    lora_rank: int = Field(0, ge=0)
-    """Rank of LoRA adapters (0 = off: every weight trains). Above 0 the base weights stay frozen and peft's
+    lora_rank: int = Field(0, ge=0, le=65536)
+    """Rank of LoRA adapters (0 = off: every weight trains; below the smaller side of every adapted layer). Above 0 the base weights stay frozen and peft's
     low-rank adapters train on `model.lora_target_modules` (the value head, when there is one, trains in full beside
     them); the KL reference is the base with the adapters disabled (no second copy); weight syncs send the adapters
     only; checkpoints hold the adapters and their optimizer state, not the base, so a resume needs the same
@@ -88,8 +88,9 @@ class ModelSettings(_Section):
     engines take each sync as a new adapter named after its policy version (servers in `engine.urls` must run with
     `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`). Under DeepSpeed ZeRO-2/3 the optimizer state (and
     under ZeRO-3 the base too) is partitioned over the processes and checkpoints leave the frozen base out."""
-    lora_alpha: float = Field(16.0, gt=0)
-    """LoRA scale: each adapted layer computes W x + (lora_alpha / lora_rank) B A x."""
+    lora_alpha: float = Field(16.0, gt=0, le=10_000, allow_inf_nan=False)
+    """LoRA scale: each adapted layer computes W x + (lora_alpha / lora_rank) B A x (a finite number up to 10,000;
+    the usual values are 1 to 4 times the rank)."""
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapters' input while training. Above 0 the trainer scores a thinned model while the engine
     samples from the whole one, so the lag-0 mismatch (`mismatch/logprob_max`) is no longer float rounding."""
@@ -138,6 +139,13 @@ class EngineSettings(_Section):
     """`vllm_server` without `engine.urls`: longest wait for the local servers to answer `/health`."""
     max_batch_size: int = Field(16, ge=1)
     """Most concurrent requests the torch engine decodes in one batch."""
+    admission_window_ms: float = Field(0.0, ge=0.0)
+    """`torch` only (the policy's engine and a sub-agent's): how long requests that arrive while a batch decodes
+    may wait to be admitted together, one prefill and one join, rather than each at the next step; they go in at
+    once when they fill `engine.max_batch_size`, and a request to an idle engine is never held. Arrivals spread
+    over several decode steps (many agents calling through the gateway) then share prefills; each waits up to
+    this long more. 0 = each at the next step: on CPU, with the tiny model and SmolLM2-135M, a window saved
+    prefills but no latency (docs/agents.md, "What a call costs")."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of training episodes (> 0: the importance ratios need a sampling distribution; greedy
     evaluation is `eval.temperature: 0`). Every log-prob, the engine's and the trainer's, is of the distribution
@@ -837,6 +845,9 @@ def _check_engine(settings: Settings) -> None:
     if e.logprobs == "softmax" and e.kind != "torch":
         raise ValueError(f"engine.logprobs=softmax needs engine.kind=torch for now: vLLM reports log-probs after "
                          f"top-k and top-p (processed_logprobs) or before temperature (raw), not between "
+                         f"(engine.kind is {e.kind!r})")
+    if e.admission_window_ms and e.kind != "torch":
+        raise ValueError(f"engine.admission_window_ms applies to engine.kind=torch; vLLM schedules its own batches "
                          f"(engine.kind is {e.kind!r})")
     if e.kind != "vllm_server":
         for name, value in (("urls", e.urls), ("num_servers", e.num_servers != 1)):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.record import PROVENANCE_KEYS, RUN_KEYS
+from lightning_agentrl.settings import EngineSettings
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--trainer.max_steps=2", "--rollout.groups_per_step=1", "--rollout.group_size=2", "--engine.max_new_tokens=24"]
@@ -339,6 +340,50 @@ def test_peer_profile_shares_add_up_to_the_median_step():
     assert [s["seconds"] for s in summary["stages"]] == sorted((s["seconds"] for s in summary["stages"]), reverse=True)
 
 
+def test_peer_model_option_reaches_both_sides_and_names_its_record():
+    from benchmarks.peer_trl import parse_args, project_overrides
+
+    tiny = parse_args([])
+    assert tiny.model == "tiny" and tiny.out.endswith("benchmarks/results/peer_trl/peer_trl.json")
+    real = parse_args(["--model", "smollm2-135m-instruct", "--tasks", "t.jsonl"])
+    assert real.out.endswith("benchmarks/results/peer_trl/peer_trl_smollm2.json")
+    assert "--model.path=smollm2-135m-instruct" in project_overrides(real, Path("run"))
+
+
+def test_engine_compare_refuses_zero_threads():
+    done = subprocess.run([sys.executable, "benchmarks/engine_compare.py", "--threads", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--threads must be at least 1" in done.stderr
+
+
+def test_peer_trl_profile_splits_the_median_step_into_stages():
+    from benchmarks.peer_trl import trl_profile
+
+    stages = [{"generation": g, "scoring_and_rest_of_rollout": 0.5, "forward": 2.0, "backward": 3.0, "optimizer": 0.2}
+              for g in (9.0, 4.0, 1.0)]
+    summary = trl_profile({"stages": stages, "step_s": [15.0, 10.0, 6.0]})  # the median step is the second
+    seconds = {s["stage"].split(" ")[0]: s["seconds"] for s in summary["stages"]}
+    assert summary["median_step_s"] == 10.0 and seconds["generation"] == 4.0 and seconds["rest"] == 0.3
+    assert abs(sum(s["share"] for s in summary["stages"]) - 1) < 0.01
+
+
+def test_peer_trl_from_refuses_a_record_of_another_model_or_shape(tmp_path):
+    record = {"model": {"path": "tiny"}, "seed": 0, "trl": {"settings": {"bf16": False}},
+              "shape": {"torch_threads": 1, "warmup_steps": 1, "measured_steps": 3}}
+    (tmp_path / "r.json").write_text(json.dumps(record))
+    (tmp_path / "r_profile.json").write_text(json.dumps({"trl": {}}))
+    done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--trl-from", str(tmp_path / "r.json"), "--model",
+                           "smollm2-135m-instruct", "--threads", "1", "--steps", "3"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "error: --trl-from:" in done.stderr and "'model': 'tiny'" in done.stderr
+    done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--trl-from", str(tmp_path / "r.json"), "--threads",
+                           "1", "--steps", "3", "--trl-bf16"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "'bf16': False" in done.stderr  # the same model and shape, not the same precision
+    done = subprocess.run([sys.executable, "benchmarks/peer_trl.py", "--trl-from", str(tmp_path / "none.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "error: --trl-from: cannot read" in done.stderr
+
+
 def test_sampling_benchmark_times_both_samplers_on_the_same_distributions(tmp_path):
     out = tmp_path / "sampling.json"
     done = run_benchmark("benchmarks/sampling_bench.py", "--rows", "3", "--vocab", "50", "--steps", "4",
@@ -459,6 +504,11 @@ def test_gateway_benchmark_times_both_arms_on_the_same_calls(tmp_path):
     for in_flight, row in record["in_flight"].items():
         assert row["direct"]["calls"] == row["gateway"]["calls"] == 2 * int(in_flight)
         assert 0 < row["direct"]["p50_ms"] <= row["direct"]["p99_ms"] and row["p50_ratio"] > 0
+        for arm in ("direct", "gateway"):  # every call is one prefill at most, and its 2 tokens one step at most
+            assert 1 <= row[arm]["engine_prefills"] <= 2 * int(in_flight) and row[arm]["engine_steps"] <= 2 * int(in_flight)
+        assert row["cpu_bound_ratio"]["one_core"] > row["cpu_bound_ratio"]["core_each"] > 0
+    assert record["model"].startswith("tiny") and record["admission_window_ms"] == EngineSettings().admission_window_ms
+    assert record["note"].startswith("2 in flight, CPU per call")
 
 
 # Outputs that are not records: a run's own summary inside its run folder, a side's half-record handed to

@@ -24,11 +24,22 @@ def test_every_engine_kind_the_settings_take_is_declared_once():
 
 def test_the_torch_kind_builds_its_engine_in_this_process_and_starts_no_server(tiny_model_path, tiny_tokenizer,
                                                                                tmp_path):
-    settings = load_settings(CONFIG, [f"--run.dir={tmp_path / 'run'}", "--engine.max_batch_size=3"])
+    settings = load_settings(CONFIG, [f"--run.dir={tmp_path / 'run'}", "--engine.max_batch_size=3",
+                                      "--engine.admission_window_ms=25"])
     assert start_local_servers(settings, str(tiny_model_path), tmp_path) is None
     engine = make_engine(settings, str(tiny_model_path), tiny_tokenizer)
     assert isinstance(engine, TorchEngine)
-    assert engine.max_batch_size == 3
+    assert (engine.max_batch_size, engine.admission_window_s) == (3, 0.025)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--engine.kind=vllm", "--engine.admission_window_ms=5"], "engine.admission_window_ms applies to engine.kind=torch"),
+    (["--engine.admission_window_ms=-1"], "engine.admission_window_ms"),
+])
+def test_an_admission_window_the_engine_cannot_take_is_one_error_line(overrides, message, capsys):
+    assert main(["validate", "--config", str(CONFIG), "--offline", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_servers_named_by_engine_urls_are_used_not_started(tmp_path):

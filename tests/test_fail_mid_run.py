@@ -78,3 +78,19 @@ def test_a_full_disk_or_a_tracking_server_failing_mid_run_is_one_error_line():
     assert _dependency_failure(MlflowException("API request to runs/get failed"), settings).startswith(
         "tracking.uri: the tracking server failed during the run (MlflowException: API request")
     assert _dependency_failure(KeyError("a bug"), settings) is None  # a bug keeps its traceback
+
+
+def test_a_gradient_that_is_not_finite_stops_the_run_before_it_reaches_the_weights(tmp_path):
+    """A learning rate of 1e30 makes the second step's loss NaN: the run stops there (exit 3 on the command line)
+    with a line naming the step and the settings to look at, and the checkpoint it leaves is finite."""
+    import torch
+
+    from lightning_agentrl.module import NonFiniteGradient
+    from tests.fitting import SOLVE, learn_settings, scripted_fit
+
+    settings = learn_settings(tmp_path, "--trainer.lr=1e30", "--trainer.grad_clip=1e30", "--trainer.max_steps=3")
+    with pytest.raises(NonFiniteGradient, match=r"step 1: the gradient norm is nan \(no optimizer step\)") as err:
+        scripted_fit(settings, {"e0": SOLVE})
+    assert err.value.exit_status == 3 and "trainer.lr" in str(err.value)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert state and all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())

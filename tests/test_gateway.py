@@ -124,6 +124,27 @@ def test_openai_agent_trains_through_the_gateway_on_exactly_the_sampled_ids(tmp_
         assert batch.turn_episode.numel() == sum(t.info["gateway_calls"] for t in batch.trajectories)
 
 
+def test_the_admission_window_reaches_the_engine_of_a_gateway_run(tmp_path):
+    """``engine.admission_window_ms`` is the run's torch engine's: with a minute, a call that arrives while a batch
+    decodes waits for it to end (4 agents never fill a batch of 16), so no call joins a batch in flight; the
+    trained ids are still exactly the sampled ones, with the engine's log-probs."""
+    settings = gateway_settings(tmp_path, [{"id": "a", "question": "What is 2+3?"}, {"id": "b", "question": "2+3?"}],
+                                "--env.agent=tests.gateway_agents:tool_agent", "--engine.admission_window_ms=60000")
+    log, engines, recorded = StepLog(), [], []
+
+    def wrap(engine):
+        engines.append(engine)
+        recorded.append(RecordingEngine(engine))
+        return recorded[-1]
+
+    result = fit(settings, callbacks=[log], wrap_engine=wrap)
+    assert result.global_step == 2
+    engine = engines[0]
+    assert engine.admission_window_s == 60.0 and engine.num_requests > engine.num_batches and engine.num_joins == 0
+    assert_trains_what_was_sampled([t for batch in log.batches for t in batch.trajectories], recorded[0].calls)
+    assert all(m["mismatch/logprob_max"] < 1e-4 for m in log.metrics)
+
+
 @pytest.mark.parametrize("call_format", ["hermes", "qwen3_coder"])
 def test_a_reply_with_two_calls_reaches_the_openai_client_as_two_tool_calls(tmp_path, call_format):
     """The policy writes two calls with number arguments in one reply (in ``env.tool_call_format``, Qwen3-Coder's

@@ -42,8 +42,9 @@ def smollm2() -> ModelShape:
 
 
 def learn_real(*overrides: str):
-    """configs/learn_real.yaml: float32, 2 groups of 4, 8 in flight, micro-batches of 2,048 tokens, no KL."""
-    return load_settings(REPO / "configs" / "learn_real.yaml", list(overrides))
+    """configs/learn_real.yaml: float32, 2 groups of 4, 8 in flight, micro-batches of 2,048 tokens, no KL; with the
+    torch engine (its weights and KV cache in the trainer's process: the plan's engine parts), unless overridden."""
+    return load_settings(REPO / "configs" / "learn_real.yaml", ["--engine.kind=torch", *overrides])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def test_plan_cli_prints_the_host_plan_of_a_cpu_run(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMOLLM2))
     recipe = str(REPO / "configs" / "learn_real.yaml")
-    args = ["plan", "--config", recipe, "--model-config", str(config), "--trainer.accelerator=cpu"]
+    args = ["plan", "--config", recipe, "--model-config", str(config), "--trainer.accelerator=cpu", "--engine.kind=torch"]
     assert main([*args, "--episode-tokens", "430", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["kind"] == "host" and printed["episode_tokens"] == 430

@@ -36,7 +36,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "checkpoint_io": {"run_layout", "settings"},
     "sandbox_checks": {"envs", "settings"},
     "resume": {"run_layout", "settings"},
-    "lora": {"settings", "strategies"},
+    "lora_linear": set(),
+    "lora": {"lora_linear", "settings", "strategies"},
     "plan": {"models", "settings"},
     "distributed": {"sandbox_checks", "settings"},
     # rollout, and what watches it
@@ -48,7 +49,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
-    "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "strategies", "trajectory"},
+    "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "shutdown", "strategies", "trajectory"},
     # what the composition root builds with
     "preflight": {"envs", "models", "rollout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},

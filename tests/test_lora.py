@@ -29,9 +29,13 @@ class Probe(L.Callback):
 
     def __init__(self) -> None:
         self.batch = None
+        self.adapter_graph: dict[str, int] = {}  # grad_fn of the adapted layers' outputs in training steps
         self.grads: dict[str, torch.Tensor] = {}
         self.adapters: dict[str, torch.Tensor] = {}
         self.final: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        record_adapter_graph(pl_module.policy, self.adapter_graph)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batch = batch
@@ -47,6 +51,20 @@ class Probe(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.final = {k: v.detach().clone() for k, v in hf_model(pl_module.policy).state_dict().items()}
+
+
+def record_adapter_graph(policy, counts: dict[str, int]) -> None:
+    """Count, by the name of its ``grad_fn``, each output of an adapted layer that takes part in a gradient."""
+    from peft.tuners.lora import LoraLayer
+
+    def hook(module, args, output):
+        if output.grad_fn is not None:
+            name = type(output.grad_fn).__name__
+            counts[name] = counts.get(name, 0) + 1
+
+    for module in policy.modules():
+        if isinstance(module, LoraLayer):
+            module.register_forward_hook(hook)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +138,80 @@ def test_adapter_gradients_are_the_merged_weights_gradient_projected(lora_run):
         assert probe.grads[a_name].abs().max() > 0  # B moved at step 1: A's gradient is not trivially 0
         checked += 1
     assert checked == 7
+
+
+def test_fit_runs_the_fused_adapter_in_every_adapted_layer(lora_run):
+    """Every adapted layer's output in a training step comes from the fused function, none from peft's
+    ``base + lora_B(lora_A(x)) * s`` graph (whose last node would be an add)."""
+    _, _, probe, _, _ = lora_run
+    assert probe.adapter_graph.keys() == {"FusedLoraFunctionBackward"}
+    assert probe.adapter_graph["FusedLoraFunctionBackward"] >= 7 * 2  # 7 layers, 2 steps at least
+
+
+@pytest.mark.parametrize("shape", [(5, 12), (3, 5, 12)], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("input_grad", [True, False], ids=["x-grad", "x-frozen"])
+def test_the_fused_adapter_computes_peft_s_layer(shape, bias, input_grad):
+    """The fused function against peft's own ``lora.Linear`` on the same weights (random A and B): the output and
+    the gradients of x, A and B agree to float32 rounding; the frozen W and b get none."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_agentrl.lora import lora_config
+    from lightning_agentrl.settings import ModelSettings
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(12, 20, bias=bias))
+    settings = ModelSettings(lora_rank=RANK, lora_alpha=ALPHA, lora_target_modules=["0"])
+    config = lora_config(settings)
+    config.task_type = None  # a bare layer, not a causal LM
+    fused = get_peft_model(base, config)
+    peft = get_peft_model(torch.nn.Sequential(torch.nn.Linear(12, 20, bias=bias)),
+                          LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["0"]))
+    with torch.no_grad():
+        for parameter in fused.parameters():
+            parameter.normal_()
+        peft.load_state_dict(fused.state_dict())
+    inputs = [torch.randn(shape).requires_grad_(input_grad) for _ in range(2)]
+    inputs[1].data.copy_(inputs[0])
+    outputs = [fused(inputs[0]), peft(inputs[1])]
+    assert type(outputs[0].grad_fn).__name__ == "FusedLoraFunctionBackward"
+    assert type(outputs[1].grad_fn).__name__ != "FusedLoraFunctionBackward"  # peft's own graph to compare with
+
+    def assert_equal_to_rounding(fused: torch.Tensor, expected: torch.Tensor) -> None:
+        """Equal up to float32 rounding: a millionth of the tensor's scale (a sum's terms can cancel)."""
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(fused, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+
+    assert_equal_to_rounding(outputs[0], outputs[1])
+    upstream = torch.randn(outputs[0].shape)
+    for output in outputs:
+        output.backward(upstream)
+    if input_grad:
+        assert_equal_to_rounding(inputs[0].grad, inputs[1].grad)
+    grads = [{n: p.grad for n, p in model.named_parameters() if p.requires_grad} for model in (fused, peft)]
+    assert len(grads[0]) == 2 and grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        assert_equal_to_rounding(grad, grads[1][name])
+    assert all(p.grad is None for p in fused.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize(("overrides", "fused"),
+                         [([], True), (["--model.lora_dropout=0.1"], False), (["--model.dtype=bfloat16"], False)],
+                         ids=["plain", "dropout", "bfloat16"])
+def test_adapters_with_dropout_run_peft_s_own_layer(tiny_model_path, overrides, fused):
+    """The trainer's step runs the fused adapter when it is peft's computation, and peft's forward when it is not:
+    dropout draws a mask the fused function would not; over a bfloat16 base peft keeps float32 adapters and casts.
+    The adapters learn either way."""
+    from lightning_agentrl.module import AgentRLModule
+    from tests.test_module import make_batch
+
+    module = AgentRLModule(load_settings(overrides=[*LORA, *overrides]), str(tiny_model_path))
+    module.configure_model()
+    graph: dict[str, int] = {}
+    record_adapter_graph(module.policy, graph)
+    module.accumulate_gradients(make_batch(module.policy, [1, 0, 1, 1]))
+    assert ("FusedLoraFunctionBackward" in graph) == fused and sum(graph.values()) > 0
+    assert max(float(p.grad.abs().max()) for p in module.parameters() if p.requires_grad) > 0
 
 
 def test_the_engine_samples_with_the_trainers_adapters(lora_run):
@@ -211,6 +303,9 @@ def test_a_lora_resume_refuses_another_base_model(lora_run, tmp_path):
         (["--model.lora_alpha=32"], "model.lora_alpha applies to model.lora_rank > 0 only"),
         (["--model.lora_target_modules=[q_proj]"], "model.lora_target_modules applies to model.lora_rank > 0"),
         (["--model.lora_rank=4", "--model.lora_target_modules=[]"], "model.lora_target_modules is empty"),
+        (["--model.lora_rank=4", "--model.lora_alpha=inf"], "model.lora_alpha"),
+        (["--model.lora_rank=4", "--model.lora_alpha=1e30"], "model.lora_alpha"),
+        (["--model.lora_rank=100000000000000000000"], "model.lora_rank"),
     ],
 )
 def test_lora_settings_that_cannot_run_are_refused(overrides, message):
@@ -225,13 +320,18 @@ def test_lora_settings_that_cannot_run_are_refused(overrides, message):
         (["--model.lora_target_modules=[q_proj,qproj]"], "model.lora_target_modules: tiny has no layer named 'qproj'"),
         (["--model.lora_target_modules=[input_layernorm]"], "model.lora_target_modules: "),
         (["--model.lora_rank=65"], "model.lora_rank (65) is above the smaller side of"),
+        # the embedding and the output head: adapters there would break the engine or never train
+        (["--model.lora_target_modules=[embed_tokens]"], "model.lora_target_modules: 'embed_tokens' is the model's input embedding"),
+        (["--model.lora_target_modules=[q_proj,lm_head]"], "model.lora_target_modules: 'lm_head' is the model's output head (lm_head)"),
+        # a block, not a projection: its class named in one line (not the module's repr)
+        (["--model.lora_target_modules=[mlp]"], "model.lora_target_modules: 'mlp' names model.layers.0.mlp, a LlamaMLP, not a linear"),
     ],
 )
 def test_lora_targets_the_model_lacks_are_refused_before_any_work(tmp_path, capsys, overrides, message):
     settings = learn_settings(tmp_path, "--model.lora_rank=4", *overrides)
     with pytest.raises(SettingsError) as err:
         fit(settings)
-    assert message in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value)
     assert not (Path(settings.run.dir) / "checkpoints").exists()
     from lightning_agentrl.__main__ import main
 

@@ -172,3 +172,17 @@ def test_a_rank_without_tokens_still_joins_the_backward_with_a_zero_loss(base):
     loss.backward()
     grads = [p.grad for p in module.parameters() if p.requires_grad]
     assert loss.item() == 0.0 and grads and all(g is not None and not g.any() for g in grads)
+
+
+def test_a_nan_maximum_stays_nan_in_the_step_metrics():
+    """``max(0.0, nan)`` is 0.0 in Python: a step whose log-probs went NaN would log a lag-0 mismatch of 0."""
+    import math
+
+    from lightning_agentrl.module import _StepTotals
+
+    totals = _StepTotals()
+    totals.add_micro_batch({"policy/ratio_max": torch.tensor(float("nan"))}, share=1.0)
+    totals.add_micro_batch({"policy/ratio_max": torch.tensor(2.0)}, share=1.0)
+    nan = torch.tensor([float("nan")])
+    totals.add_mismatch(nan, torch.zeros(1), torch.ones(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool))
+    assert math.isnan(totals.maxima["policy/ratio_max"]) and math.isnan(totals.maxima["mismatch/logprob_max"])

@@ -18,6 +18,7 @@ trainer reaches them through the service, never directly.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -112,6 +113,7 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: object  # asyncio.Future[Generation]
+    arrival: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -183,6 +185,12 @@ class TorchEngine:
     Continuous batching at the step: a request that arrives while others decode is prefilled on
     its own and joins the running batch at the next step (their KV caches are left-padded to one
     width and concatenated), and a row leaves the batch, its caller answered, as soon as it stops.
+    With an admission window (``admission_window_ms``), requests that arrive while a batch decodes
+    wait until the oldest of them has waited that long or they fill the batch, and join together:
+    one prefill and one join for arrivals a few ms apart (agents calling through the gateway)
+    instead of one each. A request to an idle engine is never held, so one episode alone waits for
+    nothing (vLLM's V0 scheduler held prompts the same way, ``--scheduler-delay-factor``, and not
+    while idle either).
     Joining needs a plain KV cache (every layer a ``DynamicLayer``, as Llama, Qwen2 and GPT-2
     have); with any other cache (sliding windows, recurrent state) requests that arrive during a
     batch wait for it, and finished rows stay in it until the last one stops.
@@ -196,16 +204,20 @@ class TorchEngine:
     The model is the engine's own copy; the trainer pushes new weights with :meth:`update_weights`, after
     which ``after_update()`` runs (under LoRA: :class:`lightning_agentrl.lora.MergedAdapters` merges them).
     ``num_batches`` counts prefills (a batch, or a group of requests that joined one), and
-    ``num_joins`` those that joined a batch in flight.
+    ``num_joins`` those that joined a batch in flight, ``num_steps`` decode steps (one per batch and token).
     """
 
     def __init__(
-        self, model, *, pad_token_id: int, max_batch_size: int = 16, policy_version: int = 0, after_update=None
+        self, model, *, pad_token_id: int, max_batch_size: int = 16, admission_window_ms: float = 0.0,
+        policy_version: int = 0, after_update=None,
     ) -> None:
         import threading
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if admission_window_ms < 0:
+            raise ValueError(f"admission_window_ms must be >= 0, got {admission_window_ms}")
+        self.admission_window_s = admission_window_ms / 1000
         self.model = model.eval()
         self._after_update = after_update  # called once a weight update is written (LoRA: merge the adapters)
         self._vocab_size = model.get_input_embeddings().num_embeddings
@@ -223,6 +235,7 @@ class TorchEngine:
         self.num_batches = 0
         self.num_joins = 0
         self.num_requests = 0
+        self.num_steps = 0
 
     def _ensure_started(self) -> None:
         import asyncio
@@ -261,6 +274,16 @@ class TorchEngine:
                 async with self._lock:
                     await asyncio.to_thread(self._decode, loop, self.policy_version)
 
+    def _due(self, decoding: _Decoding | None, room: int) -> bool:
+        """Whether the queued requests are admitted now: always into an idle engine; into a running batch once
+        they fill its room or the oldest has waited the admission window (so those that arrive within it share
+        one prefill and one join)."""
+        if decoding is None or not self.admission_window_s:
+            return True
+        with self._queue_lock:
+            return len(self._queue) >= room or (
+                bool(self._queue) and time.monotonic() - self._queue[0].arrival >= self.admission_window_s)
+
     def _take(self, limit: int) -> list[_Request]:
         with self._queue_lock:
             taken, self._queue = self._queue[:limit], self._queue[limit:]
@@ -275,7 +298,7 @@ class TorchEngine:
             while True:
                 room = self.max_batch_size - (len(decoding.rows) if decoding else 0)
                 joinable = decoding is None or (_plain_cache(decoding.past) and not self._updates_waiting)
-                arrived = self._take(room) if room > 0 and joinable else []
+                arrived = self._take(room) if room > 0 and joinable and self._due(decoding, room) else []
                 if arrived:
                     decoding = self._admit_or_fail(decoding, arrived, loop)
                 decoding = self._settle(decoding, loop, version) if decoding is not None else None
@@ -323,6 +346,7 @@ class TorchEngine:
                          position_ids=decoding.next_pos, past_key_values=decoding.past, use_cache=True)
         decoding.past, decoding.attention, decoding.next_pos = out.past_key_values, attention, decoding.next_pos + 1
         decoding.pending = decoding.sampler.sample(decoding.rows, out.logits[:, -1, :])
+        self.num_steps += 1
 
     def _settle(self, decoding: _Decoding, loop, version: int) -> _Decoding | None:
         """Answer the rows that stopped and drop them (keep them where the cache cannot be cut);

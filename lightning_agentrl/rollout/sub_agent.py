@@ -76,7 +76,8 @@ def build_sub_agent(settings: Settings) -> EngineSubAgent | None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, settings.model.dtype))
     model.requires_grad_(False)
     engine = TorchEngine(model, pad_token_id=pad_token_id(tokenizer),
-                         max_batch_size=settings.engine.max_batch_size)
+                         max_batch_size=settings.engine.max_batch_size,
+                         admission_window_ms=settings.engine.admission_window_ms)
     sampling = SamplingParams(max_new_tokens=sub.max_new_tokens, temperature=sub.temperature, seed=settings.run.seed)
     # its answer is text for the environment: no tool call is read from it, so its template's call format is not probed
     return EngineSubAgent(engine, ChatCodec(tokenizer, call_format="hermes"), sampling)

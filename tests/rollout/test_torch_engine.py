@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -219,3 +220,60 @@ def test_close_answers_the_rows_in_flight_and_fails_the_queued_requests(tiny_mod
     running, queued = asyncio.run(run())
     assert len(running.token_ids) == 64
     assert isinstance(queued, RuntimeError) and "closed" in str(queued)
+
+
+def test_staggered_arrivals_within_the_admission_window_share_one_prefill(tiny_model_path):
+    """Requests 20 ms apart reach a decoding batch: with a 60 s window they wait, and go in together once
+    they fill the batch (one prefill, one join, not one each); each still samples the ids it samples alone,
+    and a request to an idle engine is never held (each ``alone`` call would otherwise wait the minute)."""
+    short = [(p, SamplingParams(max_new_tokens=5, seed=10 + i)) for i, p in enumerate(PROMPTS[1:4])]
+
+    async def run():
+        engine = TorchEngine(AutoModelForCausalLM.from_pretrained(tiny_model_path), pad_token_id=3, max_batch_size=4,
+                             admission_window_ms=60_000)
+        alone = [await asyncio.wait_for(engine.generate(*request), timeout=20) for request in short]
+        long = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=2000, seed=1)))
+        await _until(lambda: engine.num_batches == len(short) + 1)  # the long one is decoding
+        prefills = engine.num_batches
+        staggered = []
+        for request in short:
+            staggered.append(asyncio.ensure_future(engine.generate(*request)))
+            await asyncio.sleep(0.02)
+        together = await asyncio.wait_for(asyncio.gather(*staggered), timeout=20)
+        still_running = not long.done()
+        long.cancel()
+        await engine.close()
+        return engine, prefills, alone, together, still_running
+
+    engine, prefills, alone, together, still_running = asyncio.run(run())
+    assert (engine.num_batches - prefills, engine.num_joins, still_running) == (1, 1, True)
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+
+
+def test_the_admission_window_bounds_the_wait_of_a_request_that_arrives_mid_batch(tiny_model_path):
+    """Two requests 20 ms apart, room for more: both wait until the first has waited the window (0.3 s), then
+    join the running batch together, before it ends."""
+
+    async def run():
+        engine = TorchEngine(AutoModelForCausalLM.from_pretrained(tiny_model_path), pad_token_id=3, max_batch_size=8,
+                             admission_window_ms=300)
+        long = asyncio.ensure_future(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=3000, seed=1)))
+        await _until(lambda: engine.num_steps > 0)
+        start = time.monotonic()
+        first = asyncio.ensure_future(engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, seed=2)))
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(asyncio.gather(first, engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=3))),
+                               timeout=20)
+        waited, still_running = time.monotonic() - start, not long.done()
+        long.cancel()
+        await engine.close()
+        return engine, waited, still_running
+
+    engine, waited, still_running = asyncio.run(run())
+    assert (engine.num_batches, engine.num_joins, still_running) == (2, 1, True)
+    assert waited >= 0.3
+
+
+def test_a_negative_admission_window_is_refused(tiny_model_path):
+    with pytest.raises(ValueError, match="admission_window_ms must be >= 0"):
+        TorchEngine(AutoModelForCausalLM.from_pretrained(tiny_model_path), pad_token_id=3, admission_window_ms=-1)
