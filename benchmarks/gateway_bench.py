@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -273,8 +274,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if min(args.in_flight) < 1 or args.calls < 1 or args.tokens < 1 or args.parts < 1:
         parser.error("--in-flight, --calls, --tokens and --parts must be >= 1")
-    if args.admission_window_ms < 0:
-        parser.error("--admission-window-ms must be >= 0")
+    if not (args.admission_window_ms >= 0 and math.isfinite(args.admission_window_ms)):
+        parser.error("--admission-window-ms must be a finite number >= 0")
     if args.calls % args.parts:
         parser.error(f"--parts {args.parts} must divide --calls {args.calls}")
     import torch

@@ -133,12 +133,16 @@ def table_row(row: Row) -> dict:
     path = RESULTS / row.record
     if not path.exists():
         return {"benchmark": row.name, "figure": "no record", "target": row.target, "met": None, "commit": "-"}
-    record = json.loads(path.read_text())
+    record: object = None
     try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise TypeError(f"a JSON {type(record).__name__}, not an object")
         figure, met = row.read(record)
-    except (KeyError, StopIteration, TypeError, ValueError) as err:  # a record of an older layout
+    except (OSError, KeyError, StopIteration, TypeError, ValueError, AttributeError) as err:  # broken or older layout
         figure, met = f"unreadable record ({type(err).__name__}: {err})", None
-    commit = record.get("commit", "?") + (" (dirty)" if record.get("dirty") else "")
+    record = record if isinstance(record, dict) else {}
+    commit = str(record.get("commit") or "?") + (" (dirty)" if record.get("dirty") else "")
     return {"benchmark": row.name, "figure": figure, "target": row.target, "met": met, "commit": commit}
 
 
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table-only", action="store_true", help="print the table of the records; run nothing")
     args = parser.parse_args(argv)
     names = {r.name for r in ROWS}
-    chosen = args.only.split(",") if args.only else sorted(names)
+    chosen = args.only.split(",") if args.only is not None else sorted(names)
     if unknown := set(chosen) - names:
         parser.error(f"--only: unknown benchmark(s) {sorted(unknown)}; known: {sorted(names)}")
     rows = [r for r in ROWS if r.name in chosen]

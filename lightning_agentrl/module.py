@@ -342,6 +342,7 @@ class AgentRLModule(L.LightningModule):
         if engine is not None:  # ZeRO partitions the gradients: DeepSpeed clips (config) and reports the norm
             grad_norm = float(engine.get_global_grad_norm() or 0.0)
             self._stop_on_non_finite(grad_norm, stepped=True)
+        self._stop_on_non_finite_weights()
         optimizer.zero_grad(set_to_none=True)
         self.optimizer_s += time.perf_counter() - started
         return grad_norm
@@ -360,6 +361,19 @@ class AgentRLModule(L.LightningModule):
             "the last checkpoint holds the weights before it. Usual causes: trainer.lr or, under LoRA, "
             "model.lora_alpha / model.lora_rank too large; a reward or advantage that is not finite"
         )
+
+    def _stop_on_non_finite_weights(self) -> None:
+        """A finite gradient can still give non-finite weights (a learning rate or weight decay that overflows the
+        update): the run stops before any checkpoint, ``policy/`` or ``adapter/`` holds them. Checks this rank's
+        trainable tensors (its partitions under ZeRO-3) and agrees over ranks."""
+        local = [getattr(p, "ds_tensor", p) for p in self.parameters() if p.requires_grad]  # ZeRO-3: the partition
+        bad = any(not bool(torch.isfinite(t).all()) for t in local if t.numel())
+        if global_max(float(bad)) and self.settings.trainer.precision not in ("16-mixed", "transformer-engine-float16"):
+            raise NonFiniteGradient(
+                f"step {self.global_step}: the optimizer step left non-finite weights; nothing from this step is saved, "
+                "the last checkpoint holds the weights before it. Usual causes: trainer.lr or trainer.weight_decay too "
+                "large"
+            )
 
     def _skip_step(self, batch: RolloutBatch) -> torch.Tensor:
         """No trainable token in the whole step (every episode excluded): an optimizer step would only

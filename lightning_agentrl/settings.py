@@ -139,7 +139,7 @@ class EngineSettings(_Section):
     """`vllm_server` without `engine.urls`: longest wait for the local servers to answer `/health`."""
     max_batch_size: int = Field(16, ge=1)
     """Most concurrent requests the torch engine decodes in one batch."""
-    admission_window_ms: float = Field(0.0, ge=0.0)
+    admission_window_ms: float = Field(0.0, ge=0.0, le=60_000.0, allow_inf_nan=False)
     """`torch` only (the policy's engine and a sub-agent's): how long requests that arrive while a batch decodes
     may wait to be admitted together, one prefill and one join, rather than each at the next step; they go in at
     once when they fill `engine.max_batch_size`, and a request to an idle engine is never held. Arrivals spread
@@ -514,9 +514,9 @@ class TrainerSettings(_Section):
     """Training steps to run. A training step is one rollout batch (`rollout.groups_per_step` groups); it is
     what `max_steps`, `checkpoint_every`, `sync_weights_every`, `warmup_steps` and the policy version count,
     whatever number of optimizer updates (`ppo_epochs` x `mini_batches`) it takes."""
-    lr: float = Field(1e-5, gt=0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(1e-5, gt=0, le=1.0, allow_inf_nan=False)
+    """AdamW learning rate (at most 1)."""
+    weight_decay: float = Field(0.0, ge=0, le=100.0, allow_inf_nan=False)
     """AdamW weight decay."""
     adam_eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
     """AdamW's epsilon, added to the root of the second moment. A parameter whose gradients stay below it moves by
@@ -579,8 +579,8 @@ class SFTSettings(_Section):
 
     steps: int = Field(50, ge=1)
     """Optimizer steps."""
-    lr: float = Field(1e-5, gt=0)
-    """AdamW learning rate (constant; ``trainer.weight_decay``, ``trainer.adam_eps`` and ``trainer.grad_clip``
+    lr: float = Field(1e-5, gt=0, le=1.0, allow_inf_nan=False)
+    """AdamW learning rate (constant, at most 1; ``trainer.weight_decay``, ``trainer.adam_eps`` and ``trainer.grad_clip``
     apply)."""
     batch_size: int = Field(8, ge=1)
     """Demonstrations per optimizer step (drawn in a seeded shuffled order, again and again)."""
@@ -846,6 +846,9 @@ def _check_engine(settings: Settings) -> None:
         raise ValueError(f"engine.logprobs=softmax needs engine.kind=torch for now: vLLM reports log-probs after "
                          f"top-k and top-p (processed_logprobs) or before temperature (raw), not between "
                          f"(engine.kind is {e.kind!r})")
+    if e.dtype is not None and e.urls:
+        raise ValueError(f"engine.dtype={e.dtype} cannot reach servers in engine.urls: they run the dtype they were "
+                         "started with (vllm serve --dtype); unset engine.dtype")
     if e.admission_window_ms and e.kind != "torch":
         raise ValueError(f"engine.admission_window_ms applies to engine.kind=torch; vLLM schedules its own batches "
                          f"(engine.kind is {e.kind!r})")

@@ -4,6 +4,7 @@ the records the README cites; the numbers themselves come from ``make learn`` / 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import subprocess
@@ -608,3 +609,20 @@ def test_the_bench_suite_runs_every_ratio_benchmark_and_reads_each_record_it_nam
     bad = subprocess.run([sys.executable, "benchmarks/suite.py", "--only", "nope"], cwd=REPO, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "unknown benchmark(s) ['nope']" in bad.stderr
+
+
+@pytest.mark.parametrize("content", ["{not json", b"\xff\xfe\x00", "[1, 2]", '{"ratios": [1], "commit": null}', None])
+def test_a_broken_record_reads_as_unreadable_in_the_suite_table(tmp_path, content):
+    """One bad record must not throw away the table (and ``suite.json``) of a 30-minute suite."""
+    from benchmarks.suite import ROWS, table_row
+
+    path = tmp_path / "lora.json"
+    if content is None:
+        path.mkdir()  # a folder where the record should be
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    lora = next(row for row in ROWS if row.name == "lora")
+    read = table_row(dataclasses.replace(lora, record=str(path)))
+    assert read["figure"].startswith("unreadable record (") and read["met"] is None and read["commit"] == "?"

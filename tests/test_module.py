@@ -186,3 +186,18 @@ def test_a_nan_maximum_stays_nan_in_the_step_metrics():
     nan = torch.tensor([float("nan")])
     totals.add_mismatch(nan, torch.zeros(1), torch.ones(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool))
     assert math.isnan(totals.maxima["policy/ratio_max"]) and math.isnan(totals.maxima["mismatch/logprob_max"])
+
+
+def test_an_update_that_leaves_non_finite_weights_stops_the_run(tiny_model_path):
+    """A finite gradient with an update that overflows (trainer.lr or weight_decay): the check after each
+    optimizer step names the step, so no checkpoint, policy/ or adapter/ is written from it."""
+    from lightning_agentrl.module import AgentRLModule, NonFiniteGradient
+    from lightning_agentrl.settings import load_settings
+
+    module = AgentRLModule(load_settings(overrides=["--trainer.threads=1"]), tiny_model_path)
+    module.configure_model()
+    module._stop_on_non_finite_weights()  # finite weights: nothing to say
+    with torch.no_grad():
+        next(module.policy.parameters())[0, 0] = float("inf")
+    with pytest.raises(NonFiniteGradient, match="step 0: the optimizer step left non-finite weights"):
+        module._stop_on_non_finite_weights()

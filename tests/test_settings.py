@@ -130,6 +130,15 @@ def test_training_refuses_greedy_sampling_but_evaluation_may_be_greedy():
         (["--model.dtype=float16"], r"trainer.adam_eps \(1e-08\) rounds to 0 in model.dtype=float16"),
         (["--engine.logprobs=softmax", "--engine.kind=vllm"], "engine.logprobs=softmax needs engine.kind=torch"),
         (["--engine.logprobs=filtered"], "engine.logprobs: Input should be 'sampler' or 'softmax'"),
+        # an update that overflows float32 (a traceback inside AdamW, or NaN weights saved) is refused here
+        (["--trainer.lr=inf"], "trainer.lr"),
+        (["--trainer.lr=1e39"], "trainer.lr"),
+        (["--trainer.weight_decay=inf"], "trainer.weight_decay"),
+        (["--sft.lr=nan"], "sft.lr"),
+        (["--engine.admission_window_ms=inf"], "engine.admission_window_ms"),
+        (["--engine.admission_window_ms=nan"], "engine.admission_window_ms"),
+        (["--engine.kind=vllm_server", "--engine.urls=[http://127.0.0.1:8000]", "--engine.dtype=bfloat16"],
+         "engine.dtype=bfloat16 cannot reach servers in engine.urls"),
     ],
 )
 def test_sampling_and_optimizer_values_that_cannot_train_are_refused(overrides, message):

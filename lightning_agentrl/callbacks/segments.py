@@ -1,8 +1,8 @@
 """Segment boundaries of summarized history (SPEC §4): a boundary is not the end of the task.
 
 An episode whose history was summarized is several segments (each its own context). Every
-segment takes the episode's outcome: episode-level advantages are per episode (``seq_ids``), and
-the critic's turn chain runs across segments (``turn_traj`` is per episode), so no segment's last
+segment takes the episode's outcome: episode-level advantages are per episode (``episode_ids``), and
+the critic's turn chain runs across segments (``turn_episode`` is per episode), so no segment's last
 turn is terminal. This callback checks that the outcome sits on the episode's final turn and logs
 how many episodes were split. Group statistics count episodes, never segments.
 """

@@ -18,6 +18,7 @@ trainer reaches them through the service, never directly.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -215,8 +216,8 @@ class TorchEngine:
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if admission_window_ms < 0:
-            raise ValueError(f"admission_window_ms must be >= 0, got {admission_window_ms}")
+        if not (admission_window_ms >= 0 and math.isfinite(admission_window_ms)):
+            raise ValueError(f"admission_window_ms must be a finite number >= 0, got {admission_window_ms}")
         self.admission_window_s = admission_window_ms / 1000
         self.model = model.eval()
         self._after_update = after_update  # called once a weight update is written (LoRA: merge the adapters)

@@ -73,7 +73,7 @@ def build_sub_agent(settings: Settings) -> EngineSubAgent | None:
 
     path = sub_agent_model_path(settings)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, settings.model.dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, settings.engine_dtype))
     model.requires_grad_(False)
     engine = TorchEngine(model, pad_token_id=pad_token_id(tokenizer),
                          max_batch_size=settings.engine.max_batch_size,
