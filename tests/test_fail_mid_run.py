@@ -81,16 +81,24 @@ def test_a_full_disk_or_a_tracking_server_failing_mid_run_is_one_error_line():
 
 
 def test_a_gradient_that_is_not_finite_stops_the_run_before_it_reaches_the_weights(tmp_path):
-    """A learning rate of 1e30 makes the second step's loss NaN: the run stops there (exit 3 on the command line)
-    with a line naming the step and the settings to look at, and the checkpoint it leaves is finite."""
+    """A weight turned NaN before the second step (what an overflow in the forward pass does) makes that step's
+    gradient norm NaN: the run stops there (exit 3 on the command line) with a line naming the step and the
+    settings to look at, takes no optimizer step, and the checkpoint it leaves is finite."""
+    import lightning as L
     import torch
 
     from lightning_agentrl.module import NonFiniteGradient
     from tests.fitting import SOLVE, learn_settings, scripted_fit
 
-    settings = learn_settings(tmp_path, "--trainer.lr=1e30", "--trainer.grad_clip=1e30", "--trainer.max_steps=3")
+    class Poison(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 1:
+                with torch.no_grad():
+                    pl_module.policy.get_input_embeddings().weight[:, 0] = float("nan")
+
+    settings = learn_settings(tmp_path, "--trainer.max_steps=3")
     with pytest.raises(NonFiniteGradient, match=r"step 1: the gradient norm is nan \(no optimizer step\)") as err:
-        scripted_fit(settings, {"e0": SOLVE})
+        scripted_fit(settings, {"e0": SOLVE}, callbacks=[Poison()])
     assert err.value.exit_status == 3 and "trainer.lr" in str(err.value)
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert state and all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
