@@ -51,7 +51,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
     "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "shutdown", "strategies", "trajectory"},
     # what the composition root builds with
-    "preflight": {"envs", "models", "rollout", "sandbox_checks", "settings"},
+    "preflight": {"envs", "lora", "models", "rollout", "run_layout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},
     "tracking": {"plots", "run_layout", "settings"},
     "export": {"callbacks", "lora", "settings"},
