@@ -72,6 +72,7 @@ def load_policy(model_path: str, model: ModelSettings, *, seed: int | None):
         policy = apply_lora(policy, model, seed=seed)  # freezes the base
     return policy.train()
 
+
 class NonFiniteGradient(RunStopped):
     """The gradient norm was NaN or infinite: the run stops rather than train on it."""
 
@@ -92,6 +93,7 @@ class AgentRLModule(L.LightningModule):
         self.last_step_skipped: bool = False  # the last batch had no trainable token: no optimizer step (callbacks read it)
         self.learning_signal = True  # the last batch had a nonzero advantage (callbacks/learning_signal.py)
         self.num_skipped_steps = 0
+        self._fingerprint: str | None = None  # the LoRA base's (lightning_agentrl/lora.py), read once
         self.optimizer_s = 0.0  # seconds in optimizer updates (clip, step, zero), summed over the run (stage timings)
         # a LoRA checkpoint holds the trainable tensors only (on_save_checkpoint); on_load_checkpoint checks them
         self.strict_loading = not settings.model.lora
@@ -149,7 +151,7 @@ class AgentRLModule(L.LightningModule):
         """The base's fingerprint (lightning_agentrl/lora.py), taken once: it reads ~1 MiB per weight file."""
         from lightning_agentrl.lora import base_fingerprint
 
-        if getattr(self, "_fingerprint", None) is None:
+        if self._fingerprint is None:
             self._fingerprint = base_fingerprint(self.model_path)
         return self._fingerprint
 
@@ -347,12 +349,17 @@ class AgentRLModule(L.LightningModule):
         self.optimizer_s += time.perf_counter() - started
         return grad_norm
 
+    @property
+    def _loss_scaled(self) -> bool:
+        """Float16 mixed precision: its loss scaler skips steps with non-finite gradients itself."""
+        return self.settings.trainer.precision in ("16-mixed", "transformer-engine-float16")
+
     def _stop_on_non_finite(self, grad_norm: float, *, stepped: bool) -> None:
         """A NaN or infinite gradient norm stops the run (exit 3) before anything is saved from it: an optimizer step
         on it would leave NaN weights that every later step, checkpoint and export keeps. Every rank sees the same
         global norm, so all stop together. Float16 mixed precision is left to its loss scaler, which skips such
         steps itself."""
-        if math.isfinite(grad_norm) or self.settings.trainer.precision in ("16-mixed", "transformer-engine-float16"):
+        if math.isfinite(grad_norm) or self._loss_scaled:
             return
         self.optimizers().zero_grad(set_to_none=True)
         taken = "the optimizer step was taken (DeepSpeed reports the norm after it)" if stepped else "no optimizer step"
@@ -368,7 +375,7 @@ class AgentRLModule(L.LightningModule):
         trainable tensors (its partitions under ZeRO-3) and agrees over ranks."""
         local = [getattr(p, "ds_tensor", p) for p in self.parameters() if p.requires_grad]  # ZeRO-3: the partition
         bad = any(not bool(torch.isfinite(t).all()) for t in local if t.numel())
-        if global_max(float(bad)) and self.settings.trainer.precision not in ("16-mixed", "transformer-engine-float16"):
+        if global_max(float(bad)) and not self._loss_scaled:
             raise NonFiniteGradient(
                 f"step {self.global_step}: the optimizer step left non-finite weights; nothing from this step is saved, "
                 "the last checkpoint holds the weights before it. Usual causes: trainer.lr or trainer.weight_decay too "
