@@ -526,7 +526,8 @@ class AgentRLModule(L.LightningModule):
         num_tokens, num_seqs, num_turns_kept = global_sum(
             float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns_local
         )
-        totals = _StepTotals(self.loss_fn.importance_cap)
+        fn = self.loss_fn  # under `none` the metrics describe the weights as measured, none truncated
+        totals = _StepTotals(None if fn.importance_mode == "none" else fn.importance_cap)
         micro = [
             slice(span.start + sl.start, span.start + sl.stop)
             for sl in _micro_batches(batch.episode_ids[span], self.settings.trainer.micro_batch_tokens)

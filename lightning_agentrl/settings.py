@@ -34,7 +34,7 @@ from lightning_agentrl.envs.registry import env_class
 StrategyName = Literal["auto", "ddp", "deepspeed_stage_2", "deepspeed_stage_3"]
 StalenessKind = Literal["none", "exp", "inverse"]  # algorithms/staleness.py implements each
 ImportanceLevel = Literal["token", "sequence", "geometric"]  # algorithms/importance.py implements each
-ImportanceMode = Literal["truncate", "mask"]
+ImportanceMode = Literal["truncate", "mask", "none"]
 """The training strategies :func:`lightning_agentrl.strategies.make_strategy` builds."""
 
 _YAML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_YAML_DATA", default=None)
@@ -493,7 +493,10 @@ class AlgorithmSettings(_Section):
     importance_mode: ImportanceMode = "truncate"
     """`truncate` (TIS): the weight is min(w, importance_cap). `mask` (MIS): a unit (token or episode) whose weight
     is outside [importance_lower, importance_cap] is dropped from the loss and counted (`importance/dropped_frac`);
-    its tokens stay in the loss's denominator."""
+    its tokens stay in the loss's denominator. `none`: no correction, the baseline the others are compared with
+    (verl without rollout correction): the PPO ratio is still taken around the proximal policy, the behavior
+    policy's weight is measured (`importance/*`, at `importance_level`, untruncated) but not applied, and
+    `importance_cap` is not used."""
     importance_lower: float | None = Field(None, ge=0.0)
     """The lower bound of `importance_mode: mask` (None = 1 / importance_cap, as verl's rejection sampling)."""
     staleness_weighting: StalenessKind = "none"
@@ -756,7 +759,7 @@ def _check_importance(a: AlgorithmSettings) -> None:
     """The importance-weight settings that only make sense together."""
     if a.importance_mode == "mask" and a.importance_cap is None:
         raise ValueError("algorithm.importance_mode=mask needs algorithm.importance_cap (the upper bound)")
-    if a.importance_level != "token" and a.importance_cap is None:
+    if a.importance_level != "token" and a.importance_cap is None and a.importance_mode != "none":
         raise ValueError(f"algorithm.importance_level={a.importance_level} needs algorithm.importance_cap: an "
                          "uncapped sequence weight is a product of hundreds of ratios")
     if a.importance_lower is not None and a.importance_mode != "mask":

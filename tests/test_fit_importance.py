@@ -104,6 +104,22 @@ def test_geometric_mean_is_the_per_token_ratio_whatever_the_length(tmp_path):
         assert step["importance/dropped_frac"] == 0.0 and step["importance/ess"] > 0.999
 
 
+def test_mode_none_measures_the_sequence_weights_and_applies_none_of_them(tmp_path):
+    """The uncorrected baseline: the same shifted engine, the weights logged as the product of ratios, the loss
+    weighted by exactly 1 (nothing truncated or dropped, though a 1.3 cap would have bitten)."""
+    settings = learn_settings(tmp_path, "--algorithm.importance_level=sequence", "--algorithm.importance_mode=none",
+                              "--algorithm.importance_cap=1.3")
+    _, log = shifted_fit(settings)
+    assert len(log.metrics) == 2
+    for batch, step in zip(log.batches, log.metrics, strict=True):
+        weights = torch.exp(episode_log_weights(batch))
+        assert float(weights.max()) > 1.3
+        assert math.isclose(step["importance/weight_max"], float(weights.max()), rel_tol=1e-3)
+        assert step["importance/truncated_frac"] == 0.0 and step["importance/dropped_frac"] == 0.0
+        assert step["policy/is_weight_mean"] == 1.0 and step["policy/is_weight_max"] == 1.0
+        assert step["policy/is_masked_frac"] == 0.0
+
+
 def test_an_engine_in_bfloat16_samples_from_a_visibly_different_policy_that_the_correction_weighs(tmp_path):
     """``engine.dtype=bfloat16`` beside a float32 trainer: the engine's own copy is bfloat16, its log-probs are
     off by bfloat16 rounding (a lag-0 mismatch of ~6e-4 against ~2e-7 with one dtype), and sequence-level

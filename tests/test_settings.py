@@ -187,6 +187,14 @@ def test_importance_combinations_that_cannot_run_are_refused_by_name(overrides, 
     assert "algorithm.importance_" in capsys.readouterr().err
 
 
+def test_mode_none_needs_no_cap_at_the_sequence_levels_but_refuses_a_lower_bound():
+    settings = load_settings(overrides=["--algorithm.importance_level=sequence", "--algorithm.importance_mode=none",
+                                        "--algorithm.importance_cap=null"])
+    assert (settings.algorithm.importance_mode, settings.algorithm.importance_floor) == ("none", None)
+    with pytest.raises(SettingsError, match="importance_lower applies to algorithm.importance_mode=mask only"):
+        load_settings(overrides=["--algorithm.importance_mode=none", "--algorithm.importance_lower=0.5"])
+
+
 def test_a_mask_without_a_lower_bound_uses_the_reciprocal_of_the_cap():
     settings = load_settings(overrides=["--algorithm.importance_mode=mask", "--algorithm.importance_cap=4"])
     assert settings.algorithm.importance_floor == 0.25

@@ -22,7 +22,8 @@ https://richardli.xyz/rl-collapse). With ``delta_n = log pi_prox(y_n) - log mu(y
 
 Each is then either **truncated** (TIS, Ionides 2008 / Yao et al. 2025: ``min(w, C)``) or **masked**
 (MIS: a unit with ``w`` outside ``[lower, upper]`` gets weight 0 and is counted; at the sequence levels
-every token of the sequence is dropped). These are verl's rollout correction (``rollout_is`` truncates,
+every token of the sequence is dropped), or **not applied** (``none``: every trained token's weight is 1, the
+weights are only measured: the uncorrected baseline). These are verl's rollout correction (``rollout_is`` truncates,
 ``rollout_rs`` masks): the log-ratio is clamped to ``[-20, 20]`` before ``exp`` and the weights are
 detached, as there.
 
@@ -90,7 +91,8 @@ def importance_weights(
     lower: float | None = None,
 ) -> ImportanceWeights:
     """Detached importance weights ``pi_prox / mu`` at ``level``, truncated at ``cap`` or masked outside
-    ``[lower, cap]`` (``lower=None``: no lower bound) as ``mode`` says (see the module docstring).
+    ``[lower, cap]`` (``lower=None``: no lower bound) or not applied (``none``: weights 1, ``cap`` unused) as
+    ``mode`` says (see the module docstring).
 
     Untrained tokens (mask 0) get weight 0 and are never dropped; a sequence without a trained token
     is not a unit. Values where mask is 0 may be NaN: they are replaced before any arithmetic.
@@ -117,7 +119,9 @@ def importance_weights(
             log_unit = log_unit / counts.clamp(min=1.0)
         unit_of_token, unit_active = seq_ids, counts > 0
     unit = torch.exp(log_unit.clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT))
-    if mode == "truncate":
+    if mode == "none":
+        kept, unit_dropped = torch.ones_like(unit), torch.zeros_like(unit_active)
+    elif mode == "truncate":
         kept, unit_dropped = (unit.clamp(max=cap) if cap is not None else unit), torch.zeros_like(unit_active)
     else:
         unit_dropped = unit_active & ((unit > cap) | ((unit < lower) if lower is not None else False))

@@ -125,8 +125,8 @@ def _check_clip_arguments(
         )
     if is_cap is not None and is_cap <= 0.0:
         raise ValueError(f"is_cap must be > 0, got {is_cap}")
-    if is_cap_mode not in ("truncate", "mask"):
-        raise ValueError(f"is_cap_mode must be 'truncate' or 'mask', got {is_cap_mode!r}")
+    if is_cap_mode not in ("truncate", "mask", "none"):
+        raise ValueError(f"is_cap_mode must be 'truncate', 'mask' or 'none', got {is_cap_mode!r}")
     if is_cap_mode == "mask" and is_cap is None:
         raise ValueError("is_cap_mode='mask' needs is_cap (the upper bound)")
 
@@ -164,7 +164,7 @@ def policy_loss(
       taken around the proximal policy, ``r = pi / pi_prox``, and the token is weighted by the
       importance weight ``w = pi_prox / pi_behavior`` (detached), truncated at ``is_cap``
       (``is_cap_mode="mask"`` instead drops tokens above the cap, as AReaL's code does, or outside
-      ``[is_lower, is_cap]``). ``is_level`` takes the weight per token, per sequence (the product of the
+      ``[is_lower, is_cap]``; ``"none"`` measures the weight but applies 1). ``is_level`` takes the weight per token, per sequence (the product of the
       sequence's token ratios) or as their geometric mean: :func:`importance.importance_weights`. Without
       ``proximal_logprobs``, ``pi_old = pi_behavior`` and ``w = 1``: plain PPO. With
       ``proximal == behavior`` the weight is exactly 1 and the loss equals plain PPO bit for bit.
@@ -378,7 +378,7 @@ class MicroBatchLoss:
     dual_clip: float | None = None
     aggregation: AggMode = "token-mean"
     importance_cap: float | None = None
-    importance_mode: Literal["truncate", "mask"] = "truncate"
+    importance_mode: Literal["truncate", "mask", "none"] = "truncate"
     importance_level: Literal["token", "sequence", "geometric"] = "token"
     importance_floor: float | None = None
     entropy_coef: float = 0.0

@@ -129,6 +129,17 @@ def test_a_long_sequence_of_small_ratios_is_dropped_whole_by_the_product_but_kep
     assert torch.allclose(trunc.weights, torch.full((n,), 2.0))
 
 
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_mode_none_applies_weight_one_to_trained_tokens_and_still_measures_the_units(level):
+    prox, behavior = torch.tensor([0.0, 1.0, -1.0, 0.5]), torch.zeros(4)
+    mask, seq_ids = torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 0, 1, 1])
+    out = importance_weights(prox, behavior, mask, seq_ids, level=level, mode="none", cap=None)
+    measured = importance_weights(prox, behavior, mask, seq_ids, level=level, cap=None)
+    assert torch.equal(out.weights, mask) and not out.dropped.any() and not out.unit_dropped.any()
+    assert torch.equal(out.unit_weights, measured.unit_weights)  # the truncate path without a cap: untouched
+    assert not torch.equal(out.unit_weights, torch.ones_like(out.unit_weights))
+
+
 def test_metrics_count_units_quantiles_and_effective_sample_size():
     # three sequences with weights e^0, e^1, e^-1; one untrained sequence (no unit)
     prox = torch.tensor([0.0, 1.0, -1.0, 0.0])
