@@ -5,6 +5,8 @@
     python benchmarks/compare.py rooms_truncation  # reward 0 vs compact filtering: truncation cuts long, correct work
     python benchmarks/compare.py rooms_critic      # GAE (turn-level critic) vs GRPO: the world pays per turn
     python benchmarks/compare.py rooms_staleness   # staleness weighting vs none at bounds 2 and 4, partial rollouts
+    python benchmarks/compare.py rooms_offpolicy   # importance correction none / token TIS / sequence TIS / MIS,
+                                                   # bfloat16 engine, bounds 4 and 2
     python benchmarks/compare.py mask              # copy-the-key: loss mask on vs off (also gigpo, gigpo_detour,
                                                    # truncation: the first comparisons, on copy-the-key)
     python benchmarks/compare.py mask --seeds 0 1 2 3 -- --trainer.max_steps=30
@@ -53,7 +55,19 @@ ROOMS = "rooms"  # warm start: benchmarks/warm_start.py:rooms_warm_start (random
 GIGPO_METRICS = ["gigpo/mean_anchor_group_size", "gigpo/anchor_hit_rate", "gigpo/num_anchor_groups"]
 CRITIC_METRICS = ["value/explained_variance", "loss/value"]
 STALENESS_METRICS = ["staleness/mean_lag", "staleness/weight_mean", "policy/is_weight_mean", "policy/is_weight_max"]
+OFFPOLICY_METRICS = ["importance/weight_mean", "importance/weight_max", "importance/weight_p99", "importance/ess",
+                     "importance/truncated_frac", "importance/dropped_frac", "policy/is_weight_mean",
+                     "mismatch/logprob_mean", "staleness/mean_lag"]
 COMMON_METRICS = ["policy/entropy", "policy/approx_kl", "policy/grad_norm"]
+
+# The off-policy arms (algorithm.importance_*; docs/off_policy.md): no correction, token TIS, sequence TIS, MIS.
+OFFPOLICY_ARMS = {
+    "none": ["--algorithm.importance_mode=none"],
+    "token TIS": ["--algorithm.importance_level=token", "--algorithm.importance_cap=2"],
+    "sequence TIS": ["--algorithm.importance_level=sequence", "--algorithm.importance_cap=2"],
+    "sequence MIS": ["--algorithm.importance_level=sequence", "--algorithm.importance_mode=mask",
+                     "--algorithm.importance_cap=2", "--algorithm.importance_lower=0.5"],
+}
 
 COMPARISONS: dict[str, dict] = {
     "gigpo": {
@@ -118,6 +132,15 @@ COMPARISONS: dict[str, dict] = {
                  for k in (2, 4) for name, kind in (("none", "none"), ("weighted", "exp"))},
         "pairs": [("bound 2 none", "bound 2 weighted"), ("bound 4 none", "bound 4 weighted")],
         "diagnostics": STALENESS_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+    },
+    "rooms_offpolicy": {
+        "question": "no importance correction vs token TIS vs sequence TIS vs sequence MIS, with a bfloat16 engine "
+        "beside a float32 trainer and asynchronous rollouts at max_staleness 4 and 2 (partial rollouts)",
+        "config": "configs/credit_offpolicy.yaml",
+        "arms": {f"bound {k} {name}": [f"--rollout.max_staleness={k}", *overrides]
+                 for k in (4, 2) for name, overrides in OFFPOLICY_ARMS.items()},
+        "pairs": [(f"bound {k} none", f"bound {k} {name}") for k in (4, 2) for name in list(OFFPOLICY_ARMS)[1:]],
+        "diagnostics": OFFPOLICY_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
 }
 
