@@ -606,6 +606,11 @@ def test_the_bench_suite_runs_every_ratio_benchmark_and_reads_each_record_it_nam
         assert read["met"] in (True, False, None) and read["commit"] not in ("-", "?")
     done = run_benchmark("benchmarks/suite.py", "--table-only", "--only", "lora,sampling")
     assert "lora" in done.stdout and "sampling" in done.stdout and "gateway" not in done.stdout
+    whole = run_benchmark("benchmarks/suite.py", "--table-only").stdout  # rows the suite does not run show too
+    assert {row.name for row in ROWS if not row.in_suite} == {"peer_trl_smollm2"}
+    assert "peer_trl_smollm2" in whole
+    slow = next(row for row in ROWS if not row.in_suite)
+    assert table_row(slow)["figure"].endswith("[own command: suite.py --only peer_trl_smollm2]")
     bad = subprocess.run([sys.executable, "benchmarks/suite.py", "--only", "nope"], cwd=REPO, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "unknown benchmark(s) ['nope']" in bad.stderr
