@@ -7,7 +7,9 @@ Rank 0 alone opens the store. The store is ``tracking.uri``, or a SQLite file in
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -17,6 +19,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_agentrl.run_layout import RunLayout
 from lightning_agentrl.settings import Settings, SettingsError, flatten
+
+log = logging.getLogger(__name__)
 
 
 def tracking_uri(settings: Settings, layout: RunLayout) -> str:
@@ -99,11 +103,13 @@ def _with_absolute_paths(settings: Settings) -> dict:
 
 def finish_run(settings: Settings, layout: RunLayout, trainer, logger) -> None:
     """Rank 0, after training: plots to MLflow and the run's summary."""
-    if logger is not None:
-        from lightning_agentrl.plots import plot_run  # matplotlib
+    if logger is not None and importlib.util.find_spec("matplotlib") is not None:  # the `plots` extra
+        from lightning_agentrl.plots import plot_run
 
         for path in plot_run(tracking_uri(settings, layout), logger.run_id, layout.plots):
             logger.experiment.log_artifact(logger.run_id, str(path), artifact_path="plots")
+    elif logger is not None:
+        log.info("no plots: matplotlib is not installed (pip install 'lightning-agentrl[plots]')")
     summary = {
         "global_step": trainer.global_step,
         "checkpoint": str(layout.last_checkpoint),

@@ -3,6 +3,7 @@ the new run's), and the closing lines of ``fit`` can be pasted into a shell what
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -104,3 +105,26 @@ def test_every_output_of_a_run_lies_where_run_layout_says(tmp_path):
     assert sorted(p.name for p in layout.trajectories.iterdir())[:1] == ["step_000000.jsonl"]
     assert json.loads(layout.summary.read_text()) == {
         "global_step": 1, "checkpoint": str(layout.last_checkpoint), "policy": str(layout.policy)}
+
+
+def test_a_run_without_matplotlib_writes_its_summary_and_no_plots(tmp_path, monkeypatch, caplog):
+    """matplotlib is the `plots` extra: without it a run ends as usual, with a line saying why no plots."""
+    import importlib.util
+    import logging
+    from types import SimpleNamespace
+
+    from lightning_agentrl import tracking
+    from lightning_agentrl.run_layout import RunLayout
+    from lightning_agentrl.settings import load_settings
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    layout = RunLayout(tmp_path)
+    logged = []
+    logger = SimpleNamespace(run_id="r", experiment=SimpleNamespace(log_artifact=lambda *a, **k: logged.append(a)))
+    with caplog.at_level(logging.INFO, logger="lightning_agentrl.tracking"):
+        tracking.finish_run(load_settings(), layout, SimpleNamespace(global_step=3), logger)
+    assert json.loads(layout.summary.read_text())["global_step"] == 3
+    assert logged == [] and not layout.plots.exists()
+    assert "no plots: matplotlib is not installed" in caplog.text
