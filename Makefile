@@ -105,7 +105,7 @@ compare: install
 credit: install
 	$(MAKE) -j2 compare-rooms_gigpo compare-rooms_truncation COMPARE_THREADS=1
 	$(MAKE) -j2 compare-rooms_similarity compare-rooms_critic COMPARE_THREADS=1
-	$(MAKE) compare-rooms_staleness COMPARE_THREADS=1
+	$(MAKE) -j2 compare-rooms_staleness compare-rooms_offpolicy COMPARE_THREADS=1
 
 $(addprefix compare-,$(COMPARISONS)): install
 	$(PY) benchmarks/compare.py $(patsubst compare-%,%,$@) --root runs/$@-$(RUN_ID) -- --trainer.threads=$(COMPARE_THREADS)

@@ -55,14 +55,16 @@ ROOMS = "rooms"  # warm start: benchmarks/warm_start.py:rooms_warm_start (random
 GIGPO_METRICS = ["gigpo/mean_anchor_group_size", "gigpo/anchor_hit_rate", "gigpo/num_anchor_groups"]
 CRITIC_METRICS = ["value/explained_variance", "loss/value"]
 STALENESS_METRICS = ["staleness/mean_lag", "staleness/weight_mean", "policy/is_weight_mean", "policy/is_weight_max"]
-OFFPOLICY_METRICS = ["importance/weight_mean", "importance/weight_max", "importance/weight_p99", "importance/ess",
-                     "importance/truncated_frac", "importance/dropped_frac", "policy/is_weight_mean",
-                     "mismatch/logprob_mean", "staleness/mean_lag"]
+OFFPOLICY_METRICS = ["importance/weight_mean", "importance/weight_max", "importance/weight_min", "importance/weight_p99",
+                     "importance/ess", "importance/truncated_frac", "importance/dropped_frac", "importance/num_units",
+                     "policy/is_weight_mean", "policy/clipfrac", "mismatch/logprob_mean", "mismatch/logprob_max",
+                     "staleness/mean_lag"]
 COMMON_METRICS = ["policy/entropy", "policy/approx_kl", "policy/grad_norm"]
 
 # The off-policy arms (algorithm.importance_*; docs/off_policy.md): no correction, token TIS, sequence TIS, MIS.
 OFFPOLICY_ARMS = {
     "none": ["--algorithm.importance_mode=none"],
+    # token level: on micro-batches holding a stale token (at lag 0 the PPO ratio is taken around the behavior)
     "token TIS": ["--algorithm.importance_level=token", "--algorithm.importance_cap=2"],
     "sequence TIS": ["--algorithm.importance_level=sequence", "--algorithm.importance_cap=2"],
     "sequence MIS": ["--algorithm.importance_level=sequence", "--algorithm.importance_mode=mask",
@@ -141,6 +143,7 @@ COMPARISONS: dict[str, dict] = {
                  for k in (4, 2) for name, overrides in OFFPOLICY_ARMS.items()},
         "pairs": [(f"bound {k} none", f"bound {k} {name}") for k in (4, 2) for name in list(OFFPOLICY_ARMS)[1:]],
         "diagnostics": OFFPOLICY_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+        "seeds": [0, 1, 2, 3, 4],
     },
 }
 
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=sorted(COMPARISONS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the comparison's, else 0 1 2")
     parser.add_argument("--arms", nargs="+", default=None,
                         help="run only these arms (default all); two calls on one root may split the arms between them")
     parser.add_argument("--root", default=None, help="run folders go here (default runs/compare_<name>-<time>); "
@@ -430,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     args.overrides = overrides  # settings overrides for every arm, after --
     spec = COMPARISONS[args.name]
+    args.seeds = spec.get("seeds", [0, 1, 2]) if args.seeds is None else args.seeds
     args.eval_samples = spec.get("eval_samples", 4) if args.eval_samples is None else args.eval_samples
     args.eval_every = spec.get("eval_every", 30) if args.eval_every is None else args.eval_every
     for flag in ("eval_samples", "eval_every", "warm_start_steps", "rooms_warm_start_steps"):

@@ -142,8 +142,9 @@ def table_row(row: Row) -> dict:
     """What the row's record says now (figure, target, met, commit), or that it has none; a row the suite does not
     run says so in its figure."""
     path = RESULTS / row.record
+    own = "" if row.in_suite else f" [own command: suite.py --only {row.name}]"
     if not path.exists():
-        return {"benchmark": row.name, "figure": "no record", "target": row.target, "met": None, "commit": "-"}
+        return {"benchmark": row.name, "figure": "no record" + own, "target": row.target, "met": None, "commit": "-"}
     record: object = None
     try:
         record = json.loads(path.read_text())
@@ -154,17 +155,18 @@ def table_row(row: Row) -> dict:
         figure, met = f"unreadable record ({type(err).__name__}: {err})", None
     record = record if isinstance(record, dict) else {}
     commit = str(record.get("commit") or "?") + (" (dirty)" if record.get("dirty") else "")
-    figure += "" if row.in_suite else " [own command: suite.py --only " + row.name + "]"
+    figure += own
     return {"benchmark": row.name, "figure": figure, "target": row.target, "met": met, "commit": commit}
 
 
 def print_table(rows: list[dict]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table("benchmark", "figure", "target", "met", "commit")
     for r in rows:
-        table.add_row(r["benchmark"], r["figure"], r["target"], {True: "yes", False: "no", None: "-"}[r["met"]],
+        table.add_row(r["benchmark"], escape(r["figure"]), escape(r["target"]), {True: "yes", False: "no", None: "-"}[r["met"]],
                       r["commit"])
     Console(width=200).print(table)
 

@@ -28,6 +28,7 @@ attending only to itself) and only at positions that carry a loss, chunk by chun
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class AgentRLModule(L.LightningModule):
         self.loss_fn = losses.MicroBatchLoss.from_settings(settings.algorithm)
         self.automatic_optimization = False
         self.offline_policy_version = 0
+        self.importance_measured = False  # whether a step of this process has logged `importance/*`
         self.last_step_skipped: bool = False  # the last batch had no trainable token: no optimizer step (callbacks read it)
         self.learning_signal = True  # the last batch had a nonzero advantage (callbacks/learning_signal.py)
         self.num_skipped_steps = 0
@@ -320,6 +322,9 @@ class AgentRLModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         scheduler.step()  # once per training step: warmup_steps counts rollout batches
         log = {**prepared.log, **_mean_over_updates(logs)}
+        self.importance_measured |= importance.METRIC_KEYS[0] in log
+        if self.importance_measured:  # a later step without weights logs NaN, not the last value the logger kept
+            log = {**dict.fromkeys(importance.METRIC_KEYS, math.nan), **log}
         log["tokens/train"] = sum(span_tokens)
         log["train/optimizer_updates"] = float(len(updates))
         log["policy/lr"] = scheduler.get_last_lr()[0]
@@ -583,8 +588,10 @@ class AgentRLModule(L.LightningModule):
             recomputed = proximal[targets_at]
         else:  # one update: the weights before it are the current ones
             stale = bool((lag[targets_at] > 0).any())
-            # a sequence-level weight is taken at every step: it also corrects the engine-vs-trainer mismatch
-            proximal = dense_lp.detach() if stale or self.loss_fn.importance_level != "token" else None
+            # a sequence-level weight is taken at every step: it also corrects the engine-vs-trainer mismatch;
+            # `none` takes the ratio around the trainer's own log-probs at every step (the behavior is only measured)
+            around_trainer = stale or self.loss_fn.importance_level != "token" or self.loss_fn.importance_mode == "none"
+            proximal = dense_lp.detach() if around_trainer else None
             recomputed = logprobs.detach()
         loss, metrics = self.loss_fn(
             dense_lp, behavior, micro_adv, mask, batch.episode_ids[sl],
@@ -893,13 +900,19 @@ def _mini_batches(batch: RolloutBatch, num_mini_batches: int) -> list[slice]:
 
 
 def _mean_over_updates(logs: list[dict[str, float]]) -> dict[str, float]:
-    """The metrics of a step's updates: maxima are maxima, everything else the mean over updates."""
+    """The metrics of a step's updates: maxima are maxima, everything else the mean over updates. A measurement an
+    update could not take (``mismatch/*`` without lag-0 tokens) is NaN there and left out; every other NaN stays."""
     keys = {key for log in logs for key in log}
     out = {}
     for key in keys:
         values = [log[key] for log in logs if key in log]
-        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+        if key.startswith(_SOMETIMES_UNMEASURED):
+            values = [v for v in values if not math.isnan(v)] or [math.nan]
+        out[key] = functools.reduce(_nan_max, values) if key.endswith("_max") else sum(values) / len(values)
     return out
+
+
+_SOMETIMES_UNMEASURED = ("mismatch/", "importance/")
 
 
 def _nan_max(a: float, b: float) -> float:
@@ -959,7 +972,7 @@ class _StepTotals:
         step = reduce_metrics(local, sums=lambda key: key not in averaged and key not in maxima, maxima=maxima)
         weight, mismatch_sum, mismatch_n = step.pop("weight"), step.pop("mismatch_sum"), step.pop("mismatch_n")
         value_weight = step.pop("value_weight", 0.0)
-        out = {"mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else 0.0}
+        out = {"mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else math.nan}  # NaN: no lag-0 token
         for key, value in step.items():
             if key.startswith("loss/") or key in averaged or key in maxima:
                 out[key] = value
@@ -967,6 +980,8 @@ class _StepTotals:
                 out[key] = value / max(value_weight, 1.0)
             else:
                 out[key] = value / max(weight, 1.0)
+        if not mismatch_n:
+            out["mismatch/logprob_max"] = math.nan
         seconds = reduce_metrics({"time/critic_forward_s": self.critic_forward_s}, maxima={"time/critic_forward_s"})
         return {**out, **self._importance_metrics(), **seconds}
 

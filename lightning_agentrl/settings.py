@@ -762,6 +762,9 @@ def _check_importance(a: AlgorithmSettings) -> None:
     if a.importance_level != "token" and a.importance_cap is None and a.importance_mode != "none":
         raise ValueError(f"algorithm.importance_level={a.importance_level} needs algorithm.importance_cap: an "
                          "uncapped sequence weight is a product of hundreds of ratios")
+    if a.importance_mode == "none" and "importance_cap" in a.model_fields_set and a.importance_cap is not None:
+        raise ValueError(f"algorithm.importance_cap={a.importance_cap:g} applies to importance_mode truncate or mask; "
+                         "importance_mode=none applies no weight (leave the cap unset)")
     if a.importance_lower is not None and a.importance_mode != "mask":
         raise ValueError("algorithm.importance_lower applies to algorithm.importance_mode=mask only")
     if a.importance_mode == "mask" and a.importance_floor >= a.importance_cap:

@@ -107,17 +107,28 @@ def test_geometric_mean_is_the_per_token_ratio_whatever_the_length(tmp_path):
 def test_mode_none_measures_the_sequence_weights_and_applies_none_of_them(tmp_path):
     """The uncorrected baseline: the same shifted engine, the weights logged as the product of ratios, the loss
     weighted by exactly 1 (nothing truncated or dropped, though a 1.3 cap would have bitten)."""
-    settings = learn_settings(tmp_path, "--algorithm.importance_level=sequence", "--algorithm.importance_mode=none",
-                              "--algorithm.importance_cap=1.3")
+    settings = learn_settings(tmp_path, "--algorithm.importance_level=sequence", "--algorithm.importance_mode=none")
     _, log = shifted_fit(settings)
     assert len(log.metrics) == 2
     for batch, step in zip(log.batches, log.metrics, strict=True):
         weights = torch.exp(episode_log_weights(batch))
-        assert float(weights.max()) > 1.3
+        assert float(weights.max()) > 1.3  # a cap of 1.3 would have bitten
         assert math.isclose(step["importance/weight_max"], float(weights.max()), rel_tol=1e-3)
         assert step["importance/truncated_frac"] == 0.0 and step["importance/dropped_frac"] == 0.0
         assert step["policy/is_weight_mean"] == 1.0 and step["policy/is_weight_max"] == 1.0
         assert step["policy/is_masked_frac"] == 0.0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mode_none_takes_the_ratio_around_the_trainer_at_every_level(tmp_path, level):
+    """Under `none` the behavior policy never enters the loss: at lag 0 the PPO ratio is the trainer's own
+    (exactly 1 in a one-update step), whatever the level, though the engine is SHIFT nats off."""
+    _, log = shifted_fit(learn_settings(tmp_path, f"--algorithm.importance_level={level}",
+                                        "--algorithm.importance_mode=none"))
+    for step in log.metrics:
+        assert step["policy/ratio_mean"] == 1.0 and step["policy/clipfrac"] == 0.0
+        assert math.isclose(step["importance/weight_mean"], math.exp(SHIFT), rel_tol=1e-3) or level == "sequence"
+        assert step["importance/num_units"] > 0
 
 
 def test_an_engine_in_bfloat16_samples_from_a_visibly_different_policy_that_the_correction_weighs(tmp_path):

@@ -193,6 +193,8 @@ def test_mode_none_needs_no_cap_at_the_sequence_levels_but_refuses_a_lower_bound
     assert (settings.algorithm.importance_mode, settings.algorithm.importance_floor) == ("none", None)
     with pytest.raises(SettingsError, match="importance_lower applies to algorithm.importance_mode=mask only"):
         load_settings(overrides=["--algorithm.importance_mode=none", "--algorithm.importance_lower=0.5"])
+    with pytest.raises(SettingsError, match="importance_cap=2 applies to importance_mode truncate or mask"):
+        load_settings(overrides=["--algorithm.importance_mode=none", "--algorithm.importance_cap=2"])
 
 
 def test_a_mask_without_a_lower_bound_uses_the_reciprocal_of_the_cap():

@@ -131,13 +131,21 @@ def importance_weights(
     return ImportanceWeights(weights, dropped, unit[unit_active], unit_dropped[unit_active])
 
 
+METRIC_KEYS: tuple[str, ...] = tuple(f"importance/{name}" for name in (
+    "weight_mean", "weight_max", "weight_min", "weight_p50", "weight_p90", "weight_p99", "truncated_frac",
+    "dropped_frac", "ess", "num_units"))
+"""The keys :func:`importance_metrics` returns (a step that measured no weight logs them as NaN)."""
+
+
 def importance_metrics(result: ImportanceWeights, *, cap: float | None) -> dict[str, float]:
     """The diagnostics of one batch's weights, over its units (tokens or sequences).
 
     ``mean``, ``max``, ``min`` and the ``p50``/``p90``/``p99`` quantiles of the weights before truncation
     or masking; ``truncated_frac`` (units kept but capped at ``cap``), ``dropped_frac`` (units masked);
     ``ess``, the effective sample size as a fraction of the units, ``(sum w)^2 / (U sum w^2)`` of the
-    weights that reach the loss (1 when every weight is equal; 1/U when one unit carries everything).
+    weights after ``cap`` (1 when every weight is equal; 1/U when one unit carries everything): the weights
+    that reach the loss under ``truncate`` and ``mask``; under ``none`` (``cap=None``) the measured ones, the
+    effective size the batch would have if it were weighted.
 
     Shapes: unit_weights[U] -> scalars. Keys are prefixed with ``importance/``.
     """

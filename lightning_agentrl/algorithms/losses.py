@@ -145,7 +145,7 @@ def policy_loss(
     proximal_logprobs: Tensor | None = None,
     is_weights: Tensor | None = None,
     is_cap: float | None = None,
-    is_cap_mode: Literal["truncate", "mask"] = "truncate",
+    is_cap_mode: Literal["truncate", "mask", "none"] = "truncate",
     is_level: Literal["token", "sequence", "geometric"] = "token",
     is_lower: float | None = None,
     num_seqs: int | None = None,
