@@ -58,6 +58,7 @@ import gc
 import itertools
 import json
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -142,6 +143,28 @@ def checkpoint_weight_shapes(model_path: str | Path) -> dict[str, tuple[int, ...
     if config.get("tie_word_embeddings") and "lm_head.weight" not in shapes:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes
+
+
+def write_weights_file(tensors: dict[str, torch.Tensor]) -> Path:
+    """``tensors`` as a safetensors file the engine's workers read (``vllm_worker.py`` says why a file): in
+    ``/dev/shm`` when it has room for twice their size (a container's is often 64 MiB), else in the temp
+    folder. The caller deletes it."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    shm = Path("/dev/shm")
+    folder = shm if shm.is_dir() and shutil.disk_usage(shm).free > 2 * size else Path(tempfile.gettempdir())
+    handle, name = tempfile.mkstemp(prefix="agentrl-weights-", suffix=".safetensors", dir=folder)
+    os.close(handle)
+    try:
+        save_file(tensors, name)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    return Path(name)
 
 
 def prepare_weight_update(
@@ -613,9 +636,15 @@ class VLLMEngine:
         tensors = prepare_weight_update(
             named_tensors, self._expected_shapes, tied_embeddings=self._tied_embeddings
         )
-        from safetensors.torch import save
+        path = await asyncio.to_thread(write_weights_file, tensors)
+        try:
+            await self._reload_all(path, version)
+        finally:
+            path.unlink(missing_ok=True)
 
-        payload = await asyncio.to_thread(save, tensors)
+    async def _reload_all(self, path: Path, version: int) -> None:
+        """Every replica reloads the weights file at ``path`` once its requests in flight have finished."""
+        payload = str(path)
         await self.start()
         self._check_usable()
         async with self._update_lock:
@@ -664,7 +693,7 @@ class VLLMEngine:
                     self._admission_open.set()
 
     @staticmethod
-    async def _reload(replica: Any, payload: bytes) -> None:
+    async def _reload(replica: Any, payload: str) -> None:
         # pause(clear_cache=True) drops the KV and prefix caches; reset again after the reload
         # so that no block computed with the old weights can be hit.
         await replica.pause_generation(mode="wait", clear_cache=True)

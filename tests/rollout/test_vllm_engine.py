@@ -15,6 +15,7 @@ import logging
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -402,6 +403,35 @@ def test_prompt_longer_than_context_is_refused_and_room_caps_new_tokens(engine, 
     assert len(gen.token_ids) == 4 and gen.finish_reason == "length"
 
 
+def weights_files() -> list[Path]:
+    """The weights files of updates (``write_weights_file``) in /dev/shm and the temp folder."""
+    import tempfile
+
+    return [f for folder in (Path("/dev/shm"), Path(tempfile.gettempdir())) if folder.is_dir()
+            for f in folder.glob("agentrl-weights-*.safetensors")]
+
+
+def test_weights_go_to_shared_memory_when_it_has_room_else_to_the_temp_folder(monkeypatch, tmp_path):
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from lightning_agentrl.rollout.vllm_engine import write_weights_file
+
+    tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = shutil.disk_usage
+    for free, where in ((1 << 40, Path("/dev/shm")), (10, tmp_path)):  # 10 bytes: a container's full /dev/shm
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: real(path)._replace(free=free))
+        path = write_weights_file(tensors)
+        try:
+            assert path.parent == where and path.name.startswith("agentrl-weights-")
+            assert torch.equal(load_file(path)["w"], tensors["w"])
+        finally:
+            path.unlink()
+
+
 @needs_vllm
 @pytest.mark.vllm
 def test_weight_update_is_verified_against_hf(engine, runner, hf_model, prompts):
@@ -458,6 +488,7 @@ def test_weight_update_is_verified_against_hf(engine, runner, hf_model, prompts)
     with pytest.raises(ValueError, match="must not go back"):
         runner.run(engine.update_weights(hf_model.state_dict().items(), version=start_version))
     runner.run(engine.update_weights(hf_model.state_dict().items(), version=start_version + 2))
+    assert weights_files() == [], "a weights file outlived its update"
     restored = runner.run(on_every_replica())
     assert {g.extra["replica"] for g in restored} == {0, 1}
     assert all(g.token_ids == original_out and g.policy_version == start_version + 2 for g in restored)
