@@ -6,7 +6,8 @@
     python benchmarks/compare.py rooms_critic      # GAE (turn-level critic) vs GRPO: the world pays per turn
     python benchmarks/compare.py rooms_critic_level  # GRPO vs GAE turn-level vs token-level critic, and the token
                                                      # level with groups of one at the same episodes a step
-    python benchmarks/compare.py rooms_privileged  # GAE vs GAE whose critic reads the hidden goal (privileged)
+    python benchmarks/compare.py rooms_privileged  # GAE vs GAE whose critic reads the hidden goal (privileged),
+                                                   # its head without the goal (control) and GRPO
     python benchmarks/compare.py rooms_staleness   # staleness weighting vs none at bounds 2 and 4, partial rollouts
     python benchmarks/compare.py rooms_offpolicy   # importance correction none / token TIS / sequence TIS / MIS,
                                                    # bfloat16 engine, bounds 4 and 2
@@ -146,12 +147,18 @@ COMPARISONS: dict[str, dict] = {
     },
     "rooms_privileged": {
         "question": "a privileged critic (the value head also reads the goal, which the policy is never told) vs a "
-        "plain one, both GAE with a turn-level value head, in a maze whose goal is one of four corners; GRPO as the "
-        "reference without a critic",
+        "plain one, both GAE with a turn-level value head, in a maze whose goal is one of four corners; the privileged "
+        "critic's head without the goal (no gradient into the trunk either) as the control; GRPO as the reference "
+        "without a critic",
         "config": "configs/credit_privileged.yaml",
         "arms": {"grpo": ["--algorithm.advantage=grpo", "--model.value_head=false"],
-                 "gae": GAE, "gae privileged": [*GAE, "--algorithm.privileged_critic=true"]},
-        "pairs": [("gae", "gae privileged"), ("grpo", "gae"), ("grpo", "gae privileged")],
+                 "gae": GAE,
+                 # the privileged critic's head without the goal: it reads the policy's stream, no gradient into the trunk
+                 "gae detached": [*GAE, "--algorithm.privileged_critic=true",
+                                  "--env.kind=lightning_agentrl.envs.rooms:RoomsEnvNoCriticContext"],
+                 "gae privileged": [*GAE, "--algorithm.privileged_critic=true"]},
+        "pairs": [("gae", "gae privileged"), ("gae detached", "gae privileged"), ("gae", "gae detached"),
+                  ("grpo", "gae"), ("grpo", "gae privileged")],
         # 12 held-out tasks (3 starts x 4 goals): 4 episodes each, 48 an evaluation (the maze's: 5 x 8 = 40)
         "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 4,
     },

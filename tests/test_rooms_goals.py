@@ -100,14 +100,20 @@ def test_the_comparisons_run_every_arm_at_the_same_episodes_a_step():
     assert load_settings(REPO / privileged["config"]).env.tasks.name == "maze_goals.jsonl"
 
 
-def test_the_privileged_critic_reads_the_hidden_goal_through_fit(tmp_path):
+GOALS = {"maze_goals_gallery_to_attic": "the vault is attic; a shortest way from gallery: bakery, attic",
+         "maze_goals_gallery_to_quarry": "the vault is quarry; a shortest way from gallery: harbor, igloo, mill, library, "
+                                         "pantry, quarry"}
+
+
+@pytest.mark.parametrize("env_kind, contexts", [("RoomsEnv", GOALS), ("RoomsEnvNoCriticContext", dict.fromkeys(GOALS, ""))])
+def test_the_privileged_critic_reads_the_hidden_goal_through_fit(tmp_path, env_kind, contexts):
     """Two tasks from one start with different goals: the policy's streams open identically, and the value
-    head reads each episode's goal (its critic context) before the segment, as the module logs it."""
+    head reads each episode's goal (its critic context) before the segment, as the module logs it; the
+    comparison's control world tells the same critic nothing."""
     tasks = tmp_path / "goals.jsonl"
-    chosen = [t for t in (json.loads(line) for line in WORLD.read_text().splitlines())
-              if t["id"] in ("maze_goals_gallery_to_attic", "maze_goals_gallery_to_quarry")]
+    chosen = [t for t in (json.loads(line) for line in WORLD.read_text().splitlines()) if t["id"] in GOALS]
     tasks.write_text("".join(json.dumps(t) + "\n" for t in chosen))
-    settings = learn_settings(tmp_path, "--env.kind=lightning_agentrl.envs.rooms:RoomsEnv", f"--env.tasks={tasks}",
+    settings = learn_settings(tmp_path, f"--env.kind=lightning_agentrl.envs.rooms:{env_kind}", f"--env.tasks={tasks}",
                               "--env.max_turns=3", "--model.value_head=true", "--algorithm.advantage=gae",
                               "--algorithm.privileged_critic=true", "--algorithm.value_coef=0.5",
                               "--trainer.grad_clip=1e9", "--trainer.lr=1e-2", "--trainer.max_steps=2")
@@ -118,10 +124,7 @@ def test_the_privileged_critic_reads_the_hidden_goal_through_fit(tmp_path):
     from lightning_agentrl.train import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings))
-    contexts = {t.task_id: tokenizer.decode(t.critic_context_ids) for b in log.batches for t in b.trajectories}
-    assert contexts == {"maze_goals_gallery_to_attic": "the vault is attic; a shortest way from gallery: bakery, attic",
-                        "maze_goals_gallery_to_quarry": "the vault is quarry; a shortest way from gallery: harbor, igloo, "
-                                                        "mill, library, pantry, quarry"}
+    assert {t.task_id: tokenizer.decode(t.critic_context_ids) for b in log.batches for t in b.trajectories} == contexts
     # the scripted walk (north, west: gallery -> attic) solves one task and not the other: the same opening
     assert {(t.task_id, t.reward) for b in log.batches for t in b.trajectories if t.episode_id.endswith("e0")} == {
         ("maze_goals_gallery_to_attic", 1.0), ("maze_goals_gallery_to_quarry", 0.0)}

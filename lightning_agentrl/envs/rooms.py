@@ -195,3 +195,14 @@ class RoomsEnv(Environment):
     def load_state_dict(self, state: dict) -> None:
         self.room, self.visited, self.clock = state["room"], set(state["visited"]), state["clock"]
         self._view = self._describe()
+
+
+class RoomsEnvNoCriticContext(RoomsEnv):
+    """:class:`RoomsEnv` whose critic is told nothing (``critic_context`` None): the control of a privileged
+    critic. With ``algorithm.privileged_critic`` the value head then reads the policy's own stream through the
+    same second forward, without gradients into the trunk, so against :class:`RoomsEnv` the only difference is
+    the goal (against a plain critic, the trunk the value loss no longer trains)."""
+
+    def __init__(self, task: RoomsTask) -> None:
+        super().__init__(task)
+        self.critic_context = None
