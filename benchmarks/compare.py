@@ -57,7 +57,8 @@ ROOMS = "rooms"  # warm start: benchmarks/warm_start.py:rooms_warm_start (random
 # MLflow metrics each comparison's records carry per run (means over the run and over its last 10 steps):
 # the measurements that say why an arm won or did not (see run_diagnostics).
 GIGPO_METRICS = ["gigpo/mean_anchor_group_size", "gigpo/anchor_hit_rate", "gigpo/num_anchor_groups"]
-CRITIC_METRICS = ["value/explained_variance", "loss/value"]
+# value/mean beside value/returns_mean: whether a critic whose explained variance stays near 0 tracks the mean return
+CRITIC_METRICS = ["value/explained_variance", "loss/value", "value/mean", "value/returns_mean"]
 STALENESS_METRICS = ["staleness/mean_lag", "staleness/weight_mean", "policy/is_weight_mean", "policy/is_weight_max"]
 OFFPOLICY_METRICS = ["importance/weight_mean", "importance/weight_max", "importance/weight_p99", "importance/ess",
                      "importance/truncated_frac", "importance/dropped_frac", "policy/is_weight_mean",
