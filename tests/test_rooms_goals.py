@@ -41,6 +41,12 @@ def test_every_start_has_every_corner_as_its_goal_and_whole_starts_are_held_out(
 
 
 def test_the_critic_context_names_the_goal_and_the_rooms_of_a_shortest_way():
+    import doctest
+
+    from lightning_agentrl.envs import rooms
+
+    result = doctest.testmod(rooms, raise_on_error=False, verbose=False)
+    assert (result.attempted, result.failed) == (1, 0)  # critic_text's example
     (task,) = [t for t in load_rooms_tasks(WORLD) if t.id == "maze_goals_gallery_to_attic"]
     assert RoomsEnv(task).critic_context == "the vault is attic; a shortest way from gallery: bakery, attic"
     (maze,) = [t for t in load_rooms_tasks(REPO / "tasks" / "rooms" / "maze.jsonl") if t.start == "nursery"]
