@@ -4,6 +4,10 @@
     python benchmarks/compare.py rooms_similarity  # GiGPO exact vs similarity mode: observations carry a clock
     python benchmarks/compare.py rooms_truncation  # reward 0 vs compact filtering: truncation cuts long, correct work
     python benchmarks/compare.py rooms_critic      # GAE (turn-level critic) vs GRPO: the world pays per turn
+    python benchmarks/compare.py rooms_critic_level  # GRPO vs GAE turn-level vs token-level critic, and the token
+                                                     # level with groups of one at the same episodes a step
+    python benchmarks/compare.py rooms_privileged  # GAE vs GAE whose critic reads the hidden goal (privileged),
+                                                   # its head without the goal (control) and GRPO
     python benchmarks/compare.py rooms_staleness   # staleness weighting vs none at bounds 2 and 4, partial rollouts
     python benchmarks/compare.py rooms_offpolicy   # importance correction none / token TIS / sequence TIS / MIS,
                                                    # bfloat16 engine, bounds 4 and 2
@@ -53,7 +57,8 @@ ROOMS = "rooms"  # warm start: benchmarks/warm_start.py:rooms_warm_start (random
 # MLflow metrics each comparison's records carry per run (means over the run and over its last 10 steps):
 # the measurements that say why an arm won or did not (see run_diagnostics).
 GIGPO_METRICS = ["gigpo/mean_anchor_group_size", "gigpo/anchor_hit_rate", "gigpo/num_anchor_groups"]
-CRITIC_METRICS = ["value/explained_variance", "loss/value"]
+# value/mean beside value/returns_mean: whether a critic whose explained variance stays near 0 tracks the mean return
+CRITIC_METRICS = ["value/explained_variance", "loss/value", "value/mean", "value/returns_mean"]
 STALENESS_METRICS = ["staleness/mean_lag", "staleness/weight_mean", "policy/is_weight_mean", "policy/is_weight_max"]
 OFFPOLICY_METRICS = ["importance/weight_mean", "importance/weight_max", "importance/weight_min", "importance/weight_p99",
                      "importance/ess", "importance/truncated_frac", "importance/dropped_frac", "importance/num_units",
@@ -70,6 +75,8 @@ OFFPOLICY_ARMS = {
     "sequence MIS": ["--algorithm.importance_level=sequence", "--algorithm.importance_mode=mask",
                      "--algorithm.importance_cap=2", "--algorithm.importance_lower=0.5"],
 }
+
+GAE = ["--algorithm.advantage=gae", "--model.value_head=true"]  # the critic arms' common overrides
 
 COMPARISONS: dict[str, dict] = {
     "gigpo": {
@@ -126,6 +133,37 @@ COMPARISONS: dict[str, dict] = {
         # the value head's loss shares the trunk and the gradient clip: the middle arm trains it without using it
         "pairs": [("grpo", "gae"), ("grpo + value head", "gae")],
         "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+    },
+    "rooms_critic_level": {
+        "question": "GRPO vs GAE with a turn-level critic vs GAE with a token-level critic, and the token-level critic "
+        "with groups of one (32 groups of 1 against 4 of 8: the same 32 episodes a step), with per-turn rewards "
+        "(bonus rooms on the way)",
+        "config": "configs/credit_critic_level.yaml",
+        "arms": {"grpo": ["--algorithm.advantage=grpo"],
+                 "gae turn": [*GAE, "--algorithm.gae_level=turn"],
+                 "gae token": [*GAE, "--algorithm.gae_level=token"],
+                 "gae token group 1": [*GAE, "--algorithm.gae_level=token", "--rollout.group_size=1",
+                                       "--rollout.groups_per_step=32"]},
+        "pairs": [("grpo", "gae turn"), ("grpo", "gae token"), ("gae turn", "gae token"),
+                  ("gae token", "gae token group 1")],
+        "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
+    },
+    "rooms_privileged": {
+        "question": "a privileged critic (the value head also reads the goal, which the policy is never told) vs a "
+        "plain one, both GAE with a turn-level value head, in a maze whose goal is one of four corners; the privileged "
+        "critic's head without the goal (no gradient into the trunk either) as the control; GRPO as the reference "
+        "without a critic",
+        "config": "configs/credit_privileged.yaml",
+        "arms": {"grpo": ["--algorithm.advantage=grpo", "--model.value_head=false"],
+                 "gae": GAE,
+                 # the privileged critic's head without the goal: it reads the policy's stream, no gradient into the trunk
+                 "gae detached": [*GAE, "--algorithm.privileged_critic=true",
+                                  "--env.kind=lightning_agentrl.envs.rooms:RoomsEnvNoCriticContext"],
+                 "gae privileged": [*GAE, "--algorithm.privileged_critic=true"]},
+        "pairs": [("gae", "gae privileged"), ("gae detached", "gae privileged"), ("gae", "gae detached"),
+                  ("grpo", "gae"), ("grpo", "gae privileged")],
+        # 12 held-out tasks (3 starts x 4 goals): 4 episodes each, 48 an evaluation (the maze's: 5 x 8 = 40)
+        "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 4,
     },
     "rooms_staleness": {
         "question": "staleness weighting (exp, rate 0.5) vs none, with partial rollouts, at max_staleness 2 and 4",

@@ -13,6 +13,15 @@ Each world is built so that the reason a method exists is present (lightning_age
 - ``maze_bonus``: the same maze where the rooms on each start's own shortest way to the goal pay 0.1
   on the first entry (at most 0.7 in all, below the goal's 1, so the best walk is still the shortest
   way): per-turn rewards (a turn-level critic, GAE, vs GRPO, which sees only the episode's final reward).
+- ``maze_goals``: the same maze, where the goal is one of its four corners (attic, dungeon, nursery, quarry)
+  and nothing the policy sees says which: the system prompt names only "the vault", and the goal reads "the
+  vault." when it is entered, whichever corner it is. Each of the 12 other rooms is the start of four tasks,
+  one per corner, so a start does not tell its goal and the policy's best walk is a search of the corners;
+  9 starts (36 tasks) to train on and 3 held out (12 tasks), each with all four goals. Held-out starts, not
+  held-out (start, goal) pairs: training from a start without one of its corners would teach the policy to
+  avoid that corner, which the held-out pair then needs. The value of a room depends on what only training
+  knows (the goal): a privileged critic that reads it (``RoomsEnv.critic_context``,
+  ``algorithm.privileged_critic``) vs one that does not.
 - ``shortcut``: a corridor world where a cheap exit (reward 0.25) lies one or two turns from every
   start and the goal (reward 1) three to five, with a turn budget that a loose policy overruns:
   truncation cuts long, correct work (compact filtering vs reward 0).
@@ -22,7 +31,7 @@ training episodes also walk through (14% of the training turns of a maze run are
 held-out score says how well the policy trained on other starts finds the goal from these; it is not a
 test on unseen rooms.
 
-The random-walk success printed per start is what a uniform choice among the listed exits would reach;
+The random-walk success printed per task is what a uniform choice among the listed exits would reach;
 the warm-started policy spreads only about 0.7 of its probability over the listed exits (it knows the
 answer format better than the map), so measured baselines (``baseline`` in the records) are lower.
 """
@@ -41,6 +50,7 @@ from lightning_agentrl.envs.rooms import DIRECTIONS, RoomsTask, parse_task, shor
 
 NAMES = ["attic", "bakery", "cellar", "dungeon", "forge", "gallery", "harbor", "igloo",
          "jetty", "kitchen", "library", "mill", "nursery", "orchard", "pantry", "quarry"]
+CORNERS = ["attic", "dungeon", "nursery", "quarry"]  # maze_goals' goals: the corners of the 4 x 4 grid
 BONUS = 0.1  # per room on the way in maze_bonus: at most 0.7 in all (7 rooms on the longest way), below the goal's 1
 OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
 STEP = {"north": (-1, 0), "south": (1, 0), "east": (0, 1), "west": (0, -1)}
@@ -111,6 +121,15 @@ def maze_tasks(kind: str) -> list[dict]:
     return tasks
 
 
+def maze_goals_tasks() -> list[dict]:
+    """``maze_goals``: every (start, corner) pair of the maze; three starts held out with all their goals."""
+    rooms = grid_maze()
+    starts = [n for n in NAMES if n not in CORNERS]
+    held_out = set(random.Random(3).sample(starts, 3))
+    return [{"id": f"maze_goals_{start}_to_{goal}", "split": "test" if start in held_out else "train",
+             "start": start, "goal": goal, "rooms": rooms} for start in starts for goal in CORNERS]
+
+
 def shortcut_tasks() -> list[dict]:
     """A corridor attic .. forge to the goal (vault, east of forge), a dead end (igloo, south of cellar), and
     a porch (the cheap exit, 0.25) west of attic and north of bakery. From attic the goal is 5 turns away
@@ -131,7 +150,7 @@ def shortcut_tasks() -> list[dict]:
 
 
 WORLDS = {"maze": lambda: maze_tasks("maze"), "maze_noise": lambda: maze_tasks("maze_noise"),
-          "maze_bonus": lambda: maze_tasks("maze_bonus"), "shortcut": shortcut_tasks}
+          "maze_bonus": lambda: maze_tasks("maze_bonus"), "shortcut": shortcut_tasks, "maze_goals": maze_goals_tasks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"{world}.jsonl").write_text("\n".join(lines) + "\n")
         for turns in (6, 10):
             rates = [random_walk_success(parse_task(json.loads(line), world), turns) for line in lines]
-            print(f"{world}: random-walk success in {turns} turns per start (over the listed exits) "
+            print(f"{world}: random-walk success in {turns} turns per task (over the listed exits) "
                   + " ".join(f"{r:.2f}" for r in rates))
     return 0
 

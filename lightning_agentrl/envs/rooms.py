@@ -16,6 +16,15 @@ a timestamp in a tool's output would: a room reached by different paths at diffe
 differently, so GiGPO's exact anchor groups split it while its similarity mode
 (``algorithm.gigpo_similarity``) merges it.
 
+The goal is never named to the policy: the system prompt says "the vault" and entering the goal reads
+"the vault.", whichever room it is (``maze_goals`` puts it in one of four corners, so only training knows
+which). The critic is told (:attr:`RoomsEnv.critic_context`, read only with ``algorithm.privileged_critic``):
+``the vault is quarry; a shortest way from nursery: jetty, kitchen, orchard, pantry, quarry``, in every
+world (in the one-goal worlds it says what the policy can learn from the map). The rooms of the way, not the
+goal's name alone: a room's value is how near the goal it is, and a room named in the context is one the
+value head can match, by attention, against the room the last observation names (a copy, which even the tiny
+model learns), where the name alone would need the map's distances learned into the trunk.
+
 Tasks are JSONL, one start a line, the world inline::
 
     {"id": "maze_03", "split": "train", "start": "attic", "goal": "vault",
@@ -114,6 +123,19 @@ def shortest_path(task: RoomsTask, rng: random.Random | None = None) -> list[str
     return None
 
 
+def critic_text(task: RoomsTask) -> str:
+    """What only the critic reads of ``task``: the goal and the rooms of a shortest way to it from the start.
+
+    >>> critic_text(RoomsTask(id="t", start="a", goal="c", rooms={"a": {"east": "b"}, "b": {"east": "c"}, "c": {}}))
+    'the vault is c; a shortest way from a: b, c'
+    """
+    room, way = task.start, []
+    for direction in shortest_path(task):
+        room = task.rooms[room][direction]
+        way.append(room)
+    return f"the vault is {task.goal}; a shortest way from {task.start}: {', '.join(way)}"
+
+
 class RoomsEnv(Environment):
     """One episode in a rooms world."""
 
@@ -127,6 +149,7 @@ class RoomsEnv(Environment):
         self.visited = {task.start}
         self.clock = 0  # turns spent: the noise of ``noise`` worlds
         self._view = self._describe()
+        self.critic_context = critic_text(task)  # the goal, for a privileged critic only (module docstring)
 
     async def reset(self) -> list[dict]:
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self._view}]
@@ -172,3 +195,14 @@ class RoomsEnv(Environment):
     def load_state_dict(self, state: dict) -> None:
         self.room, self.visited, self.clock = state["room"], set(state["visited"]), state["clock"]
         self._view = self._describe()
+
+
+class RoomsEnvNoCriticContext(RoomsEnv):
+    """:class:`RoomsEnv` whose critic is told nothing (``critic_context`` None): the control of a privileged
+    critic. With ``algorithm.privileged_critic`` the value head then reads the policy's own stream through the
+    same second forward, without gradients into the trunk, so against :class:`RoomsEnv` the only difference is
+    the goal (against a plain critic, the trunk the value loss no longer trains)."""
+
+    def __init__(self, task: RoomsTask) -> None:
+        super().__init__(task)
+        self.critic_context = None
