@@ -36,6 +36,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_agentrl import batching
 from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
@@ -246,17 +247,12 @@ class AgentRLModule(L.LightningModule):
         return ESTIMATORS[a.advantage](batch, train_mask, self._token_turn(batch), a, similarity)
 
     def _token_turn(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.settings.algorithm.loss_mask:
-            return batch.token_turn
-        return _carry_forward(batch.token_turn, batch.segment_ids)  # observations: the turn before
+        return batching.token_turns(batch, loss_mask=self.settings.algorithm.loss_mask)
 
     def train_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """Where the loss goes: the action tokens; with ``loss_mask: false`` (an ablation) also the
         observations and scaffolding after the first action of each segment."""
-        included = batch.include[batch.episode_ids].to(batch.loss_mask.dtype)
-        if self.settings.algorithm.loss_mask:
-            return batch.loss_mask * included
-        return _after_first(batch.loss_mask, batch.segment_ids) * included
+        return batching.loss_region(batch, loss_mask=self.settings.algorithm.loss_mask)
 
     # -- forward -----------------------------------------------------------------------------
     def hidden_states(self, model, input_ids, position_ids, segment_ids) -> torch.Tensor:
@@ -297,7 +293,7 @@ class AgentRLModule(L.LightningModule):
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         t = self.settings.trainer
-        spans = _mini_batches(batch, t.mini_batches)
+        spans = batching.mini_batches(batch, t.mini_batches)
         train_mask = self.train_mask(batch)
         span_tokens = global_sum(*(float(train_mask[span].sum()) for span in spans))  # every rank agrees
         self.last_step_skipped = sum(span_tokens) == 0
@@ -449,7 +445,7 @@ class AgentRLModule(L.LightningModule):
         backward, like every rank's) gives the optimizer the zero gradient it would have got. The entropy and
         the train/inference mismatch are measured on the first micro-batch alone, without gradients."""
         totals = _StepTotals()
-        micro = [sl for sl in _micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
+        micro = [sl for sl in batching.micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
                  if bool((prepared.train_mask[sl][1:] > 0).any())]
         with torch.no_grad():  # one forward on every rank (ZeRO-3 gathers the weights in each)
             if micro:
@@ -461,7 +457,7 @@ class AgentRLModule(L.LightningModule):
 
     def _sample_diagnostics(self, batch: RolloutBatch, sl: slice, mask: torch.Tensor, totals: _StepTotals) -> None:
         """The entropy and the train/inference mismatch of one micro-batch, from a forward without gradients."""
-        targets_at = _targets_at(mask)
+        targets_at = batching.targets_at(mask)
         input_ids = batch.input_ids[sl]
         hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
@@ -483,7 +479,7 @@ class AgentRLModule(L.LightningModule):
             prepared.old_values = (torch.full((n,), float("nan"), device=batch.input_ids.device) if token_level
                                    else torch.zeros(batch.turn_episode.numel(), device=batch.input_ids.device))
             prepared.old_bootstrap = torch.zeros(batch.num_episodes, device=batch.input_ids.device)
-        micro = _micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
+        micro = batching.micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
         for index in range(int(global_max(len(micro)))):
             if index >= len(micro):
                 self._zero_loss(batch)
@@ -491,12 +487,12 @@ class AgentRLModule(L.LightningModule):
             sl = micro[index]
             input_ids = batch.input_ids[sl]
             hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
-            targets_at = _targets_at(prepared.train_mask[sl])
+            targets_at = batching.targets_at(prepared.train_mask[sl])
             if targets_at.numel():
                 logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
                 prepared.proximal[sl.start + targets_at] = logprobs.float()
             if self.value_head is not None:
-                turns, episodes = _turns_and_episodes(batch, sl)
+                turns, episodes = batching.turns_and_episodes(batch, sl)
                 hidden = self._value_hidden(batch, sl, hidden)
                 if token_level:
                     prepared.old_values[sl.start + targets_at] = self._token_values(hidden, targets_at)
@@ -530,7 +526,7 @@ class AgentRLModule(L.LightningModule):
         totals = _StepTotals(None if fn.importance_mode == "none" else fn.importance_cap)
         micro = [
             slice(span.start + sl.start, span.start + sl.stop)
-            for sl in _micro_batches(batch.episode_ids[span], self.settings.trainer.micro_batch_tokens)
+            for sl in batching.micro_batches(batch.episode_ids[span], self.settings.trainer.micro_batch_tokens)
             if bool((train_mask[span][sl][1:] > 0).any())
         ]
         num_micro = int(global_max(len(micro)))
@@ -555,11 +551,11 @@ class AgentRLModule(L.LightningModule):
         """The loss of micro-batch ``sl`` with the mini-batch's global denominators; adds its metrics to ``totals``.
         Runs the forward passes (policy, critic, reference); the arithmetic is :class:`losses.MicroBatchLoss`."""
         mask = prepared.train_mask[sl]
-        targets_at = _targets_at(mask)
+        targets_at = batching.targets_at(mask)
         input_ids = batch.input_ids[sl]
         hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
-        dense_lp = _dense(logprobs, targets_at, mask)
+        dense_lp = batching.dense(logprobs, targets_at, mask)
 
         micro_adv = prepared.token_adv[sl] if prepared.token_adv is not None else None
         value_loss = None
@@ -579,7 +575,7 @@ class AgentRLModule(L.LightningModule):
         behavior = torch.where(torch.isnan(behavior), dense_lp.detach(), behavior)
         lag = (self._policy_version() - batch.policy_versions[sl]).clamp(min=0)
         if prepared.proximal is not None:  # several updates: the weights the step started from
-            proximal = _masked_nan(prepared.proximal[sl], dense_lp.detach())
+            proximal = batching.masked_nan(prepared.proximal[sl], dense_lp.detach())
             recomputed = proximal[targets_at]
         else:  # one update: the weights before it are the current ones
             stale = bool((lag[targets_at] > 0).any())
@@ -590,7 +586,7 @@ class AgentRLModule(L.LightningModule):
             dense_lp, behavior, micro_adv, mask, batch.episode_ids[sl],
             num_seqs=num_seqs, num_tokens=num_tokens,
             proximal_logprobs=proximal, is_weights=batch.token_weights[sl],
-            entropy=_dense(entropy, targets_at, mask) if entropy is not None else None,
+            entropy=batching.dense(entropy, targets_at, mask) if entropy is not None else None,
             ref_logprobs=self._reference_logprobs(batch, sl, targets_at, mask) if self.uses_reference else None,
             value_loss=value_loss,
         )
@@ -630,7 +626,7 @@ class AgentRLModule(L.LightningModule):
         with torch.no_grad(), self._reference_model() as reference:
             ref_hidden = self.hidden_states(reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
             ref_lp, _ = self.token_logprobs_at(reference, ref_hidden, input_ids, targets_at)
-        return _dense(ref_lp, targets_at, mask)
+        return batching.dense(ref_lp, targets_at, mask)
 
     def _zero_loss(self, batch: RolloutBatch) -> torch.Tensor:
         """A loss of exactly 0 that still reaches every trainable parameter: the backward pass of a
@@ -702,10 +698,10 @@ class AgentRLModule(L.LightningModule):
         of an episode form one chain.
         """
         a = self.settings.algorithm
-        turns, episodes = _turns_and_episodes(batch, sl)
+        turns, episodes = batching.turns_and_episodes(batch, sl)
         first = int(batch.episode_ids[sl.start])
         if a.gae_level == "token":
-            targets_at = _targets_at(mask)
+            targets_at = batching.targets_at(mask)
             values = self._token_values(hidden, targets_at)
             old_values = (prepared.old_values[sl.start + targets_at] if prepared.old_values is not None
                           else values.detach())
@@ -731,7 +727,7 @@ class AgentRLModule(L.LightningModule):
         )
         value_loss = self._value_loss(values, old_values, returns, keep, denominator, totals)
         if a.gae_level == "token":
-            return value_loss, _dense(step_adv.to(values.dtype), targets_at, mask)
+            return value_loss, batching.dense(step_adv.to(values.dtype), targets_at, mask)
         if turns.numel() == 0:
             return value_loss, torch.zeros_like(mask)
         # turn indices of this micro-batch, counted from its first turn
@@ -812,84 +808,12 @@ def _zero3_loading_context(trainer):
     return HfDeepSpeedConfig(strategy.config)
 
 
-def _micro_batches(seq_ids: torch.Tensor, max_tokens: int) -> list[slice]:
-    """Contiguous slices of whole episodes, each about ``max_tokens`` long (an episode longer than
-    that is its own micro-batch)."""
-    boundaries = torch.nonzero(seq_ids[1:] != seq_ids[:-1]).squeeze(-1) + 1
-    starts = [0, *boundaries.tolist()]
-    ends = [*boundaries.tolist(), seq_ids.numel()]
-    slices, begin = [], 0
-    for start, end in zip(starts, ends, strict=True):
-        if end - begin > max_tokens and start > begin:
-            slices.append(slice(begin, start))
-            begin = start
-    slices.append(slice(begin, seq_ids.numel()))
-    return slices
 
 
-def _after_first(loss_mask: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """1 from the first action token of each segment on (the no-mask ablation's loss region)."""
-    out = torch.zeros_like(loss_mask)
-    for segment in torch.unique(segment_ids).tolist():
-        where = torch.nonzero(segment_ids == segment).squeeze(-1)
-        actions = torch.nonzero(loss_mask[where] > 0).squeeze(-1)
-        if actions.numel():
-            out[where[actions[0]] : where[-1] + 1] = 1
-    return out
 
 
-def _carry_forward(token_turn: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """Give tokens outside an action the turn index of the last action before them (same segment)."""
-    out = token_turn.clone()
-    last, last_segment = -1, -1
-    for i, (turn, segment) in enumerate(zip(token_turn.tolist(), segment_ids.tolist(), strict=True)):
-        if segment != last_segment:
-            last, last_segment = -1, segment
-        if turn >= 0:
-            last = turn
-        out[i] = last
-    return out
 
 
-def _targets_at(mask: torch.Tensor) -> torch.Tensor:
-    """Positions of a micro-batch that carry a loss (never its first token: nothing predicts it)."""
-    targets_at = torch.nonzero(mask > 0).squeeze(-1)
-    return targets_at[targets_at > 0]
-
-
-def _turns_and_episodes(batch: RolloutBatch, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global indices of the turns [k] and the episodes [b] of a slice of whole episodes."""
-    first, last = int(batch.episode_ids[sl.start]), int(batch.episode_ids[sl.stop - 1])
-    turns = torch.nonzero((batch.turn_episode >= first) & (batch.turn_episode <= last)).squeeze(-1)
-    return turns, torch.arange(first, last + 1, device=batch.episode_ids.device)
-
-
-def _dense(values: torch.Tensor, targets_at: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-target ``values`` scattered onto the micro-batch's tokens (zeros elsewhere), like ``mask``."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=mask.device).index_put((targets_at,), values)
-
-
-def _masked_nan(values: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isnan(values), fallback, values)
-
-
-def _mini_batches(batch: RolloutBatch, num_mini_batches: int) -> list[slice]:
-    """Token spans of ``num_mini_batches`` equal runs of whole groups (a batch packs each group's
-    episodes together, groups in order)."""
-    groups = torch.unique_consecutive(batch.group_ids)
-    if groups.numel() % num_mini_batches:
-        raise ValueError(
-            f"trainer.mini_batches ({num_mini_batches}) must divide the {groups.numel()} groups of a batch"
-        )
-    assert groups.numel() == torch.unique(batch.group_ids).numel(), "a group's episodes are packed together"
-    per_mini = groups.numel() // num_mini_batches
-    episode_start = torch.cat([batch.episode_last.new_zeros(1), batch.episode_last[:-1] + 1])
-    spans = []
-    for index in range(num_mini_batches):
-        chosen = torch.isin(batch.group_ids, groups[index * per_mini : (index + 1) * per_mini])
-        episodes = torch.nonzero(chosen).squeeze(-1)
-        spans.append(slice(int(episode_start[episodes[0]]), int(batch.episode_last[episodes[-1]]) + 1))
-    return spans
 
 
 def _mean_over_updates(logs: list[dict[str, float]]) -> dict[str, float]:

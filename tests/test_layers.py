@@ -22,7 +22,7 @@ PACKAGE = "lightning_agentrl"
 
 MAY_IMPORT: dict[str, set[str]] = {
     # leaves
-    "trajectory": set(), "console": set(), "tasks": set(), "run_layout": set(),
+    "trajectory": set(), "console": set(), "tasks": set(), "run_layout": set(), "batching": set(),
     # message-space environments and the settings that check them
     "envs": {"tasks"},
     "settings": {"envs"},
@@ -49,7 +49,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
-    "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "shutdown", "strategies", "trajectory"},
+    "module": {"algorithms", "batching", "distributed", "envs", "lora", "models", "settings", "shutdown", "strategies",
+               "trajectory"},
     # what the composition root builds with
     "preflight": {"envs", "lora", "models", "rollout", "run_layout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},

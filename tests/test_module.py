@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from lightning_agentrl.module import AgentRLModule, _micro_batches
+from lightning_agentrl.batching import micro_batches
+from lightning_agentrl.module import AgentRLModule
 from lightning_agentrl.settings import load_settings
 from lightning_agentrl.trajectory import Segment, TerminationReason, Trajectory, Turn, pack
 
@@ -71,7 +72,7 @@ def test_recomputed_logprobs_match_behavior(base):
 def test_micro_batching_gives_the_same_gradient(base):
     module, batch = base
     full, log_full = gradients(module, batch)
-    assert len(_micro_batches(batch.episode_ids, 64)) > 2
+    assert len(micro_batches(batch.episode_ids, 64)) > 2
     for aggregation in ("token-mean", "seq-mean-token-mean"):
         one = with_settings(module, f"--algorithm.aggregation={aggregation}", "--trainer.micro_batch_tokens=100000")
         many = with_settings(module, f"--algorithm.aggregation={aggregation}", "--trainer.micro_batch_tokens=64")
