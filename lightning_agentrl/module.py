@@ -41,11 +41,12 @@ from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
 from lightning_agentrl.algorithms.logprobs import token_logprobs
-from lightning_agentrl.distributed import all_gather, global_max, global_sum, reduce_metrics, world_size
+from lightning_agentrl.distributed import global_max, global_sum, world_size
 from lightning_agentrl.envs.registry import settings_env_class
 from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
 from lightning_agentrl.settings import ModelSettings, Settings
 from lightning_agentrl.shutdown import RunStopped
+from lightning_agentrl.step_metrics import StepTotals, mean_over_updates
 from lightning_agentrl.trajectory import RolloutBatch
 
 
@@ -315,7 +316,7 @@ class AgentRLModule(L.LightningModule):
             logs.append(log)
         scheduler = self.lr_schedulers()
         scheduler.step()  # once per training step: warmup_steps counts rollout batches
-        log = {**prepared.log, **_mean_over_updates(logs)}
+        log = {**prepared.log, **mean_over_updates(logs)}
         log["tokens/train"] = sum(span_tokens)
         log["train/optimizer_updates"] = float(len(updates))
         log["policy/lr"] = scheduler.get_last_lr()[0]
@@ -444,7 +445,7 @@ class AgentRLModule(L.LightningModule):
         the forward and backward passes over the batch: one zero loss through every parameter (a collective
         backward, like every rank's) gives the optimizer the zero gradient it would have got. The entropy and
         the train/inference mismatch are measured on the first micro-batch alone, without gradients."""
-        totals = _StepTotals()
+        totals = StepTotals()
         micro = [sl for sl in batching.micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
                  if bool((prepared.train_mask[sl][1:] > 0).any())]
         with torch.no_grad():  # one forward on every rank (ZeRO-3 gathers the weights in each)
@@ -455,7 +456,7 @@ class AgentRLModule(L.LightningModule):
         self._backward(self._zero_loss(batch), last=True)
         return {**prepared.log, **totals.reduced(), "loss/total": 0.0, "loss/policy": 0.0}
 
-    def _sample_diagnostics(self, batch: RolloutBatch, sl: slice, mask: torch.Tensor, totals: _StepTotals) -> None:
+    def _sample_diagnostics(self, batch: RolloutBatch, sl: slice, mask: torch.Tensor, totals: StepTotals) -> None:
         """The entropy and the train/inference mismatch of one micro-batch, from a forward without gradients."""
         targets_at = batching.targets_at(mask)
         input_ids = batch.input_ids[sl]
@@ -523,7 +524,7 @@ class AgentRLModule(L.LightningModule):
             float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns_local
         )
         fn = self.loss_fn  # under `none` the metrics describe the weights as measured, none truncated
-        totals = _StepTotals(None if fn.importance_mode == "none" else fn.importance_cap)
+        totals = StepTotals(None if fn.importance_mode == "none" else fn.importance_cap)
         micro = [
             slice(span.start + sl.start, span.start + sl.stop)
             for sl in batching.micro_batches(batch.episode_ids[span], self.settings.trainer.micro_batch_tokens)
@@ -545,7 +546,7 @@ class AgentRLModule(L.LightningModule):
         return log
 
     def _micro_loss(
-        self, batch: RolloutBatch, sl: slice, prepared: _Prepared, totals: _StepTotals, *,
+        self, batch: RolloutBatch, sl: slice, prepared: _Prepared, totals: StepTotals, *,
         num_tokens: float, num_seqs: int, num_turns_kept: float,
     ) -> torch.Tensor:
         """The loss of micro-batch ``sl`` with the mini-batch's global denominators; adds its metrics to ``totals``.
@@ -687,7 +688,7 @@ class AgentRLModule(L.LightningModule):
         return self.value_head(hidden[targets_at - 1]).squeeze(-1).float()
 
     def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, prepared: _Prepared, denominator: float,
-                totals: _StepTotals):
+                totals: StepTotals):
         """Value loss and (for ``gae``) token advantages of the episodes in micro-batch ``sl``.
 
         The critic's steps are the turns (``algorithm.gae_level: turn``) or the trained tokens (``token``);
@@ -735,7 +736,7 @@ class AgentRLModule(L.LightningModule):
         local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
         return value_loss, adv.expand_to_tokens(step_adv.to(values.dtype), local_turn, mask)
 
-    def _value_loss(self, values, old_values, returns, keep, denominator: float, totals: _StepTotals) -> torch.Tensor:
+    def _value_loss(self, values, old_values, returns, keep, denominator: float, totals: StepTotals) -> torch.Tensor:
         """The clipped value loss of a micro-batch's kept steps, scaled to the mini-batch's ``denominator``
         steps; its metrics go to ``totals`` weighted by the kept steps."""
         value_loss, value_metrics = losses.value_loss(values, old_values, returns, keep,
@@ -806,112 +807,6 @@ def _zero3_loading_context(trainer):
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(strategy.config)
-
-
-
-
-
-
-
-
-
-
-def _mean_over_updates(logs: list[dict[str, float]]) -> dict[str, float]:
-    """The metrics of a step's updates: maxima are maxima, everything else the mean over updates."""
-    keys = {key for log in logs for key in log}
-    out = {}
-    for key in keys:
-        values = [log[key] for log in logs if key in log]
-        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
-    return out
-
-
-def _nan_max(a: float, b: float) -> float:
-    """``max`` that keeps a NaN (Python's ``max(0.0, nan)`` is 0.0: a NaN step would read as a perfect one)."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-class _StepTotals:
-    """The metrics of one step, summed over micro-batches, then over ranks by :meth:`reduced`.
-
-    ``loss/*`` are sums (each micro-batch's loss carries the step's denominators already);
-    ``maxima`` are maxima; ``value/*`` are sums of value x kept turns, divided by the kept turns;
-    every other key is a sum of value x action tokens, divided by the step's action tokens at the end."""
-
-    def __init__(self, importance_cap: float | None = None) -> None:
-        self.importance_cap = importance_cap
-        self.sums: dict[str, float] = {}
-        self.maxima: dict[str, float] = {"mismatch/logprob_max": 0.0}
-        self.values: list[torch.Tensor] = []
-        self.returns: list[torch.Tensor] = []
-        self.importance: list[importance.ImportanceWeights] = []
-        self.critic_forward_s = 0.0  # the privileged critic's second forward (0 without one)
-
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
-
-    def add_mismatch(self, recomputed, behavior, lag_zero, actions) -> None:
-        """The train/inference mismatch |recomputed - behavior| [n] on the action tokens sampled by the
-        weights the step started from (``lag_zero``)."""
-        on_policy = lag_zero & actions
-        if on_policy.any():
-            diff = (recomputed[on_policy] - behavior[on_policy]).abs()
-            self.maxima["mismatch/logprob_max"] = _nan_max(self.maxima["mismatch/logprob_max"], float(diff.max()))
-            self.add("mismatch_sum", float(diff.sum()))
-            self.add("mismatch_n", float(on_policy.sum()))
-
-    def add_micro_batch(self, metrics: dict[str, torch.Tensor], *, share: float) -> None:
-        """A micro-batch's loss metrics: ``loss/*`` as they are, ``*_max`` as maxima, the rest weighted
-        by the micro-batch's ``share`` (its action tokens)."""
-        self.add("weight", share)
-        for key, value in metrics.items():
-            if key.startswith("loss/"):
-                self.add(key, float(value))
-            elif key.endswith("_max"):
-                self.maxima[key] = _nan_max(self.maxima.get(key, 0.0), float(value))
-            else:
-                self.add(key, float(value) * share)
-
-    def reduced(self) -> dict[str, float]:
-        local = {"loss/total": 0.0, "weight": 0.0, "mismatch_sum": 0.0, "mismatch_n": 0.0, **self.sums, **self.maxima}
-        if self.values:
-            from lightning_agentrl.algorithms.diagnostics import explained_variance
-
-            local["value/explained_variance"] = explained_variance(torch.cat(self.values), torch.cat(self.returns))
-        averaged = {"value/explained_variance"}
-        maxima = {key for key in local if key.endswith("_max")}  # the same names on every rank
-        step = reduce_metrics(local, sums=lambda key: key not in averaged and key not in maxima, maxima=maxima)
-        weight, mismatch_sum, mismatch_n = step.pop("weight"), step.pop("mismatch_sum"), step.pop("mismatch_n")
-        value_weight = step.pop("value_weight", 0.0)
-        out = {"mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else 0.0}
-        for key, value in step.items():
-            if key.startswith("loss/") or key in averaged or key in maxima:
-                out[key] = value
-            elif key.startswith("value/"):  # turn-weighted: the critic's metrics are per turn
-                out[key] = value / max(value_weight, 1.0)
-            else:
-                out[key] = value / max(weight, 1.0)
-        seconds = reduce_metrics({"time/critic_forward_s": self.critic_forward_s}, maxima={"time/critic_forward_s"})
-        return {**out, **self._importance_metrics(), **seconds}
-
-    def _importance_metrics(self) -> dict[str, float]:
-        """``importance/*`` over the units (tokens or episodes) of this rank's micro-batches; over ranks the
-        maxima and minima are kept, the unit counts summed and the rest (means, fractions exactly; quantiles and
-        ESS approximately) averaged weighted by each rank's units, ranks without units left out.
-        A collective: every rank calls it, with or without weights."""
-        local: dict[str, float] = {}
-        if self.importance:
-            joined = importance.ImportanceWeights(*(torch.cat(parts) for parts in zip(*(
-                (w.weights, w.dropped, w.unit_weights, w.unit_dropped) for w in self.importance), strict=True)))
-            local = importance.importance_metrics(joined, cap=self.importance_cap)
-        shares = [share for share in all_gather(local) if share]  # ranks without units have nothing to say
-        if len(shares) <= 1:
-            return shares[0] if shares else {}
-        units = sum(share["importance/num_units"] for share in shares)
-        out = {key: sum(share[key] * share["importance/num_units"] for share in shares) / units for key in shares[0]}
-        out.update({"importance/num_units": units, "importance/weight_max": max(s["importance/weight_max"] for s in shares),
-                    "importance/weight_min": min(s["importance/weight_min"] for s in shares)})
-        return out
 
 
 def _partitioned(model) -> bool:

@@ -40,6 +40,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "lora": {"lora_linear", "settings", "strategies"},
     "plan": {"models", "settings"},
     "distributed": {"sandbox_checks", "settings"},
+    "step_metrics": {"algorithms", "distributed"},
     # rollout, and what watches it
     "rollout": {"algorithms", "envs", "lora", "models", "settings", "trajectory"},
     "experiments": {"rollout"},
@@ -49,8 +50,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
-    "module": {"algorithms", "batching", "distributed", "envs", "lora", "models", "settings", "shutdown", "strategies",
-               "trajectory"},
+    "module": {"algorithms", "batching", "distributed", "envs", "lora", "models", "settings", "shutdown", "step_metrics",
+               "strategies", "trajectory"},
     # what the composition root builds with
     "preflight": {"envs", "lora", "models", "rollout", "run_layout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},

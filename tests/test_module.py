@@ -179,9 +179,9 @@ def test_a_nan_maximum_stays_nan_in_the_step_metrics():
     """``max(0.0, nan)`` is 0.0 in Python: a step whose log-probs went NaN would log a lag-0 mismatch of 0."""
     import math
 
-    from lightning_agentrl.module import _StepTotals
+    from lightning_agentrl.step_metrics import StepTotals
 
-    totals = _StepTotals()
+    totals = StepTotals()
     totals.add_micro_batch({"policy/ratio_max": torch.tensor(float("nan"))}, share=1.0)
     totals.add_micro_batch({"policy/ratio_max": torch.tensor(2.0)}, share=1.0)
     nan = torch.tensor([float("nan")])
