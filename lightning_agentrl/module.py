@@ -40,39 +40,20 @@ from lightning_agentrl import batching
 from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
-from lightning_agentrl.algorithms.logprobs import token_logprobs
 from lightning_agentrl.distributed import global_max, global_sum, world_size
 from lightning_agentrl.envs.registry import settings_env_class
-from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
-from lightning_agentrl.settings import ModelSettings, Settings
+from lightning_agentrl.policy import (
+    OutputLogprobs,
+    hidden_states,
+    load_policy,
+    pretrained_kwargs,
+    token_logprobs_at,
+    zero3_loading_context,
+)
+from lightning_agentrl.settings import Settings
 from lightning_agentrl.shutdown import RunStopped
 from lightning_agentrl.step_metrics import StepTotals, mean_over_updates
 from lightning_agentrl.trajectory import RolloutBatch
-
-
-def pretrained_kwargs(model: ModelSettings) -> dict:
-    """``from_pretrained`` arguments from ``model.dtype`` and ``model.attn_implementation``."""
-    kwargs = {"dtype": getattr(torch, model.dtype)}
-    if model.attn_implementation:
-        kwargs["attn_implementation"] = model.attn_implementation
-    return kwargs
-
-
-def load_policy(model_path: str, model: ModelSettings, *, seed: int | None):
-    """The trained policy as ``fit`` and ``sft`` load it: ``model_path`` in ``model.dtype``, gradient
-    checkpointing as set, no KV cache (training runs whole sequences), LoRA adapters on a frozen base with
-    ``model.lora_rank``, in training mode (``from_pretrained`` returns eval mode)."""
-    from transformers import AutoModelForCausalLM
-
-    policy = AutoModelForCausalLM.from_pretrained(model_path, **pretrained_kwargs(model))
-    if model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    policy.config.use_cache = False
-    if model.lora:
-        from lightning_agentrl.lora import apply_lora
-
-        policy = apply_lora(policy, model, seed=seed)  # freezes the base
-    return policy.train()
 
 
 class NonFiniteGradient(RunStopped):
@@ -109,7 +90,7 @@ class AgentRLModule(L.LightningModule):
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, self.settings.model.dtype)
-        zero3 = _zero3_loading_context(self._trainer)  # noqa: F841 - alive while the models load
+        zero3 = zero3_loading_context(self._trainer)  # noqa: F841 - alive while the models load
         self.policy = load_policy(self.model_path, self.settings.model, seed=self.settings.run.seed)
         if self.settings.model.value_head:
             # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
@@ -256,35 +237,12 @@ class AgentRLModule(L.LightningModule):
         return batching.loss_region(batch, loss_mask=self.settings.algorithm.loss_mask)
 
     # -- forward -----------------------------------------------------------------------------
-    def hidden_states(self, model, input_ids, position_ids, segment_ids) -> torch.Tensor:
-        """Last hidden states [n, H] of one packed micro-batch: positions restart per segment and
-        segments never see each other. Varlen flash kernels find the boundaries in the position
-        ids; every other kernel runs the segments as length-bucketed padded batches, so the cost
-        is the sum of squared segment lengths, not the square of the pack's length."""
-        decoder = model.get_decoder()
-        if str(model.config._attn_implementation).startswith("flash_attention"):
-            out = decoder(input_ids=input_ids[None], position_ids=position_ids[None])
-            return out.last_hidden_state[0]
-        if _partitioned(model):
-            # ZeRO-3 gathers each layer's parameters collectively on every forward: every rank must
-            # call the decoder equally often, so one call over the pack (block mask), not a bucket count
-            # that differs by rank
-            return block_mask_hidden_states(decoder, input_ids, position_ids, segment_ids)
-        return packed_hidden_states(decoder, input_ids, position_ids, segment_ids)
 
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) of ``input_ids[targets_at]``; ``hidden[t-1]`` predicts token t."""
+        """Log-probs (and entropies) of ``input_ids[targets_at]`` under ``model`` (the policy or the reference)."""
         head = self.policy_logprobs if model is self.policy else self.reference_logprobs
-        e = self.settings.engine
-        filtered = e.filtered_logprobs  # the sampling distribution (algorithms/logprobs.py), or the softmax
-        return head(
-            hidden[targets_at - 1],
-            input_ids[targets_at],
-            temperature=max(e.temperature, 1e-6),
-            top_p=e.top_p if filtered else 1.0,
-            top_k=e.top_k if filtered else 0,
-            chunk_size=self.settings.trainer.logprob_chunk_tokens,
-        )
+        return token_logprobs_at(head, hidden, input_ids, targets_at, engine=self.settings.engine,
+                                 chunk_size=self.settings.trainer.logprob_chunk_tokens)
 
     # -- the step ----------------------------------------------------------------------------
     @property
@@ -460,7 +418,7 @@ class AgentRLModule(L.LightningModule):
         """The entropy and the train/inference mismatch of one micro-batch, from a forward without gradients."""
         targets_at = batching.targets_at(mask)
         input_ids = batch.input_ids[sl]
-        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+        hidden = hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
         totals.add("weight", float(targets_at.numel()))
         if entropy is not None:
@@ -487,7 +445,7 @@ class AgentRLModule(L.LightningModule):
                 continue
             sl = micro[index]
             input_ids = batch.input_ids[sl]
-            hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+            hidden = hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
             targets_at = batching.targets_at(prepared.train_mask[sl])
             if targets_at.numel():
                 logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
@@ -554,7 +512,7 @@ class AgentRLModule(L.LightningModule):
         mask = prepared.train_mask[sl]
         targets_at = batching.targets_at(mask)
         input_ids = batch.input_ids[sl]
-        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+        hidden = hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
         dense_lp = batching.dense(logprobs, targets_at, mask)
 
@@ -625,7 +583,7 @@ class AgentRLModule(L.LightningModule):
         """The frozen reference policy's log-probs of micro-batch ``sl``'s targets, dense like ``mask``."""
         input_ids = batch.input_ids[sl]
         with torch.no_grad(), self._reference_model() as reference:
-            ref_hidden = self.hidden_states(reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+            ref_hidden = hidden_states(reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
             ref_lp, _ = self.token_logprobs_at(reference, ref_hidden, input_ids, targets_at)
         return batching.dense(ref_lp, targets_at, mask)
 
@@ -638,7 +596,7 @@ class AgentRLModule(L.LightningModule):
             n, device = 2, next(self.policy.parameters()).device
             input_ids = torch.zeros(n, dtype=torch.long, device=device)
             position_ids, segment_ids = torch.arange(n, device=device), torch.zeros(n, dtype=torch.long, device=device)
-        hidden = self.hidden_states(self.policy, input_ids, position_ids, segment_ids)
+        hidden = hidden_states(self.policy, input_ids, position_ids, segment_ids)
         logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, torch.arange(1, n, device=hidden.device))
         loss = logprobs.sum() + hidden.sum()
         if self.value_head is not None:
@@ -646,10 +604,10 @@ class AgentRLModule(L.LightningModule):
         # a real micro-batch runs the trunk again for these (ZeRO-3 gathers the weights in each forward)
         if self.settings.algorithm.privileged_critic:
             with torch.no_grad():
-                self.hidden_states(self.policy, input_ids, position_ids, segment_ids)
+                hidden_states(self.policy, input_ids, position_ids, segment_ids)
         if self.uses_reference:
             with torch.no_grad(), self._reference_model() as reference:
-                ref_hidden = self.hidden_states(reference, input_ids, position_ids, segment_ids)
+                ref_hidden = hidden_states(reference, input_ids, position_ids, segment_ids)
                 self.token_logprobs_at(reference, ref_hidden, input_ids, torch.arange(1, n, device=hidden.device))
         return loss * 0.0
 
@@ -674,12 +632,12 @@ class AgentRLModule(L.LightningModule):
         # privileged critic is the value head on these states (a second critic model is the way to more).
         with torch.no_grad():
             if batch.critic_input_ids is None:  # no episode of the batch has a context: the same stream again
-                return self.hidden_states(self.policy, batch.input_ids[sl], batch.position_ids[sl],
+                return hidden_states(self.policy, batch.input_ids[sl], batch.position_ids[sl],
                                           batch.segment_ids[sl])
             start = int(batch.critic_segment_start[batch.segment_ids[sl.start]])
             stop = int(batch.critic_index[sl.stop - 1]) + 1
             critic = slice(start, stop)
-            critic_hidden = self.hidden_states(self.policy, batch.critic_input_ids[critic],
+            critic_hidden = hidden_states(self.policy, batch.critic_input_ids[critic],
                                                batch.critic_position_ids[critic], batch.critic_segment_ids[critic])
             return critic_hidden[batch.critic_index[sl] - start]
 
@@ -767,48 +725,3 @@ class _Prepared:
     zero_gradient: bool = False  # no signal and no other loss term: the updates skip the forward/backward
 
 
-class OutputLogprobs(torch.nn.Module):
-    """:func:`token_logprobs` through a model's output embedding, as a module of its own.
-
-    Why a module: the log-probs read the output embedding's weight directly (never materializing
-    all logits), outside the ``lm_head`` module's forward. Under ZeRO-3 that weight is a partitioned
-    stub except while a module that uses it runs, so it is registered here as this module's
-    external parameter: DeepSpeed gathers it for this forward and again for its backward. Without
-    ZeRO-3 this is a plain call. The head is held without registering it as a submodule (it
-    belongs to the model)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        head = model.get_output_embeddings()
-        self._head = (head,)  # a tuple: not a submodule
-        for parameter in (head.weight, getattr(head, "bias", None)):
-            if parameter is not None and hasattr(parameter, "ds_id"):
-                import deepspeed
-
-                deepspeed.zero.register_external_parameter(self, parameter)
-
-    def forward(self, hidden, target_ids, *, temperature: float, chunk_size: int, top_p: float = 1.0, top_k: int = 0):
-        (head,) = self._head
-        return token_logprobs(
-            hidden, head.weight, target_ids, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size,
-            lm_head_bias=getattr(head, "bias", None),
-        )
-
-
-def _zero3_loading_context(trainer):
-    """Under ZeRO-3, tell transformers (``HfDeepSpeedConfig``) so that ``from_pretrained`` creates
-    the model partitioned and initializes and loads each weight gathered; without it, weight
-    initialization indexes partitioned stubs. Transformers holds it weakly: it applies while the
-    returned object is alive, so keep it only while models load (later models, e.g. the exported
-    policy, must not be partitioned)."""
-    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-    if not getattr(strategy, "zero_stage_3", False):
-        return None
-    from transformers.integrations import HfDeepSpeedConfig
-
-    return HfDeepSpeedConfig(strategy.config)
-
-
-def _partitioned(model) -> bool:
-    """Parameters partitioned by DeepSpeed ZeRO-3 (they carry a ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())

@@ -39,6 +39,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "lora_linear": set(),
     "lora": {"lora_linear", "settings", "strategies"},
     "plan": {"models", "settings"},
+    "policy": {"algorithms", "lora", "models", "settings"},
     "distributed": {"sandbox_checks", "settings"},
     "step_metrics": {"algorithms", "distributed"},
     # rollout, and what watches it
@@ -50,7 +51,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
-    "module": {"algorithms", "batching", "distributed", "envs", "lora", "models", "settings", "shutdown", "step_metrics",
+    "module": {"algorithms", "batching", "distributed", "envs", "lora", "policy", "settings", "shutdown", "step_metrics",
                "strategies", "trajectory"},
     # what the composition root builds with
     "preflight": {"envs", "lora", "models", "rollout", "run_layout", "sandbox_checks", "settings"},
@@ -63,7 +64,7 @@ MAY_IMPORT: dict[str, set[str]] = {
               "shutdown", "strategies", "tracking"},
     "evaluate": {"callbacks", "console", "engines", "envs", "models", "preflight", "resume", "rollout", "run_layout",
                  "sandbox", "sandbox_checks", "settings", "train", "trajectory"},
-    "sft": {"algorithms", "callbacks", "checkpoint_io", "envs", "lora", "models", "module", "rollout", "run_layout",
+    "sft": {"algorithms", "callbacks", "checkpoint_io", "envs", "lora", "models", "policy", "rollout", "run_layout",
             "sandbox", "settings", "tracking", "train"},
     "__main__": {"credit", "evaluate", "export", "lora", "models", "plan", "preflight", "render", "resume",
                  "run_layout", "settings", "sft", "shutdown", "train", "trajectory"},

@@ -9,6 +9,7 @@ import torch
 
 from lightning_agentrl.batching import micro_batches
 from lightning_agentrl.module import AgentRLModule
+from lightning_agentrl.policy import hidden_states
 from lightning_agentrl.settings import load_settings
 from lightning_agentrl.trajectory import Segment, TerminationReason, Trajectory, Turn, pack
 
@@ -154,7 +155,7 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, base, att
     module.configure_model()
     module.policy.eval()
     with torch.no_grad():
-        packed = module.hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
+        packed = hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
         for segment in batch.segment_ids.unique().tolist():
             where = batch.segment_ids == segment
             alone = module.policy.get_decoder()(input_ids=batch.input_ids[where][None]).last_hidden_state[0]
