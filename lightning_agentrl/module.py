@@ -37,9 +37,9 @@ import torch
 from typing_extensions import override
 
 from lightning_agentrl import batching
-from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
+from lightning_agentrl.critic import Critic, OldValues
 from lightning_agentrl.distributed import global_max, global_sum, world_size
 from lightning_agentrl.envs.registry import settings_env_class
 from lightning_agentrl.policy import (
@@ -433,11 +433,9 @@ class AgentRLModule(L.LightningModule):
         Every rank runs the same number of forwards (ZeRO-3 gathers the weights in each)."""
         n = batch.num_tokens
         prepared.proximal = torch.full((n,), float("nan"), device=batch.input_ids.device)
-        token_level = self.settings.algorithm.gae_level == "token"
-        if self.value_head is not None:
-            prepared.old_values = (torch.full((n,), float("nan"), device=batch.input_ids.device) if token_level
-                                   else torch.zeros(batch.turn_episode.numel(), device=batch.input_ids.device))
-            prepared.old_bootstrap = torch.zeros(batch.num_episodes, device=batch.input_ids.device)
+        critic = self.critic
+        if critic is not None:
+            prepared.old = critic.empty_old_values(batch)
         micro = batching.micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
         for index in range(int(global_max(len(micro)))):
             if index >= len(micro):
@@ -450,14 +448,8 @@ class AgentRLModule(L.LightningModule):
             if targets_at.numel():
                 logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
                 prepared.proximal[sl.start + targets_at] = logprobs.float()
-            if self.value_head is not None:
-                turns, episodes = batching.turns_and_episodes(batch, sl)
-                hidden = self._value_hidden(batch, sl, hidden)
-                if token_level:
-                    prepared.old_values[sl.start + targets_at] = self._token_values(hidden, targets_at)
-                else:
-                    prepared.old_values[turns] = self._turn_values(batch, sl, hidden, turns)
-                prepared.old_bootstrap[episodes] = self._bootstrap_values(batch, sl, hidden, episodes)
+            if critic is not None:
+                critic.record_old(prepared.old, batch, sl, hidden, targets_at)
 
     def accumulate_gradients(
         self, batch: RolloutBatch, *, prepared: _Prepared | None = None, span: slice | None = None
@@ -517,16 +509,12 @@ class AgentRLModule(L.LightningModule):
         dense_lp = batching.dense(logprobs, targets_at, mask)
 
         micro_adv = prepared.token_adv[sl] if prepared.token_adv is not None else None
-        value_loss = None
-        if self.value_head is not None:
-            steps = num_tokens if self.settings.algorithm.gae_level == "token" else num_turns_kept
-            started = time.perf_counter()
-            value_hidden = self._value_hidden(batch, sl, hidden)
-            if value_hidden is not hidden:
-                totals.critic_forward_s += time.perf_counter() - started
-            value_loss, micro_adv_gae = self._critic(batch, sl, value_hidden, mask, prepared, steps, totals)
+        value_loss, critic = None, self.critic
+        if critic is not None:
+            value_loss, critic_adv = critic.micro_batch(batch, sl, hidden, mask, totals, old=prepared.old,
+                                                        num_tokens=num_tokens, num_turns_kept=num_turns_kept)
             if micro_adv is None:
-                micro_adv = micro_adv_gae
+                micro_adv = critic_adv
         assert micro_adv is not None
 
         behavior = batch.behavior_logprobs[sl]
@@ -565,6 +553,14 @@ class AgentRLModule(L.LightningModule):
                                              mode=fn.importance_mode, cap=fn.importance_cap, lower=fn.importance_floor)
 
     @property
+    def critic(self) -> Critic | None:
+        """The value head's computations (lightning_agentrl/critic.py); None without ``model.value_head``."""
+        if self.value_head is None:
+            return None
+        s = self.settings
+        return Critic(self.value_head, self.policy, s.algorithm, bootstraps_truncations=s.rollout.bootstraps_truncations)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the loss has a KL term against a frozen reference (``algorithm.kl_coef > 0``)."""
         return self.settings.algorithm.kl_coef > 0
@@ -599,116 +595,15 @@ class AgentRLModule(L.LightningModule):
         hidden = hidden_states(self.policy, input_ids, position_ids, segment_ids)
         logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, torch.arange(1, n, device=hidden.device))
         loss = logprobs.sum() + hidden.sum()
-        if self.value_head is not None:
-            loss = loss + self.value_head(hidden).sum()
-        # a real micro-batch runs the trunk again for these (ZeRO-3 gathers the weights in each forward)
-        if self.settings.algorithm.privileged_critic:
-            with torch.no_grad():
-                hidden_states(self.policy, input_ids, position_ids, segment_ids)
+        critic = self.critic
+        if critic is not None:
+            loss = loss + critic.zero_loss(hidden, input_ids, position_ids, segment_ids)
         if self.uses_reference:
             with torch.no_grad(), self._reference_model() as reference:
                 ref_hidden = hidden_states(reference, input_ids, position_ids, segment_ids)
                 self.token_logprobs_at(reference, ref_hidden, input_ids, torch.arange(1, n, device=hidden.device))
         return loss * 0.0
 
-    def _turn_values(self, batch: RolloutBatch, sl: slice, hidden, turns) -> torch.Tensor:
-        """V of each turn: the value head at the token just before its action (the state it starts from)."""
-        return self.value_head(hidden[batch.turn_starts[turns] - sl.start - 1]).squeeze(-1).float()
-
-    def _bootstrap_values(self, batch: RolloutBatch, sl: slice, hidden, episodes) -> torch.Tensor:
-        """V at each episode's last token: what a truncated episode's return bootstraps from."""
-        return self.value_head(hidden[batch.episode_last[episodes] - sl.start]).squeeze(-1).float().detach()
-
-    def _value_hidden(self, batch: RolloutBatch, sl: slice, hidden: torch.Tensor) -> torch.Tensor:
-        """The hidden states the value head reads for micro-batch ``sl`` [n, H], row t for the policy's token t:
-        the policy's own, or with ``algorithm.privileged_critic`` those of a second forward of the trunk over the
-        critic's stream (each segment after its episode's critic context), so the context reaches the critic's
-        gradient and never the policy's log-probs. The second forward runs for every micro-batch, context or not
-        (under ZeRO-3 every rank must run as many forwards)."""
-        if not self.settings.algorithm.privileged_critic:
-            return hidden
-        # Without gradients into the trunk: the trunk is the policy, and a value loss back-propagated through
-        # states that saw the hidden tests would teach the policy's weights what the policy must not know. The
-        # privileged critic is the value head on these states (a second critic model is the way to more).
-        with torch.no_grad():
-            if batch.critic_input_ids is None:  # no episode of the batch has a context: the same stream again
-                return hidden_states(self.policy, batch.input_ids[sl], batch.position_ids[sl],
-                                          batch.segment_ids[sl])
-            start = int(batch.critic_segment_start[batch.segment_ids[sl.start]])
-            stop = int(batch.critic_index[sl.stop - 1]) + 1
-            critic = slice(start, stop)
-            critic_hidden = hidden_states(self.policy, batch.critic_input_ids[critic],
-                                               batch.critic_position_ids[critic], batch.critic_segment_ids[critic])
-            return critic_hidden[batch.critic_index[sl] - start]
-
-    def _token_values(self, hidden, targets_at) -> torch.Tensor:
-        """V before each trained token: the value head at the position that predicts it (the state it is sampled from)."""
-        return self.value_head(hidden[targets_at - 1]).squeeze(-1).float()
-
-    def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, prepared: _Prepared, denominator: float,
-                totals: StepTotals):
-        """Value loss and (for ``gae``) token advantages of the episodes in micro-batch ``sl``.
-
-        The critic's steps are the turns (``algorithm.gae_level: turn``) or the trained tokens (``token``);
-        ``denominator`` is the mini-batch's count of them (kept turns, or trained tokens). GAE and the value
-        clip use the old values: recorded before the step's first update, or (one update per step) the
-        current ones, detached. A truncated episode bootstraps from V at its last token when
-        ``rollout.truncation`` is ``bootstrap``. A segment boundary is not an end: the steps of all segments
-        of an episode form one chain.
-        """
-        a = self.settings.algorithm
-        turns, episodes = batching.turns_and_episodes(batch, sl)
-        first = int(batch.episode_ids[sl.start])
-        if a.gae_level == "token":
-            targets_at = batching.targets_at(mask)
-            values = self._token_values(hidden, targets_at)
-            old_values = (prepared.old_values[sl.start + targets_at] if prepared.old_values is not None
-                          else values.detach())
-            step_traj = batch.episode_ids[sl][targets_at] - first
-            rewards = adv.turn_end_rewards(batch.turn_rewards, batch.token_turn[sl][targets_at])
-            keep = torch.ones_like(values)  # the trained tokens are those of included episodes
-        else:
-            values = self._turn_values(batch, sl, hidden, turns)
-            old_values = prepared.old_values[turns] if prepared.old_values is not None else values.detach()
-            step_traj, rewards = batch.turn_episode[turns] - first, batch.turn_rewards[turns]
-            keep = batch.include[batch.turn_episode[turns]].to(values.dtype)
-        truncated = torch.tensor(
-            [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
-        )
-        bootstrap = None
-        if self.settings.rollout.bootstraps_truncations:
-            bootstrap = (prepared.old_bootstrap[episodes] if prepared.old_bootstrap is not None
-                         else self._bootstrap_values(batch, sl, hidden, episodes))
-        gae = adv.token_gae if a.gae_level == "token" else adv.gae
-        step_adv, returns = gae(
-            rewards, old_values, step_traj, a.gamma, a.gae_lambda,
-            bootstrap_values=bootstrap, truncated=truncated if bootstrap is not None else None,
-        )
-        value_loss = self._value_loss(values, old_values, returns, keep, denominator, totals)
-        if a.gae_level == "token":
-            return value_loss, batching.dense(step_adv.to(values.dtype), targets_at, mask)
-        if turns.numel() == 0:
-            return value_loss, torch.zeros_like(mask)
-        # turn indices of this micro-batch, counted from its first turn
-        token_turn = self._token_turn(batch)[sl]
-        local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
-        return value_loss, adv.expand_to_tokens(step_adv.to(values.dtype), local_turn, mask)
-
-    def _value_loss(self, values, old_values, returns, keep, denominator: float, totals: StepTotals) -> torch.Tensor:
-        """The clipped value loss of a micro-batch's kept steps, scaled to the mini-batch's ``denominator``
-        steps; its metrics go to ``totals`` weighted by the kept steps."""
-        value_loss, value_metrics = losses.value_loss(values, old_values, returns, keep,
-                                                      clip=self.settings.algorithm.value_clip)
-        num_kept = float(keep.sum())
-        value_loss = value_loss * num_kept / max(denominator, 1.0)  # a mean over this micro-batch's steps
-        totals.add("loss/value", float(value_loss.detach()))
-        for key, value in value_metrics.items():
-            if key != "loss/value":
-                totals.add(key, float(value) * num_kept)
-        totals.add("value_weight", num_kept)
-        totals.values.append(old_values[keep > 0])
-        totals.returns.append(returns[keep > 0])
-        return value_loss
 
 
 @dataclass
@@ -719,8 +614,7 @@ class _Prepared:
     token_adv: torch.Tensor | None  # [N]; None for gae (from the critic, per micro-batch)
     log: dict
     proximal: torch.Tensor | None = None  # [N] log-probs before the first update; NaN where no loss
-    old_values: torch.Tensor | None = None  # critic values before the first update: [K] per turn, or [N] per token
-    old_bootstrap: torch.Tensor | None = None  # [B] V at each episode's last token, before the first update
+    old: OldValues | None = None  # the critic's values before the first update
     signal: bool = True  # some trainable token has a nonzero advantage (any rank)
     zero_gradient: bool = False  # no signal and no other loss term: the updates skip the forward/backward
 

@@ -42,6 +42,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "policy": {"algorithms", "lora", "models", "settings"},
     "distributed": {"sandbox_checks", "settings"},
     "step_metrics": {"algorithms", "distributed"},
+    "critic": {"algorithms", "batching", "policy"},
     # rollout, and what watches it
     "rollout": {"algorithms", "envs", "lora", "models", "settings", "trajectory"},
     "experiments": {"rollout"},
@@ -51,8 +52,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
-    "module": {"algorithms", "batching", "distributed", "envs", "lora", "policy", "settings", "shutdown", "step_metrics",
-               "strategies", "trajectory"},
+    "module": {"algorithms", "batching", "critic", "distributed", "envs", "lora", "policy", "settings", "shutdown",
+               "step_metrics", "strategies", "trajectory"},
     # what the composition root builds with
     "preflight": {"envs", "lora", "models", "rollout", "run_layout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},
