@@ -42,6 +42,7 @@ from lightning_agentrl.algorithms.estimators import ESTIMATORS
 from lightning_agentrl.critic import Critic, OldValues
 from lightning_agentrl.distributed import global_max, global_sum, world_size
 from lightning_agentrl.envs.registry import settings_env_class
+from lightning_agentrl.lora import base_fingerprint, check_lora_checkpoint, keep_adapters
 from lightning_agentrl.policy import (
     OutputLogprobs,
     hidden_states,
@@ -124,16 +125,10 @@ class AgentRLModule(L.LightningModule):
         }
 
         if self.settings.model.lora:  # the frozen base comes from model.path, not from the checkpoint
-            from lightning_agentrl.lora import trainable_names
-
-            keep = trainable_names(self)
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
-            checkpoint["lora_base_fingerprint"] = self._base_fingerprint()
+            keep_adapters(checkpoint, self, self._base_fingerprint())
 
     def _base_fingerprint(self) -> str:
         """The base's fingerprint (lightning_agentrl/lora.py), taken once: it reads ~1 MiB per weight file."""
-        from lightning_agentrl.lora import base_fingerprint
-
         if self._fingerprint is None:
             self._fingerprint = base_fingerprint(self.model_path)
         return self._fingerprint
@@ -145,7 +140,7 @@ class AgentRLModule(L.LightningModule):
         import numpy as np
 
         if self.settings.model.lora:
-            self._check_lora_checkpoint(checkpoint)
+            check_lora_checkpoint(checkpoint, self, self.model_path)
 
         state = checkpoint.get("rng")
         if state is None:
@@ -154,24 +149,6 @@ class AgentRLModule(L.LightningModule):
         random.setstate(state["python"])
         kind, keys, position, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
-
-    def _check_lora_checkpoint(self, checkpoint: dict) -> None:
-        """A LoRA checkpoint's adapters belong to this base, and it holds every trainable tensor (loading is not
-        strict: the frozen base is not in it)."""
-        from lightning_agentrl.lora import check_base_fingerprint, trainable_names
-        from lightning_agentrl.settings import SettingsError
-
-        trained_from = checkpoint.get("hyper_parameters", {}).get("model_path")
-        if trained_from != self.model_path:
-            raise SettingsError(f"model.path: the checkpoint's LoRA adapters were trained on {trained_from}, this run "
-                                f"loads {self.model_path}; resume with the same model.path")
-        check_base_fingerprint(checkpoint, self.model_path)
-        if "state_dict" not in checkpoint:  # DeepSpeed: its engine loaded the adapters, non-strictly
-            return
-        missing = sorted(trainable_names(self) - set(checkpoint["state_dict"]))
-        if missing:
-            raise SettingsError(f"model.lora_rank: the checkpoint lacks {len(missing)} trainable tensors of this run "
-                                f"({missing[0]}, ...): it was written with other LoRA settings, or without LoRA")
 
     @override
     def on_train_start(self) -> None:
