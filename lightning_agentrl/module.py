@@ -23,6 +23,11 @@ are logged as ``train/optimizer_updates``.
 Log-probs are computed on packed sequences (positions restart per segment, each segment
 attending only to itself) and only at positions that carry a loss, chunk by chunk, so the
 [tokens, vocab] logits are never materialized for the whole batch.
+
+This module is the step's outline and the Lightning hooks; the parts live beside it: the forward
+passes in ``policy.py``, the value head's arithmetic in ``critic.py``, the index arithmetic of
+mini- and micro-batches in ``batching.py``, the step's metrics in ``step_metrics.py``, and the
+loss itself in ``algorithms/``.
 """
 
 from __future__ import annotations
