@@ -30,6 +30,18 @@ if TYPE_CHECKING:
     from lightning_agentrl.trajectory import RolloutBatch
 
 
+def new_value_head(policy: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Linear:
+    """The critic's head on the policy's last hidden state, [H] -> 1, starting at V = 0 (SPEC §3)."""
+    from lightning_agentrl.strategies import gathered_parameters
+
+    head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=dtype)
+    # under ZeRO-3 the head is partitioned as it is made: zeros written into its shards alone are lost
+    with torch.no_grad(), gathered_parameters(list(head.parameters()), writable=True):
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+    return head
+
+
 @dataclass
 class OldValues:
     """The critic's outputs before a step's first update, recorded without gradients (several updates per step)."""

@@ -32,7 +32,6 @@ loss itself in ``algorithms/``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -44,15 +43,16 @@ from typing_extensions import override
 from lightning_agentrl import batching
 from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
-from lightning_agentrl.critic import Critic, OldValues
+from lightning_agentrl.critic import Critic, OldValues, new_value_head
 from lightning_agentrl.distributed import global_max, global_sum, world_size
 from lightning_agentrl.envs.registry import settings_env_class
 from lightning_agentrl.lora import base_fingerprint, check_lora_checkpoint, keep_adapters
 from lightning_agentrl.policy import (
     OutputLogprobs,
     hidden_states,
+    kl_reference,
     load_policy,
-    pretrained_kwargs,
+    load_reference,
     token_logprobs_at,
     zero3_loading_context,
 )
@@ -93,24 +93,12 @@ class AgentRLModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import AutoModelForCausalLM
-
-        dtype = getattr(torch, self.settings.model.dtype)
         zero3 = zero3_loading_context(self._trainer)  # noqa: F841 - alive while the models load
         self.policy = load_policy(self.model_path, self.settings.model, seed=self.settings.run.seed)
         if self.settings.model.value_head:
-            # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
-            self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1, dtype=dtype)
-            from lightning_agentrl.strategies import gathered_parameters
-
-            # under ZeRO-3 the head is partitioned as it is made: zeros written into its shards alone are lost
-            with torch.no_grad(), gathered_parameters(list(self.value_head.parameters()), writable=True):
-                torch.nn.init.zeros_(self.value_head.weight)
-                torch.nn.init.zeros_(self.value_head.bias)
+            self.value_head = new_value_head(self.policy, getattr(torch, self.settings.model.dtype))
         if self.settings.algorithm.kl_coef > 0 and not self.settings.model.lora:  # LoRA: the base, adapters off
-            self.reference = AutoModelForCausalLM.from_pretrained(
-                self.model_path, **pretrained_kwargs(self.settings.model)).eval()
-            self.reference.requires_grad_(False)
+            self.reference = load_reference(self.model_path, self.settings.model)
         self.policy_logprobs = OutputLogprobs(self.policy)
         self.reference_logprobs = OutputLogprobs(self.reference) if self.reference is not None else None
 
@@ -547,20 +535,10 @@ class AgentRLModule(L.LightningModule):
         """Whether the loss has a KL term against a frozen reference (``algorithm.kl_coef > 0``)."""
         return self.settings.algorithm.kl_coef > 0
 
-    @contextlib.contextmanager
-    def _reference_model(self):
-        """The KL reference: its own frozen copy, or under LoRA the policy with its adapters disabled (the
-        base itself: no second copy of the weights)."""
-        if self.reference is not None:
-            yield self.reference
-            return
-        with self.policy.disable_adapter():
-            yield self.policy
-
     def _reference_logprobs(self, batch: RolloutBatch, sl: slice, targets_at, mask) -> torch.Tensor:
         """The frozen reference policy's log-probs of micro-batch ``sl``'s targets, dense like ``mask``."""
         input_ids = batch.input_ids[sl]
-        with torch.no_grad(), self._reference_model() as reference:
+        with torch.no_grad(), kl_reference(self.policy, self.reference) as reference:
             ref_hidden = hidden_states(reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
             ref_lp, _ = self.token_logprobs_at(reference, ref_hidden, input_ids, targets_at)
         return batching.dense(ref_lp, targets_at, mask)
@@ -581,7 +559,7 @@ class AgentRLModule(L.LightningModule):
         if critic is not None:
             loss = loss + critic.zero_loss(hidden, input_ids, position_ids, segment_ids)
         if self.uses_reference:
-            with torch.no_grad(), self._reference_model() as reference:
+            with torch.no_grad(), kl_reference(self.policy, self.reference) as reference:
                 ref_hidden = hidden_states(reference, input_ids, position_ids, segment_ids)
                 self.token_logprobs_at(reference, ref_hidden, input_ids, torch.arange(1, n, device=hidden.device))
         return loss * 0.0

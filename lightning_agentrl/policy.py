@@ -9,6 +9,8 @@ carry a loss, chunk by chunk, so the ``[n, vocab]`` logits are never materialize
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from lightning_agentrl.algorithms.logprobs import token_logprobs
@@ -39,6 +41,26 @@ def load_policy(model_path: str, model: ModelSettings, *, seed: int | None):
 
         policy = apply_lora(policy, model, seed=seed)  # freezes the base
     return policy.train()
+
+
+def load_reference(model_path: str, model: ModelSettings):
+    """The KL reference as a frozen copy: ``model_path`` in ``model.dtype``, eval mode, no gradients."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_path, **pretrained_kwargs(model)).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+@contextlib.contextmanager
+def kl_reference(policy, reference):
+    """The KL reference: its own frozen copy ``reference``, or (None, under LoRA) the policy with its adapters
+    disabled (the base itself: no second copy of the weights)."""
+    if reference is not None:
+        yield reference
+        return
+    with policy.disable_adapter():
+        yield policy
 
 
 def zero3_loading_context(trainer):
