@@ -196,10 +196,8 @@ class AgentRLModule(L.LightningModule):
         leave the baseline). None for ``gae``, which is computed per micro-batch from the critic."""
         a = self.settings.algorithm
         similarity = settings_env_class(self.settings.env).state_similarity  # the environment's own, or None
-        return ESTIMATORS[a.advantage](batch, train_mask, self._token_turn(batch), a, similarity)
-
-    def _token_turn(self, batch: RolloutBatch) -> torch.Tensor:
-        return batching.token_turns(batch, loss_mask=self.settings.algorithm.loss_mask)
+        token_turn = batching.token_turns(batch, loss_mask=a.loss_mask)
+        return ESTIMATORS[a.advantage](batch, train_mask, token_turn, a, similarity)
 
     def train_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """Where the loss goes: the action tokens; with ``loss_mask: false`` (an ablation) also the
@@ -207,7 +205,6 @@ class AgentRLModule(L.LightningModule):
         return batching.loss_region(batch, loss_mask=self.settings.algorithm.loss_mask)
 
     # -- forward -----------------------------------------------------------------------------
-
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of ``input_ids[targets_at]`` under ``model`` (the policy or the reference)."""
         head = self.policy_logprobs if model is self.policy else self.reference_logprobs
