@@ -53,6 +53,25 @@ def micro_batches(seq_ids: torch.Tensor, max_tokens: int) -> list[slice]:
     return slices
 
 
+def trained_micro_batches(batch: RolloutBatch, train_mask: torch.Tensor, span: slice, max_tokens: int) -> list[slice]:
+    """The :func:`micro_batches` of mini-batch ``span`` (token slices of the batch) that hold a trained token
+    (``train_mask`` [N] past a micro-batch's first token, which nothing predicts)."""
+    return [
+        slice(span.start + sl.start, span.start + sl.stop)
+        for sl in micro_batches(batch.episode_ids[span], max_tokens)
+        if bool((train_mask[span][sl][1:] > 0).any())
+    ]
+
+
+def span_counts(batch: RolloutBatch, train_mask: torch.Tensor, span: slice) -> tuple[float, float, float]:
+    """This rank's share of mini-batch ``span``'s loss denominators: trained tokens (``train_mask`` [N]),
+    included episodes, and the included episodes' turns."""
+    first, last = int(batch.episode_ids[span.start]), int(batch.episode_ids[span.stop - 1])
+    in_span = (batch.turn_episode >= first) & (batch.turn_episode <= last)
+    num_turns = float(batch.include[batch.turn_episode[in_span]].sum()) if in_span.any() else 0.0
+    return float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns
+
+
 def loss_region(batch: RolloutBatch, *, loss_mask: bool) -> torch.Tensor:
     """Where the loss goes [N], 0 or 1: the action tokens of included episodes; without ``loss_mask`` (an
     ablation) also the observations and scaffolding after the first action of each segment."""

@@ -371,8 +371,8 @@ class AgentRLModule(L.LightningModule):
         backward, like every rank's) gives the optimizer the zero gradient it would have got. The entropy and
         the train/inference mismatch are measured on the first micro-batch alone, without gradients."""
         totals = StepTotals()
-        micro = [sl for sl in batching.micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
-                 if bool((prepared.train_mask[sl][1:] > 0).any())]
+        micro = batching.trained_micro_batches(batch, prepared.train_mask, slice(0, batch.num_tokens),
+                                               self.settings.trainer.micro_batch_tokens)
         with torch.no_grad():  # one forward on every rank (ZeRO-3 gathers the weights in each)
             if micro:
                 self._sample_diagnostics(batch, micro[0], prepared.train_mask[micro[0]], totals)
@@ -433,20 +433,10 @@ class AgentRLModule(L.LightningModule):
         if prepared is None:
             prepared = self.prepare(batch, self.train_mask(batch), record_old=False)
         span = span if span is not None else slice(0, batch.num_tokens)
-        train_mask = prepared.train_mask
-        first, last = int(batch.episode_ids[span.start]), int(batch.episode_ids[span.stop - 1])
-        in_span = (batch.turn_episode >= first) & (batch.turn_episode <= last)
-        num_turns_local = float(batch.include[batch.turn_episode[in_span]].sum()) if in_span.any() else 0.0
-        num_tokens, num_seqs, num_turns_kept = global_sum(
-            float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns_local
-        )
+        num_tokens, num_seqs, num_turns_kept = global_sum(*batching.span_counts(batch, prepared.train_mask, span))
         fn = self.loss_fn  # under `none` the metrics describe the weights as measured, none truncated
         totals = StepTotals(None if fn.importance_mode == "none" else fn.importance_cap)
-        micro = [
-            slice(span.start + sl.start, span.start + sl.stop)
-            for sl in batching.micro_batches(batch.episode_ids[span], self.settings.trainer.micro_batch_tokens)
-            if bool((train_mask[span][sl][1:] > 0).any())
-        ]
+        micro = batching.trained_micro_batches(batch, prepared.train_mask, span, self.settings.trainer.micro_batch_tokens)
         num_micro = int(global_max(len(micro)))
         for index in range(num_micro):
             is_last = index == num_micro - 1
