@@ -175,10 +175,12 @@ def forward_cpu_seconds(module, batch) -> float:
     """CPU seconds of the policy's forward pass over the batch (hidden states and log-probs), without gradients."""
     import torch
 
+    from lightning_agentrl.policy import hidden_states
+
     started = time.process_time()
     with torch.no_grad():
         targets_at = torch.nonzero(batch.loss_mask[1:] > 0).squeeze(-1) + 1
-        hidden = module.hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
+        hidden = hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
         module.token_logprobs_at(module.policy, hidden, batch.input_ids, targets_at)
     return time.process_time() - started
 

@@ -9,8 +9,8 @@ sequences and the same loss (the sum of every token's log-prob, through the pack
 ``token_logprobs``):
 
 - packed: the package's own path, the sequences concatenated and cut into micro-batches of whole
-  sequences of about ``--micro-batch-tokens`` (``trainer.micro_batch_tokens``, the module's
-  ``_micro_batches``), each run by ``packed_hidden_states`` (length buckets, no ``[n, n]`` mask);
+  sequences of about ``--micro-batch-tokens`` (``trainer.micro_batch_tokens``,
+  ``batching.micro_batches``), each run by ``packed_hidden_states`` (length buckets, no ``[n, n]`` mask);
 - padded: the usual padded batch, micro-batches of ``--rows`` sequences in the batch's order, each
   right-padded to its longest sequence with an attention mask (log-probs at the padding too,
   masked out of the loss).
@@ -74,13 +74,13 @@ def logprob_sum(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def packed_pass(model, seqs: list[torch.Tensor], micro_batch_tokens: int) -> None:
+    from lightning_agentrl.batching import micro_batches
     from lightning_agentrl.models.packed import packed_hidden_states
-    from lightning_agentrl.module import _micro_batches
 
     ids = torch.cat(seqs)
     seq_ids = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
     positions = torch.cat([torch.arange(len(s)) for s in seqs])
-    for sl in _micro_batches(seq_ids, micro_batch_tokens):
+    for sl in micro_batches(seq_ids, micro_batch_tokens):
         hidden = packed_hidden_states(model.get_decoder(), ids[sl], positions[sl], seq_ids[sl])
         same = seq_ids[sl][1:] == seq_ids[sl][:-1]  # hidden[t] predicts token t+1 of the same sequence
         logprobs = logprob_sum(model, hidden[:-1], ids[sl][1:])
@@ -106,12 +106,12 @@ def padded_pass(model, seqs: list[torch.Tensor], rows: int) -> int:
 
 def packed_calls(lengths: list[int], args: argparse.Namespace) -> int:
     """Decoder calls of one packed pass: one per length bucket of each micro-batch."""
+    from lightning_agentrl.batching import micro_batches
     from lightning_agentrl.models.packed import length_buckets
-    from lightning_agentrl.module import _micro_batches
 
     seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     return sum(len(length_buckets(lengths[int(seq_ids[sl][0]) : int(seq_ids[sl][-1]) + 1], sl.stop - sl.start))
-               for sl in _micro_batches(seq_ids, args.micro_batch_tokens))
+               for sl in micro_batches(seq_ids, args.micro_batch_tokens))
 
 
 def best_seconds(fn, repeats: int) -> float:

@@ -19,7 +19,7 @@ The runs' micro-batches hold a few hundred tokens, too few for attention to show
 pack's cost is the layers' matrix products, linear in tokens, and even attention over the whole pack
 (an ``[n, n]`` mask) grows with an exponent near 1. So the train phase is also timed on its own, at
 the lengths where attention dominates: the training step's decoder forward + backward
-(``AgentRLModule.hidden_states``, the path ``training_step`` takes) on packs of ``--pack-tokens``
+(``policy.hidden_states``, the path ``training_step`` takes) on packs of ``--pack-tokens``
 tokens (1k to 4k by default) made of ``--segment-tokens``-token sequences, best of 3, in this
 process with one torch thread (a growth exponent needs no parallelism, and on a shared machine two
 threads made it swing from 0.7 to 1.4 where one thread repeats within 0.05). Each sequence attends only to itself, so the cost should be
@@ -109,6 +109,7 @@ def pack_timings(args: argparse.Namespace) -> list[dict]:
     from lightning_agentrl.models.packed import block_mask_hidden_states
     from lightning_agentrl.models.tiny import build_tiny_model
     from lightning_agentrl.module import AgentRLModule
+    from lightning_agentrl.policy import hidden_states
     from lightning_agentrl.settings import load_settings
 
     torch.set_num_threads(1)
@@ -116,7 +117,7 @@ def pack_timings(args: argparse.Namespace) -> list[dict]:
     module = AgentRLModule(settings, str(build_tiny_model(CACHE_DIR)))
     module.configure_model()
     policy, length = module.policy, args.segment_tokens
-    paths = {"train_s": lambda *pack: module.hidden_states(policy, *pack),
+    paths = {"train_s": lambda *pack: hidden_states(policy, *pack),
              "block_mask_s": lambda *pack: block_mask_hidden_states(policy.get_decoder(), *pack)}
     rows = []
     for n in args.packs:

@@ -238,6 +238,29 @@ def check_base_fingerprint(checkpoint: dict, model_path: str | Path, setting: st
         )
 
 
+def keep_adapters(checkpoint: dict, module: torch.nn.Module, fingerprint: str) -> None:
+    """Reduces a Lightning checkpoint of ``module`` to what a LoRA run's holds: the trainable tensors, and the
+    base's ``fingerprint`` (:func:`base_fingerprint`); the frozen base comes from ``model.path``."""
+    keep = trainable_names(module)
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+    checkpoint["lora_base_fingerprint"] = fingerprint
+
+
+def check_lora_checkpoint(checkpoint: dict, module: torch.nn.Module, model_path: str) -> None:
+    """A LoRA checkpoint's adapters belong to the base at ``model_path``, and it holds every trainable tensor of
+    ``module`` (loading is not strict: the frozen base is not in it)."""
+    trained_from = checkpoint.get("hyper_parameters", {}).get("model_path")
+    if trained_from != model_path:
+        raise SettingsError(f"model.path: the checkpoint's LoRA adapters were trained on {trained_from}, this run "
+                            f"loads {model_path}; resume with the same model.path")
+    check_base_fingerprint(checkpoint, model_path)
+    if "state_dict" not in checkpoint:  # DeepSpeed: its engine loaded the adapters, non-strictly
+        return
+    missing = sorted(trainable_names(module) - set(checkpoint["state_dict"]))
+    if missing:
+        raise SettingsError(f"model.lora_rank: the checkpoint lacks {len(missing)} trainable tensors of this run "
+                            f"({missing[0]}, ...): it was written with other LoRA settings, or without LoRA")
+
 def zero_adapters(model: ModelSettings, model_path: str) -> list[tuple[str, torch.Tensor]]:
     """The adapters ``model.lora_*`` puts on ``model_path``, all zeros, under the HF names a weight sync sends
     (``...q_proj.lora_A.default.weight``, A [r, k], B [d, r]); shapes from a meta-device copy built from

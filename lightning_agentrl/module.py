@@ -23,12 +23,15 @@ are logged as ``train/optimizer_updates``.
 Log-probs are computed on packed sequences (positions restart per segment, each segment
 attending only to itself) and only at positions that carry a loss, chunk by chunk, so the
 [tokens, vocab] logits are never materialized for the whole batch.
+
+This module is the step's outline and the Lightning hooks; the parts live beside it: the forward
+passes in ``policy.py``, the value head's arithmetic in ``critic.py``, the index arithmetic of
+mini- and micro-batches in ``batching.py``, the step's metrics in ``step_metrics.py``, and the
+loss itself in ``algorithms/``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -37,41 +40,26 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_agentrl.algorithms import advantages as adv
+from lightning_agentrl import batching
 from lightning_agentrl.algorithms import importance, losses
 from lightning_agentrl.algorithms.estimators import ESTIMATORS
-from lightning_agentrl.algorithms.logprobs import token_logprobs
-from lightning_agentrl.distributed import all_gather, global_max, global_sum, reduce_metrics, world_size
+from lightning_agentrl.critic import Critic, OldValues, new_value_head
+from lightning_agentrl.distributed import global_max, global_sum, world_size
 from lightning_agentrl.envs.registry import settings_env_class
-from lightning_agentrl.models.packed import block_mask_hidden_states, packed_hidden_states
-from lightning_agentrl.settings import ModelSettings, Settings
+from lightning_agentrl.lora import base_fingerprint, check_lora_checkpoint, keep_adapters
+from lightning_agentrl.policy import (
+    OutputLogprobs,
+    hidden_states,
+    kl_reference,
+    load_policy,
+    load_reference,
+    token_logprobs_at,
+    zero3_loading_context,
+)
+from lightning_agentrl.settings import Settings
 from lightning_agentrl.shutdown import RunStopped
+from lightning_agentrl.step_metrics import StepTotals, mean_over_updates
 from lightning_agentrl.trajectory import RolloutBatch
-
-
-def pretrained_kwargs(model: ModelSettings) -> dict:
-    """``from_pretrained`` arguments from ``model.dtype`` and ``model.attn_implementation``."""
-    kwargs = {"dtype": getattr(torch, model.dtype)}
-    if model.attn_implementation:
-        kwargs["attn_implementation"] = model.attn_implementation
-    return kwargs
-
-
-def load_policy(model_path: str, model: ModelSettings, *, seed: int | None):
-    """The trained policy as ``fit`` and ``sft`` load it: ``model_path`` in ``model.dtype``, gradient
-    checkpointing as set, no KV cache (training runs whole sequences), LoRA adapters on a frozen base with
-    ``model.lora_rank``, in training mode (``from_pretrained`` returns eval mode)."""
-    from transformers import AutoModelForCausalLM
-
-    policy = AutoModelForCausalLM.from_pretrained(model_path, **pretrained_kwargs(model))
-    if model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    policy.config.use_cache = False
-    if model.lora:
-        from lightning_agentrl.lora import apply_lora
-
-        policy = apply_lora(policy, model, seed=seed)  # freezes the base
-    return policy.train()
 
 
 class NonFiniteGradient(RunStopped):
@@ -106,24 +94,12 @@ class AgentRLModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import AutoModelForCausalLM
-
-        dtype = getattr(torch, self.settings.model.dtype)
-        zero3 = _zero3_loading_context(self._trainer)  # noqa: F841 - alive while the models load
+        zero3 = zero3_loading_context(self._trainer)  # noqa: F841 - alive while the models load
         self.policy = load_policy(self.model_path, self.settings.model, seed=self.settings.run.seed)
         if self.settings.model.value_head:
-            # Turn-level critic (SPEC §3) on the policy's last hidden state; starts at V = 0.
-            self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1, dtype=dtype)
-            from lightning_agentrl.strategies import gathered_parameters
-
-            # under ZeRO-3 the head is partitioned as it is made: zeros written into its shards alone are lost
-            with torch.no_grad(), gathered_parameters(list(self.value_head.parameters()), writable=True):
-                torch.nn.init.zeros_(self.value_head.weight)
-                torch.nn.init.zeros_(self.value_head.bias)
+            self.value_head = new_value_head(self.policy, getattr(torch, self.settings.model.dtype))
         if self.settings.algorithm.kl_coef > 0 and not self.settings.model.lora:  # LoRA: the base, adapters off
-            self.reference = AutoModelForCausalLM.from_pretrained(
-                self.model_path, **pretrained_kwargs(self.settings.model)).eval()
-            self.reference.requires_grad_(False)
+            self.reference = load_reference(self.model_path, self.settings.model)
         self.policy_logprobs = OutputLogprobs(self.policy)
         self.reference_logprobs = OutputLogprobs(self.reference) if self.reference is not None else None
 
@@ -143,16 +119,10 @@ class AgentRLModule(L.LightningModule):
         }
 
         if self.settings.model.lora:  # the frozen base comes from model.path, not from the checkpoint
-            from lightning_agentrl.lora import trainable_names
-
-            keep = trainable_names(self)
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
-            checkpoint["lora_base_fingerprint"] = self._base_fingerprint()
+            keep_adapters(checkpoint, self, self._base_fingerprint())
 
     def _base_fingerprint(self) -> str:
         """The base's fingerprint (lightning_agentrl/lora.py), taken once: it reads ~1 MiB per weight file."""
-        from lightning_agentrl.lora import base_fingerprint
-
         if self._fingerprint is None:
             self._fingerprint = base_fingerprint(self.model_path)
         return self._fingerprint
@@ -164,7 +134,7 @@ class AgentRLModule(L.LightningModule):
         import numpy as np
 
         if self.settings.model.lora:
-            self._check_lora_checkpoint(checkpoint)
+            check_lora_checkpoint(checkpoint, self, self.model_path)
 
         state = checkpoint.get("rng")
         if state is None:
@@ -173,24 +143,6 @@ class AgentRLModule(L.LightningModule):
         random.setstate(state["python"])
         kind, keys, position, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
-
-    def _check_lora_checkpoint(self, checkpoint: dict) -> None:
-        """A LoRA checkpoint's adapters belong to this base, and it holds every trainable tensor (loading is not
-        strict: the frozen base is not in it)."""
-        from lightning_agentrl.lora import check_base_fingerprint, trainable_names
-        from lightning_agentrl.settings import SettingsError
-
-        trained_from = checkpoint.get("hyper_parameters", {}).get("model_path")
-        if trained_from != self.model_path:
-            raise SettingsError(f"model.path: the checkpoint's LoRA adapters were trained on {trained_from}, this run "
-                                f"loads {self.model_path}; resume with the same model.path")
-        check_base_fingerprint(checkpoint, self.model_path)
-        if "state_dict" not in checkpoint:  # DeepSpeed: its engine loaded the adapters, non-strictly
-            return
-        missing = sorted(trainable_names(self) - set(checkpoint["state_dict"]))
-        if missing:
-            raise SettingsError(f"model.lora_rank: the checkpoint lacks {len(missing)} trainable tensors of this run "
-                                f"({missing[0]}, ...): it was written with other LoRA settings, or without LoRA")
 
     @override
     def on_train_start(self) -> None:
@@ -245,51 +197,20 @@ class AgentRLModule(L.LightningModule):
         leave the baseline). None for ``gae``, which is computed per micro-batch from the critic."""
         a = self.settings.algorithm
         similarity = settings_env_class(self.settings.env).state_similarity  # the environment's own, or None
-        return ESTIMATORS[a.advantage](batch, train_mask, self._token_turn(batch), a, similarity)
-
-    def _token_turn(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.settings.algorithm.loss_mask:
-            return batch.token_turn
-        return _carry_forward(batch.token_turn, batch.segment_ids)  # observations: the turn before
+        token_turn = batching.token_turns(batch, loss_mask=a.loss_mask)
+        return ESTIMATORS[a.advantage](batch, train_mask, token_turn, a, similarity)
 
     def train_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """Where the loss goes: the action tokens; with ``loss_mask: false`` (an ablation) also the
         observations and scaffolding after the first action of each segment."""
-        included = batch.include[batch.episode_ids].to(batch.loss_mask.dtype)
-        if self.settings.algorithm.loss_mask:
-            return batch.loss_mask * included
-        return _after_first(batch.loss_mask, batch.segment_ids) * included
+        return batching.loss_region(batch, loss_mask=self.settings.algorithm.loss_mask)
 
     # -- forward -----------------------------------------------------------------------------
-    def hidden_states(self, model, input_ids, position_ids, segment_ids) -> torch.Tensor:
-        """Last hidden states [n, H] of one packed micro-batch: positions restart per segment and
-        segments never see each other. Varlen flash kernels find the boundaries in the position
-        ids; every other kernel runs the segments as length-bucketed padded batches, so the cost
-        is the sum of squared segment lengths, not the square of the pack's length."""
-        decoder = model.get_decoder()
-        if str(model.config._attn_implementation).startswith("flash_attention"):
-            out = decoder(input_ids=input_ids[None], position_ids=position_ids[None])
-            return out.last_hidden_state[0]
-        if _partitioned(model):
-            # ZeRO-3 gathers each layer's parameters collectively on every forward: every rank must
-            # call the decoder equally often, so one call over the pack (block mask), not a bucket count
-            # that differs by rank
-            return block_mask_hidden_states(decoder, input_ids, position_ids, segment_ids)
-        return packed_hidden_states(decoder, input_ids, position_ids, segment_ids)
-
     def token_logprobs_at(self, model, hidden, input_ids, targets_at) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) of ``input_ids[targets_at]``; ``hidden[t-1]`` predicts token t."""
+        """Log-probs (and entropies) of ``input_ids[targets_at]`` under ``model`` (the policy or the reference)."""
         head = self.policy_logprobs if model is self.policy else self.reference_logprobs
-        e = self.settings.engine
-        filtered = e.filtered_logprobs  # the sampling distribution (algorithms/logprobs.py), or the softmax
-        return head(
-            hidden[targets_at - 1],
-            input_ids[targets_at],
-            temperature=max(e.temperature, 1e-6),
-            top_p=e.top_p if filtered else 1.0,
-            top_k=e.top_k if filtered else 0,
-            chunk_size=self.settings.trainer.logprob_chunk_tokens,
-        )
+        return token_logprobs_at(head, hidden, input_ids, targets_at, engine=self.settings.engine,
+                                 chunk_size=self.settings.trainer.logprob_chunk_tokens)
 
     # -- the step ----------------------------------------------------------------------------
     @property
@@ -299,7 +220,7 @@ class AgentRLModule(L.LightningModule):
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         t = self.settings.trainer
-        spans = _mini_batches(batch, t.mini_batches)
+        spans = batching.mini_batches(batch, t.mini_batches)
         train_mask = self.train_mask(batch)
         span_tokens = global_sum(*(float(train_mask[span].sum()) for span in spans))  # every rank agrees
         self.last_step_skipped = sum(span_tokens) == 0
@@ -321,7 +242,7 @@ class AgentRLModule(L.LightningModule):
             logs.append(log)
         scheduler = self.lr_schedulers()
         scheduler.step()  # once per training step: warmup_steps counts rollout batches
-        log = {**prepared.log, **_mean_over_updates(logs)}
+        log = {**prepared.log, **mean_over_updates(logs)}
         self.importance_measured |= importance.METRIC_KEYS[0] in log
         if self.importance_measured:  # a later step without weights logs NaN, not the last value the logger kept
             log = {**dict.fromkeys(importance.METRIC_KEYS, math.nan), **log}
@@ -453,9 +374,9 @@ class AgentRLModule(L.LightningModule):
         the forward and backward passes over the batch: one zero loss through every parameter (a collective
         backward, like every rank's) gives the optimizer the zero gradient it would have got. The entropy and
         the train/inference mismatch are measured on the first micro-batch alone, without gradients."""
-        totals = _StepTotals()
-        micro = [sl for sl in _micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
-                 if bool((prepared.train_mask[sl][1:] > 0).any())]
+        totals = StepTotals()
+        micro = batching.trained_micro_batches(batch, prepared.train_mask, slice(0, batch.num_tokens),
+                                               self.settings.trainer.micro_batch_tokens)
         with torch.no_grad():  # one forward on every rank (ZeRO-3 gathers the weights in each)
             if micro:
                 self._sample_diagnostics(batch, micro[0], prepared.train_mask[micro[0]], totals)
@@ -464,11 +385,11 @@ class AgentRLModule(L.LightningModule):
         self._backward(self._zero_loss(batch), last=True)
         return {**prepared.log, **totals.reduced(), "loss/total": 0.0, "loss/policy": 0.0}
 
-    def _sample_diagnostics(self, batch: RolloutBatch, sl: slice, mask: torch.Tensor, totals: _StepTotals) -> None:
+    def _sample_diagnostics(self, batch: RolloutBatch, sl: slice, mask: torch.Tensor, totals: StepTotals) -> None:
         """The entropy and the train/inference mismatch of one micro-batch, from a forward without gradients."""
-        targets_at = _targets_at(mask)
+        targets_at = batching.targets_at(mask)
         input_ids = batch.input_ids[sl]
-        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+        hidden = hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
         totals.add("weight", float(targets_at.numel()))
         if entropy is not None:
@@ -483,31 +404,23 @@ class AgentRLModule(L.LightningModule):
         Every rank runs the same number of forwards (ZeRO-3 gathers the weights in each)."""
         n = batch.num_tokens
         prepared.proximal = torch.full((n,), float("nan"), device=batch.input_ids.device)
-        token_level = self.settings.algorithm.gae_level == "token"
-        if self.value_head is not None:
-            prepared.old_values = (torch.full((n,), float("nan"), device=batch.input_ids.device) if token_level
-                                   else torch.zeros(batch.turn_episode.numel(), device=batch.input_ids.device))
-            prepared.old_bootstrap = torch.zeros(batch.num_episodes, device=batch.input_ids.device)
-        micro = _micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
+        critic = self.critic
+        if critic is not None:
+            prepared.old = critic.empty_old_values(batch)
+        micro = batching.micro_batches(batch.episode_ids, self.settings.trainer.micro_batch_tokens)
         for index in range(int(global_max(len(micro)))):
             if index >= len(micro):
                 self._zero_loss(batch)
                 continue
             sl = micro[index]
             input_ids = batch.input_ids[sl]
-            hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
-            targets_at = _targets_at(prepared.train_mask[sl])
+            hidden = hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+            targets_at = batching.targets_at(prepared.train_mask[sl])
             if targets_at.numel():
                 logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
                 prepared.proximal[sl.start + targets_at] = logprobs.float()
-            if self.value_head is not None:
-                turns, episodes = _turns_and_episodes(batch, sl)
-                hidden = self._value_hidden(batch, sl, hidden)
-                if token_level:
-                    prepared.old_values[sl.start + targets_at] = self._token_values(hidden, targets_at)
-                else:
-                    prepared.old_values[turns] = self._turn_values(batch, sl, hidden, turns)
-                prepared.old_bootstrap[episodes] = self._bootstrap_values(batch, sl, hidden, episodes)
+            if critic is not None:
+                critic.record_old(prepared.old, batch, sl, hidden, targets_at)
 
     def accumulate_gradients(
         self, batch: RolloutBatch, *, prepared: _Prepared | None = None, span: slice | None = None
@@ -524,20 +437,10 @@ class AgentRLModule(L.LightningModule):
         if prepared is None:
             prepared = self.prepare(batch, self.train_mask(batch), record_old=False)
         span = span if span is not None else slice(0, batch.num_tokens)
-        train_mask = prepared.train_mask
-        first, last = int(batch.episode_ids[span.start]), int(batch.episode_ids[span.stop - 1])
-        in_span = (batch.turn_episode >= first) & (batch.turn_episode <= last)
-        num_turns_local = float(batch.include[batch.turn_episode[in_span]].sum()) if in_span.any() else 0.0
-        num_tokens, num_seqs, num_turns_kept = global_sum(
-            float(train_mask[span].sum()), float(batch.include[first : last + 1].sum()), num_turns_local
-        )
+        num_tokens, num_seqs, num_turns_kept = global_sum(*batching.span_counts(batch, prepared.train_mask, span))
         fn = self.loss_fn  # under `none` the metrics describe the weights as measured, none truncated
-        totals = _StepTotals(None if fn.importance_mode == "none" else fn.importance_cap)
-        micro = [
-            slice(span.start + sl.start, span.start + sl.stop)
-            for sl in _micro_batches(batch.episode_ids[span], self.settings.trainer.micro_batch_tokens)
-            if bool((train_mask[span][sl][1:] > 0).any())
-        ]
+        totals = StepTotals(None if fn.importance_mode == "none" else fn.importance_cap)
+        micro = batching.trained_micro_batches(batch, prepared.train_mask, span, self.settings.trainer.micro_batch_tokens)
         num_micro = int(global_max(len(micro)))
         for index in range(num_micro):
             is_last = index == num_micro - 1
@@ -554,29 +457,25 @@ class AgentRLModule(L.LightningModule):
         return log
 
     def _micro_loss(
-        self, batch: RolloutBatch, sl: slice, prepared: _Prepared, totals: _StepTotals, *,
+        self, batch: RolloutBatch, sl: slice, prepared: _Prepared, totals: StepTotals, *,
         num_tokens: float, num_seqs: int, num_turns_kept: float,
     ) -> torch.Tensor:
         """The loss of micro-batch ``sl`` with the mini-batch's global denominators; adds its metrics to ``totals``.
         Runs the forward passes (policy, critic, reference); the arithmetic is :class:`losses.MicroBatchLoss`."""
         mask = prepared.train_mask[sl]
-        targets_at = _targets_at(mask)
+        targets_at = batching.targets_at(mask)
         input_ids = batch.input_ids[sl]
-        hidden = self.hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+        hidden = hidden_states(self.policy, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
         logprobs, entropy = self.token_logprobs_at(self.policy, hidden, input_ids, targets_at)
-        dense_lp = _dense(logprobs, targets_at, mask)
+        dense_lp = batching.dense(logprobs, targets_at, mask)
 
         micro_adv = prepared.token_adv[sl] if prepared.token_adv is not None else None
-        value_loss = None
-        if self.value_head is not None:
-            steps = num_tokens if self.settings.algorithm.gae_level == "token" else num_turns_kept
-            started = time.perf_counter()
-            value_hidden = self._value_hidden(batch, sl, hidden)
-            if value_hidden is not hidden:
-                totals.critic_forward_s += time.perf_counter() - started
-            value_loss, micro_adv_gae = self._critic(batch, sl, value_hidden, mask, prepared, steps, totals)
+        value_loss, critic = None, self.critic
+        if critic is not None:
+            value_loss, critic_adv = critic.micro_batch(batch, sl, hidden, mask, totals, old=prepared.old,
+                                                        num_tokens=num_tokens, num_turns_kept=num_turns_kept)
             if micro_adv is None:
-                micro_adv = micro_adv_gae
+                micro_adv = critic_adv
         assert micro_adv is not None
 
         behavior = batch.behavior_logprobs[sl]
@@ -584,7 +483,7 @@ class AgentRLModule(L.LightningModule):
         behavior = torch.where(torch.isnan(behavior), dense_lp.detach(), behavior)
         lag = (self._policy_version() - batch.policy_versions[sl]).clamp(min=0)
         if prepared.proximal is not None:  # several updates: the weights the step started from
-            proximal = _masked_nan(prepared.proximal[sl], dense_lp.detach())
+            proximal = batching.masked_nan(prepared.proximal[sl], dense_lp.detach())
             recomputed = proximal[targets_at]
         else:  # one update: the weights before it are the current ones
             stale = bool((lag[targets_at] > 0).any())
@@ -597,7 +496,7 @@ class AgentRLModule(L.LightningModule):
             dense_lp, behavior, micro_adv, mask, batch.episode_ids[sl],
             num_seqs=num_seqs, num_tokens=num_tokens,
             proximal_logprobs=proximal, is_weights=batch.token_weights[sl],
-            entropy=_dense(entropy, targets_at, mask) if entropy is not None else None,
+            entropy=batching.dense(entropy, targets_at, mask) if entropy is not None else None,
             ref_logprobs=self._reference_logprobs(batch, sl, targets_at, mask) if self.uses_reference else None,
             value_loss=value_loss,
         )
@@ -617,27 +516,25 @@ class AgentRLModule(L.LightningModule):
                                              mode=fn.importance_mode, cap=fn.importance_cap, lower=fn.importance_floor)
 
     @property
+    def critic(self) -> Critic | None:
+        """The value head's computations (lightning_agentrl/critic.py); None without ``model.value_head``."""
+        if self.value_head is None:
+            return None
+        s = self.settings
+        return Critic(self.value_head, self.policy, s.algorithm, bootstraps_truncations=s.rollout.bootstraps_truncations)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the loss has a KL term against a frozen reference (``algorithm.kl_coef > 0``)."""
         return self.settings.algorithm.kl_coef > 0
 
-    @contextlib.contextmanager
-    def _reference_model(self):
-        """The KL reference: its own frozen copy, or under LoRA the policy with its adapters disabled (the
-        base itself: no second copy of the weights)."""
-        if self.reference is not None:
-            yield self.reference
-            return
-        with self.policy.disable_adapter():
-            yield self.policy
-
     def _reference_logprobs(self, batch: RolloutBatch, sl: slice, targets_at, mask) -> torch.Tensor:
         """The frozen reference policy's log-probs of micro-batch ``sl``'s targets, dense like ``mask``."""
         input_ids = batch.input_ids[sl]
-        with torch.no_grad(), self._reference_model() as reference:
-            ref_hidden = self.hidden_states(reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
+        with torch.no_grad(), kl_reference(self.policy, self.reference) as reference:
+            ref_hidden = hidden_states(reference, input_ids, batch.position_ids[sl], batch.segment_ids[sl])
             ref_lp, _ = self.token_logprobs_at(reference, ref_hidden, input_ids, targets_at)
-        return _dense(ref_lp, targets_at, mask)
+        return batching.dense(ref_lp, targets_at, mask)
 
     def _zero_loss(self, batch: RolloutBatch) -> torch.Tensor:
         """A loss of exactly 0 that still reaches every trainable parameter: the backward pass of a
@@ -648,119 +545,18 @@ class AgentRLModule(L.LightningModule):
             n, device = 2, next(self.policy.parameters()).device
             input_ids = torch.zeros(n, dtype=torch.long, device=device)
             position_ids, segment_ids = torch.arange(n, device=device), torch.zeros(n, dtype=torch.long, device=device)
-        hidden = self.hidden_states(self.policy, input_ids, position_ids, segment_ids)
+        hidden = hidden_states(self.policy, input_ids, position_ids, segment_ids)
         logprobs, _ = self.token_logprobs_at(self.policy, hidden, input_ids, torch.arange(1, n, device=hidden.device))
         loss = logprobs.sum() + hidden.sum()
-        if self.value_head is not None:
-            loss = loss + self.value_head(hidden).sum()
-        # a real micro-batch runs the trunk again for these (ZeRO-3 gathers the weights in each forward)
-        if self.settings.algorithm.privileged_critic:
-            with torch.no_grad():
-                self.hidden_states(self.policy, input_ids, position_ids, segment_ids)
+        critic = self.critic
+        if critic is not None:
+            loss = loss + critic.zero_loss(hidden, input_ids, position_ids, segment_ids)
         if self.uses_reference:
-            with torch.no_grad(), self._reference_model() as reference:
-                ref_hidden = self.hidden_states(reference, input_ids, position_ids, segment_ids)
+            with torch.no_grad(), kl_reference(self.policy, self.reference) as reference:
+                ref_hidden = hidden_states(reference, input_ids, position_ids, segment_ids)
                 self.token_logprobs_at(reference, ref_hidden, input_ids, torch.arange(1, n, device=hidden.device))
         return loss * 0.0
 
-    def _turn_values(self, batch: RolloutBatch, sl: slice, hidden, turns) -> torch.Tensor:
-        """V of each turn: the value head at the token just before its action (the state it starts from)."""
-        return self.value_head(hidden[batch.turn_starts[turns] - sl.start - 1]).squeeze(-1).float()
-
-    def _bootstrap_values(self, batch: RolloutBatch, sl: slice, hidden, episodes) -> torch.Tensor:
-        """V at each episode's last token: what a truncated episode's return bootstraps from."""
-        return self.value_head(hidden[batch.episode_last[episodes] - sl.start]).squeeze(-1).float().detach()
-
-    def _value_hidden(self, batch: RolloutBatch, sl: slice, hidden: torch.Tensor) -> torch.Tensor:
-        """The hidden states the value head reads for micro-batch ``sl`` [n, H], row t for the policy's token t:
-        the policy's own, or with ``algorithm.privileged_critic`` those of a second forward of the trunk over the
-        critic's stream (each segment after its episode's critic context), so the context reaches the critic's
-        gradient and never the policy's log-probs. The second forward runs for every micro-batch, context or not
-        (under ZeRO-3 every rank must run as many forwards)."""
-        if not self.settings.algorithm.privileged_critic:
-            return hidden
-        # Without gradients into the trunk: the trunk is the policy, and a value loss back-propagated through
-        # states that saw the hidden tests would teach the policy's weights what the policy must not know. The
-        # privileged critic is the value head on these states (a second critic model is the way to more).
-        with torch.no_grad():
-            if batch.critic_input_ids is None:  # no episode of the batch has a context: the same stream again
-                return self.hidden_states(self.policy, batch.input_ids[sl], batch.position_ids[sl],
-                                          batch.segment_ids[sl])
-            start = int(batch.critic_segment_start[batch.segment_ids[sl.start]])
-            stop = int(batch.critic_index[sl.stop - 1]) + 1
-            critic = slice(start, stop)
-            critic_hidden = self.hidden_states(self.policy, batch.critic_input_ids[critic],
-                                               batch.critic_position_ids[critic], batch.critic_segment_ids[critic])
-            return critic_hidden[batch.critic_index[sl] - start]
-
-    def _token_values(self, hidden, targets_at) -> torch.Tensor:
-        """V before each trained token: the value head at the position that predicts it (the state it is sampled from)."""
-        return self.value_head(hidden[targets_at - 1]).squeeze(-1).float()
-
-    def _critic(self, batch: RolloutBatch, sl: slice, hidden, mask, prepared: _Prepared, denominator: float,
-                totals: _StepTotals):
-        """Value loss and (for ``gae``) token advantages of the episodes in micro-batch ``sl``.
-
-        The critic's steps are the turns (``algorithm.gae_level: turn``) or the trained tokens (``token``);
-        ``denominator`` is the mini-batch's count of them (kept turns, or trained tokens). GAE and the value
-        clip use the old values: recorded before the step's first update, or (one update per step) the
-        current ones, detached. A truncated episode bootstraps from V at its last token when
-        ``rollout.truncation`` is ``bootstrap``. A segment boundary is not an end: the steps of all segments
-        of an episode form one chain.
-        """
-        a = self.settings.algorithm
-        turns, episodes = _turns_and_episodes(batch, sl)
-        first = int(batch.episode_ids[sl.start])
-        if a.gae_level == "token":
-            targets_at = _targets_at(mask)
-            values = self._token_values(hidden, targets_at)
-            old_values = (prepared.old_values[sl.start + targets_at] if prepared.old_values is not None
-                          else values.detach())
-            step_traj = batch.episode_ids[sl][targets_at] - first
-            rewards = adv.turn_end_rewards(batch.turn_rewards, batch.token_turn[sl][targets_at])
-            keep = torch.ones_like(values)  # the trained tokens are those of included episodes
-        else:
-            values = self._turn_values(batch, sl, hidden, turns)
-            old_values = prepared.old_values[turns] if prepared.old_values is not None else values.detach()
-            step_traj, rewards = batch.turn_episode[turns] - first, batch.turn_rewards[turns]
-            keep = batch.include[batch.turn_episode[turns]].to(values.dtype)
-        truncated = torch.tensor(
-            [batch.trajectories[i].termination.truncated for i in episodes.tolist()], device=values.device
-        )
-        bootstrap = None
-        if self.settings.rollout.bootstraps_truncations:
-            bootstrap = (prepared.old_bootstrap[episodes] if prepared.old_bootstrap is not None
-                         else self._bootstrap_values(batch, sl, hidden, episodes))
-        gae = adv.token_gae if a.gae_level == "token" else adv.gae
-        step_adv, returns = gae(
-            rewards, old_values, step_traj, a.gamma, a.gae_lambda,
-            bootstrap_values=bootstrap, truncated=truncated if bootstrap is not None else None,
-        )
-        value_loss = self._value_loss(values, old_values, returns, keep, denominator, totals)
-        if a.gae_level == "token":
-            return value_loss, _dense(step_adv.to(values.dtype), targets_at, mask)
-        if turns.numel() == 0:
-            return value_loss, torch.zeros_like(mask)
-        # turn indices of this micro-batch, counted from its first turn
-        token_turn = self._token_turn(batch)[sl]
-        local_turn = torch.where(token_turn >= 0, token_turn - int(turns[0]), token_turn)
-        return value_loss, adv.expand_to_tokens(step_adv.to(values.dtype), local_turn, mask)
-
-    def _value_loss(self, values, old_values, returns, keep, denominator: float, totals: _StepTotals) -> torch.Tensor:
-        """The clipped value loss of a micro-batch's kept steps, scaled to the mini-batch's ``denominator``
-        steps; its metrics go to ``totals`` weighted by the kept steps."""
-        value_loss, value_metrics = losses.value_loss(values, old_values, returns, keep,
-                                                      clip=self.settings.algorithm.value_clip)
-        num_kept = float(keep.sum())
-        value_loss = value_loss * num_kept / max(denominator, 1.0)  # a mean over this micro-batch's steps
-        totals.add("loss/value", float(value_loss.detach()))
-        for key, value in value_metrics.items():
-            if key != "loss/value":
-                totals.add(key, float(value) * num_kept)
-        totals.add("value_weight", num_kept)
-        totals.values.append(old_values[keep > 0])
-        totals.returns.append(returns[keep > 0])
-        return value_loss
 
 
 @dataclass
@@ -771,240 +567,8 @@ class _Prepared:
     token_adv: torch.Tensor | None  # [N]; None for gae (from the critic, per micro-batch)
     log: dict
     proximal: torch.Tensor | None = None  # [N] log-probs before the first update; NaN where no loss
-    old_values: torch.Tensor | None = None  # critic values before the first update: [K] per turn, or [N] per token
-    old_bootstrap: torch.Tensor | None = None  # [B] V at each episode's last token, before the first update
+    old: OldValues | None = None  # the critic's values before the first update
     signal: bool = True  # some trainable token has a nonzero advantage (any rank)
     zero_gradient: bool = False  # no signal and no other loss term: the updates skip the forward/backward
 
 
-class OutputLogprobs(torch.nn.Module):
-    """:func:`token_logprobs` through a model's output embedding, as a module of its own.
-
-    Why a module: the log-probs read the output embedding's weight directly (never materializing
-    all logits), outside the ``lm_head`` module's forward. Under ZeRO-3 that weight is a partitioned
-    stub except while a module that uses it runs, so it is registered here as this module's
-    external parameter: DeepSpeed gathers it for this forward and again for its backward. Without
-    ZeRO-3 this is a plain call. The head is held without registering it as a submodule (it
-    belongs to the model)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        head = model.get_output_embeddings()
-        self._head = (head,)  # a tuple: not a submodule
-        for parameter in (head.weight, getattr(head, "bias", None)):
-            if parameter is not None and hasattr(parameter, "ds_id"):
-                import deepspeed
-
-                deepspeed.zero.register_external_parameter(self, parameter)
-
-    def forward(self, hidden, target_ids, *, temperature: float, chunk_size: int, top_p: float = 1.0, top_k: int = 0):
-        (head,) = self._head
-        return token_logprobs(
-            hidden, head.weight, target_ids, temperature=temperature, top_p=top_p, top_k=top_k, chunk_size=chunk_size,
-            lm_head_bias=getattr(head, "bias", None),
-        )
-
-
-def _zero3_loading_context(trainer):
-    """Under ZeRO-3, tell transformers (``HfDeepSpeedConfig``) so that ``from_pretrained`` creates
-    the model partitioned and initializes and loads each weight gathered; without it, weight
-    initialization indexes partitioned stubs. Transformers holds it weakly: it applies while the
-    returned object is alive, so keep it only while models load (later models, e.g. the exported
-    policy, must not be partitioned)."""
-    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-    if not getattr(strategy, "zero_stage_3", False):
-        return None
-    from transformers.integrations import HfDeepSpeedConfig
-
-    return HfDeepSpeedConfig(strategy.config)
-
-
-def _micro_batches(seq_ids: torch.Tensor, max_tokens: int) -> list[slice]:
-    """Contiguous slices of whole episodes, each about ``max_tokens`` long (an episode longer than
-    that is its own micro-batch)."""
-    boundaries = torch.nonzero(seq_ids[1:] != seq_ids[:-1]).squeeze(-1) + 1
-    starts = [0, *boundaries.tolist()]
-    ends = [*boundaries.tolist(), seq_ids.numel()]
-    slices, begin = [], 0
-    for start, end in zip(starts, ends, strict=True):
-        if end - begin > max_tokens and start > begin:
-            slices.append(slice(begin, start))
-            begin = start
-    slices.append(slice(begin, seq_ids.numel()))
-    return slices
-
-
-def _after_first(loss_mask: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """1 from the first action token of each segment on (the no-mask ablation's loss region)."""
-    out = torch.zeros_like(loss_mask)
-    for segment in torch.unique(segment_ids).tolist():
-        where = torch.nonzero(segment_ids == segment).squeeze(-1)
-        actions = torch.nonzero(loss_mask[where] > 0).squeeze(-1)
-        if actions.numel():
-            out[where[actions[0]] : where[-1] + 1] = 1
-    return out
-
-
-def _carry_forward(token_turn: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """Give tokens outside an action the turn index of the last action before them (same segment)."""
-    out = token_turn.clone()
-    last, last_segment = -1, -1
-    for i, (turn, segment) in enumerate(zip(token_turn.tolist(), segment_ids.tolist(), strict=True)):
-        if segment != last_segment:
-            last, last_segment = -1, segment
-        if turn >= 0:
-            last = turn
-        out[i] = last
-    return out
-
-
-def _targets_at(mask: torch.Tensor) -> torch.Tensor:
-    """Positions of a micro-batch that carry a loss (never its first token: nothing predicts it)."""
-    targets_at = torch.nonzero(mask > 0).squeeze(-1)
-    return targets_at[targets_at > 0]
-
-
-def _turns_and_episodes(batch: RolloutBatch, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global indices of the turns [k] and the episodes [b] of a slice of whole episodes."""
-    first, last = int(batch.episode_ids[sl.start]), int(batch.episode_ids[sl.stop - 1])
-    turns = torch.nonzero((batch.turn_episode >= first) & (batch.turn_episode <= last)).squeeze(-1)
-    return turns, torch.arange(first, last + 1, device=batch.episode_ids.device)
-
-
-def _dense(values: torch.Tensor, targets_at: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-target ``values`` scattered onto the micro-batch's tokens (zeros elsewhere), like ``mask``."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=mask.device).index_put((targets_at,), values)
-
-
-def _masked_nan(values: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isnan(values), fallback, values)
-
-
-def _mini_batches(batch: RolloutBatch, num_mini_batches: int) -> list[slice]:
-    """Token spans of ``num_mini_batches`` equal runs of whole groups (a batch packs each group's
-    episodes together, groups in order)."""
-    groups = torch.unique_consecutive(batch.group_ids)
-    if groups.numel() % num_mini_batches:
-        raise ValueError(
-            f"trainer.mini_batches ({num_mini_batches}) must divide the {groups.numel()} groups of a batch"
-        )
-    assert groups.numel() == torch.unique(batch.group_ids).numel(), "a group's episodes are packed together"
-    per_mini = groups.numel() // num_mini_batches
-    episode_start = torch.cat([batch.episode_last.new_zeros(1), batch.episode_last[:-1] + 1])
-    spans = []
-    for index in range(num_mini_batches):
-        chosen = torch.isin(batch.group_ids, groups[index * per_mini : (index + 1) * per_mini])
-        episodes = torch.nonzero(chosen).squeeze(-1)
-        spans.append(slice(int(episode_start[episodes[0]]), int(batch.episode_last[episodes[-1]]) + 1))
-    return spans
-
-
-def _mean_over_updates(logs: list[dict[str, float]]) -> dict[str, float]:
-    """The metrics of a step's updates: maxima are maxima, everything else the mean over updates. A measurement an
-    update could not take (``mismatch/*`` without lag-0 tokens) is NaN there and left out; every other NaN stays."""
-    keys = {key for log in logs for key in log}
-    out = {}
-    for key in keys:
-        values = [log[key] for log in logs if key in log]
-        if key.startswith(_SOMETIMES_UNMEASURED):
-            values = [v for v in values if not math.isnan(v)] or [math.nan]
-        out[key] = functools.reduce(_nan_max, values) if key.endswith("_max") else sum(values) / len(values)
-    return out
-
-
-_SOMETIMES_UNMEASURED = ("mismatch/", "importance/")
-
-
-def _nan_max(a: float, b: float) -> float:
-    """``max`` that keeps a NaN (Python's ``max(0.0, nan)`` is 0.0: a NaN step would read as a perfect one)."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-class _StepTotals:
-    """The metrics of one step, summed over micro-batches, then over ranks by :meth:`reduced`.
-
-    ``loss/*`` are sums (each micro-batch's loss carries the step's denominators already);
-    ``maxima`` are maxima; ``value/*`` are sums of value x kept turns, divided by the kept turns;
-    every other key is a sum of value x action tokens, divided by the step's action tokens at the end."""
-
-    def __init__(self, importance_cap: float | None = None) -> None:
-        self.importance_cap = importance_cap
-        self.sums: dict[str, float] = {}
-        self.maxima: dict[str, float] = {"mismatch/logprob_max": 0.0}
-        self.values: list[torch.Tensor] = []
-        self.returns: list[torch.Tensor] = []
-        self.importance: list[importance.ImportanceWeights] = []
-        self.critic_forward_s = 0.0  # the privileged critic's second forward (0 without one)
-
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
-
-    def add_mismatch(self, recomputed, behavior, lag_zero, actions) -> None:
-        """The train/inference mismatch |recomputed - behavior| [n] on the action tokens sampled by the
-        weights the step started from (``lag_zero``)."""
-        on_policy = lag_zero & actions
-        if on_policy.any():
-            diff = (recomputed[on_policy] - behavior[on_policy]).abs()
-            self.maxima["mismatch/logprob_max"] = _nan_max(self.maxima["mismatch/logprob_max"], float(diff.max()))
-            self.add("mismatch_sum", float(diff.sum()))
-            self.add("mismatch_n", float(on_policy.sum()))
-
-    def add_micro_batch(self, metrics: dict[str, torch.Tensor], *, share: float) -> None:
-        """A micro-batch's loss metrics: ``loss/*`` as they are, ``*_max`` as maxima, the rest weighted
-        by the micro-batch's ``share`` (its action tokens)."""
-        self.add("weight", share)
-        for key, value in metrics.items():
-            if key.startswith("loss/"):
-                self.add(key, float(value))
-            elif key.endswith("_max"):
-                self.maxima[key] = _nan_max(self.maxima.get(key, 0.0), float(value))
-            else:
-                self.add(key, float(value) * share)
-
-    def reduced(self) -> dict[str, float]:
-        local = {"loss/total": 0.0, "weight": 0.0, "mismatch_sum": 0.0, "mismatch_n": 0.0, **self.sums, **self.maxima}
-        if self.values:
-            from lightning_agentrl.algorithms.diagnostics import explained_variance
-
-            local["value/explained_variance"] = explained_variance(torch.cat(self.values), torch.cat(self.returns))
-        averaged = {"value/explained_variance"}
-        maxima = {key for key in local if key.endswith("_max")}  # the same names on every rank
-        step = reduce_metrics(local, sums=lambda key: key not in averaged and key not in maxima, maxima=maxima)
-        weight, mismatch_sum, mismatch_n = step.pop("weight"), step.pop("mismatch_sum"), step.pop("mismatch_n")
-        value_weight = step.pop("value_weight", 0.0)
-        out = {"mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else math.nan}  # NaN: no lag-0 token
-        for key, value in step.items():
-            if key.startswith("loss/") or key in averaged or key in maxima:
-                out[key] = value
-            elif key.startswith("value/"):  # turn-weighted: the critic's metrics are per turn
-                out[key] = value / max(value_weight, 1.0)
-            else:
-                out[key] = value / max(weight, 1.0)
-        if not mismatch_n:
-            out["mismatch/logprob_max"] = math.nan
-        seconds = reduce_metrics({"time/critic_forward_s": self.critic_forward_s}, maxima={"time/critic_forward_s"})
-        return {**out, **self._importance_metrics(), **seconds}
-
-    def _importance_metrics(self) -> dict[str, float]:
-        """``importance/*`` over the units (tokens or episodes) of this rank's micro-batches; over ranks the
-        maxima and minima are kept, the unit counts summed and the rest (means, fractions exactly; quantiles and
-        ESS approximately) averaged weighted by each rank's units, ranks without units left out.
-        A collective: every rank calls it, with or without weights."""
-        local: dict[str, float] = {}
-        if self.importance:
-            joined = importance.ImportanceWeights(*(torch.cat(parts) for parts in zip(*(
-                (w.weights, w.dropped, w.unit_weights, w.unit_dropped) for w in self.importance), strict=True)))
-            local = importance.importance_metrics(joined, cap=self.importance_cap)
-        shares = [share for share in all_gather(local) if share]  # ranks without units have nothing to say
-        if len(shares) <= 1:
-            return shares[0] if shares else {}
-        units = sum(share["importance/num_units"] for share in shares)
-        out = {key: sum(share[key] * share["importance/num_units"] for share in shares) / units for key in shares[0]}
-        out.update({"importance/num_units": units, "importance/weight_max": max(s["importance/weight_max"] for s in shares),
-                    "importance/weight_min": min(s["importance/weight_min"] for s in shares)})
-        return out
-
-
-def _partitioned(model) -> bool:
-    """Parameters partitioned by DeepSpeed ZeRO-3 (they carry a ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())

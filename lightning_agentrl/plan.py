@@ -608,7 +608,7 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     if settings.algorithm.kl_coef > 0 and not m.lora:  # LoRA's reference is the base, adapters disabled
         add(Part("reference model", b * num_params // (num_gpus if stage == 3 else 1), "both",
                  f"{b}*P{whole_or_sharded}"))
-    # module._micro_batches never splits an episode: one longer than micro_batch_tokens is its own
+    # batching.micro_batches never splits an episode: one longer than micro_batch_tokens is its own
     # micro-batch, so the longest is max(micro_batch_tokens, max_context_tokens).
     n = max(t.micro_batch_tokens, settings.env.max_context_tokens)
     add(Part("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
@@ -844,7 +844,7 @@ class HostMemoryPlan:
 
 def micro_batch_tokens_at(episode_tokens: int, micro_batch_tokens: int, episodes: int) -> int:
     """Tokens of the longest micro-batch when every episode has ``e`` tokens: micro-batches hold whole
-    episodes (``module._micro_batches``), ``max(1, min(E, M // e))`` of them, ``E`` the episodes of one
+    episodes (``batching.micro_batches``), ``max(1, min(E, M // e))`` of them, ``E`` the episodes of one
     update on one process.
 
     >>> micro_batch_tokens_at(450, 4096, 16), micro_batch_tokens_at(450, 4096, 4), micro_batch_tokens_at(5000, 4096, 8)

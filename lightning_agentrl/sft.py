@@ -185,7 +185,7 @@ class SFTModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from lightning_agentrl.module import load_policy
+        from lightning_agentrl.policy import load_policy
 
         self.policy = load_policy(self.model_path, self.settings.model, seed=self.settings.run.seed)
 

@@ -108,7 +108,7 @@ def main() -> int:
     import torch
 
     from benchmarks.record import write_record
-    from lightning_agentrl.module import _micro_batches
+    from lightning_agentrl.batching import micro_batches
     from lightning_agentrl.plan import DTYPE_BYTES, GiB, load_model_config, plan_for
     from lightning_agentrl.settings import load_settings
     from lightning_agentrl.train import fit
@@ -161,7 +161,7 @@ def main() -> int:
             end = time.perf_counter()
             seconds = end - self._started
             wait, self._previous_end = self._started - self._previous_end, end
-            micro = _micro_batches(batch.episode_ids, settings.trainer.micro_batch_tokens)
+            micro = micro_batches(batch.episode_ids, settings.trainer.micro_batch_tokens)
             trajectories = getattr(batch, "trajectories", []) or [None]
             mean = lambda key: sum(t.timings.get(key, 0.0) for t in trajectories if t) / len(trajectories)  # noqa: E731
             self.steps.append({

@@ -33,7 +33,8 @@ WORKER = textwrap.dedent(
     import json, os, sys
     import torch, torch.distributed as dist
     from tests.test_module import make_batch
-    from lightning_agentrl.module import AgentRLModule, _micro_batches
+    from lightning_agentrl.batching import micro_batches
+    from lightning_agentrl.module import AgentRLModule
     from lightning_agentrl.settings import load_settings
     from lightning_agentrl.trajectory import pack
 
@@ -74,7 +75,7 @@ WORKER = textwrap.dedent(
             "max_grad": max(float(g_ref[k].abs().max()) for k in g_ref),
             "loss": [log["loss/total"], log_ref["loss/total"]],
             "tokens": [log["tokens/train"], log_ref["tokens/train"]],
-            "micro_batches": len(_micro_batches(share.episode_ids, 64)),
+            "micro_batches": len(micro_batches(share.episode_ids, 64)),
         }
     gathered = [None, None]
     dist.all_gather_object(gathered, result)

@@ -22,7 +22,7 @@ PACKAGE = "lightning_agentrl"
 
 MAY_IMPORT: dict[str, set[str]] = {
     # leaves
-    "trajectory": set(), "console": set(), "tasks": set(), "run_layout": set(),
+    "trajectory": set(), "console": set(), "tasks": set(), "run_layout": set(), "batching": set(),
     # message-space environments and the settings that check them
     "envs": {"tasks"},
     "settings": {"envs"},
@@ -39,7 +39,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "lora_linear": set(),
     "lora": {"lora_linear", "settings", "strategies"},
     "plan": {"models", "settings"},
+    "policy": {"algorithms", "lora", "models", "settings"},
     "distributed": {"sandbox_checks", "settings"},
+    "step_metrics": {"algorithms", "distributed"},
+    "critic": {"algorithms", "batching", "policy", "strategies"},
     # rollout, and what watches it
     "rollout": {"algorithms", "envs", "lora", "models", "settings", "trajectory"},
     "experiments": {"rollout"},
@@ -49,7 +52,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "callbacks": {"algorithms", "checkpoint_io", "credit", "distributed", "lora", "render", "run_layout", "shutdown",
                   "strategies", "tasks", "trajectory"},
     "datamodule": {"distributed", "lora", "rollout", "trajectory"},
-    "module": {"algorithms", "distributed", "envs", "lora", "models", "settings", "shutdown", "strategies", "trajectory"},
+    "module": {"algorithms", "batching", "critic", "distributed", "envs", "lora", "policy", "settings", "shutdown",
+               "step_metrics", "strategies", "trajectory"},
     # what the composition root builds with
     "preflight": {"envs", "lora", "models", "rollout", "run_layout", "sandbox_checks", "settings"},
     "engines": {"callbacks", "console", "lora", "models", "plan", "rollout", "run_layout", "settings"},
@@ -61,7 +65,7 @@ MAY_IMPORT: dict[str, set[str]] = {
               "shutdown", "strategies", "tracking"},
     "evaluate": {"callbacks", "console", "engines", "envs", "models", "preflight", "resume", "rollout", "run_layout",
                  "sandbox", "sandbox_checks", "settings", "train", "trajectory"},
-    "sft": {"algorithms", "callbacks", "checkpoint_io", "envs", "lora", "models", "module", "rollout", "run_layout",
+    "sft": {"algorithms", "callbacks", "checkpoint_io", "envs", "lora", "models", "policy", "rollout", "run_layout",
             "sandbox", "settings", "tracking", "train"},
     "__main__": {"credit", "evaluate", "export", "lora", "models", "plan", "preflight", "render", "resume",
                  "run_layout", "settings", "sft", "shutdown", "train", "trajectory"},

@@ -7,7 +7,9 @@ import copy
 import pytest
 import torch
 
-from lightning_agentrl.module import AgentRLModule, _micro_batches
+from lightning_agentrl.batching import micro_batches
+from lightning_agentrl.module import AgentRLModule
+from lightning_agentrl.policy import hidden_states
 from lightning_agentrl.settings import load_settings
 from lightning_agentrl.trajectory import Segment, TerminationReason, Trajectory, Turn, pack
 
@@ -71,7 +73,7 @@ def test_recomputed_logprobs_match_behavior(base):
 def test_micro_batching_gives_the_same_gradient(base):
     module, batch = base
     full, log_full = gradients(module, batch)
-    assert len(_micro_batches(batch.episode_ids, 64)) > 2
+    assert len(micro_batches(batch.episode_ids, 64)) > 2
     for aggregation in ("token-mean", "seq-mean-token-mean"):
         one = with_settings(module, f"--algorithm.aggregation={aggregation}", "--trainer.micro_batch_tokens=100000")
         many = with_settings(module, f"--algorithm.aggregation={aggregation}", "--trainer.micro_batch_tokens=64")
@@ -153,7 +155,7 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, base, att
     module.configure_model()
     module.policy.eval()
     with torch.no_grad():
-        packed = module.hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
+        packed = hidden_states(module.policy, batch.input_ids, batch.position_ids, batch.segment_ids)
         for segment in batch.segment_ids.unique().tolist():
             where = batch.segment_ids == segment
             alone = module.policy.get_decoder()(input_ids=batch.input_ids[where][None]).last_hidden_state[0]
@@ -178,9 +180,9 @@ def test_a_nan_maximum_stays_nan_in_the_step_metrics():
     """``max(0.0, nan)`` is 0.0 in Python: a step whose log-probs went NaN would log a lag-0 mismatch of 0."""
     import math
 
-    from lightning_agentrl.module import _StepTotals
+    from lightning_agentrl.step_metrics import StepTotals
 
-    totals = _StepTotals()
+    totals = StepTotals()
     totals.add_micro_batch({"policy/ratio_max": torch.tensor(float("nan"))}, share=1.0)
     totals.add_micro_batch({"policy/ratio_max": torch.tensor(2.0)}, share=1.0)
     nan = torch.tensor([float("nan")])
