@@ -22,7 +22,8 @@ import torch
 from lightning_agentrl import batching
 from lightning_agentrl.algorithms import advantages as adv
 from lightning_agentrl.algorithms import losses
-from lightning_agentrl.policy import hidden_states
+from lightning_agentrl.distributed import global_max
+from lightning_agentrl.policy import hidden_states, partitioned
 
 if TYPE_CHECKING:
     from lightning_agentrl.settings import AlgorithmSettings
@@ -58,6 +59,7 @@ class Critic:
     trunk: torch.nn.Module  # the policy: its decoder's states are what the head reads
     algorithm: AlgorithmSettings
     bootstraps_truncations: bool  # rollout.truncation: bootstrap
+    chunk_tokens: int  # the privileged critic's forwards: about this many tokens each (trainer.micro_batch_tokens)
 
     @property
     def token_level(self) -> bool:
@@ -89,13 +91,26 @@ class Critic:
         # privileged critic is the value head on these states (a second critic model is the way to more).
         with torch.no_grad():
             if batch.critic_input_ids is None:  # no episode of the batch has a context: the same stream again
-                return hidden_states(self.trunk, batch.input_ids[sl], batch.position_ids[sl], batch.segment_ids[sl])
+                return self.critic_states(batch.input_ids[sl], batch.position_ids[sl], batch.segment_ids[sl])
             start = int(batch.critic_segment_start[batch.segment_ids[sl.start]])
             stop = int(batch.critic_index[sl.stop - 1]) + 1
             critic = slice(start, stop)
-            critic_hidden = hidden_states(self.trunk, batch.critic_input_ids[critic],
-                                          batch.critic_position_ids[critic], batch.critic_segment_ids[critic])
+            critic_hidden = self.critic_states(batch.critic_input_ids[critic], batch.critic_position_ids[critic],
+                                               batch.critic_segment_ids[critic])
             return critic_hidden[batch.critic_index[sl] - start]
+
+    def critic_states(self, input_ids, position_ids, segment_ids) -> torch.Tensor:
+        """The trunk's states [m, H] over a stretch of the critic's stream, in chunks of whole segments of about
+        ``chunk_tokens`` each: every segment carries its episode's context, which would otherwise make one
+        forward as long as a micro-batch times its segments' count. Under ZeRO-3 every rank runs as many forwards
+        (the most any rank needs: the extra ones over one token), since each forward gathers the weights."""
+        chunks = batching.micro_batches(segment_ids, self.chunk_tokens)
+        states = torch.cat([hidden_states(self.trunk, input_ids[c], position_ids[c], segment_ids[c]) for c in chunks])
+        if partitioned(self.trunk):
+            one = slice(0, 1)
+            for _ in range(int(global_max(len(chunks))) - len(chunks)):
+                hidden_states(self.trunk, input_ids[one], position_ids[one], segment_ids[one])
+        return states
 
     def empty_old_values(self, batch: RolloutBatch) -> OldValues:
         """Room for the old values of every step and episode of ``batch``, filled by :meth:`record_old`."""
@@ -122,7 +137,7 @@ class Critic:
         term = self.value_head(hidden).sum()
         if self.algorithm.privileged_critic:
             with torch.no_grad():
-                hidden_states(self.trunk, input_ids, position_ids, segment_ids)
+                self.critic_states(input_ids, position_ids, segment_ids)
         return term
 
     def micro_batch(self, batch: RolloutBatch, sl: slice, hidden, mask, totals: StepTotals, *,

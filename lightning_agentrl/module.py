@@ -521,7 +521,8 @@ class AgentRLModule(L.LightningModule):
         if self.value_head is None:
             return None
         s = self.settings
-        return Critic(self.value_head, self.policy, s.algorithm, bootstraps_truncations=s.rollout.bootstraps_truncations)
+        return Critic(self.value_head, self.policy, s.algorithm, bootstraps_truncations=s.rollout.bootstraps_truncations,
+                      chunk_tokens=s.trainer.micro_batch_tokens)
 
     @property
     def uses_reference(self) -> bool:

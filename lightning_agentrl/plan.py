@@ -395,6 +395,16 @@ def attention_matrix_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, att
     return mask
 
 
+CRITIC_N = "(the micro-batch's n, or one segment of env.max_context_tokens after env.max_observation_chars of context)"
+
+
+def critic_forward_tokens(settings: Settings, n: int) -> int:
+    """The longest forward of the privileged critic, beside micro-batches of ``n`` tokens: it runs over whole
+    segments, each after its episode's critic context (at most ``env.max_observation_chars`` tokens), in chunks of
+    about a micro-batch; a chunk is longer only when one segment with its context is."""
+    return max(n, settings.env.max_context_tokens + settings.env.max_observation_chars)
+
+
 def activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, gradient_checkpointing: bool) -> int:
     """Saved activations of one forward/backward over ``n`` tokens.
 
@@ -614,9 +624,9 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
     add(Part("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
              f"n={n}, " + ("L*n*H*b + n*s (checkpointed)" if m.gradient_checkpointing else "L*n*s")))
     if settings.algorithm.privileged_critic:  # the second forward, over each segment after its critic context
-        n_critic = n + settings.env.max_observation_chars  # the context is clipped to as many characters
+        n_critic = critic_forward_tokens(settings, n)
         add(Part("critic activations", activation_bytes(shape, n_critic, b, m.gradient_checkpointing), "train",
-                 f"as activations, n={n_critic} (+ env.max_observation_chars of critic context)"))
+                 f"as activations, n={n_critic} {CRITIC_N}"))
     attention = attention_matrix_bytes(shape, n, b, m.attn_implementation)
     if attention:
         add(Part("attention mask", attention, "train", f"n*n*(3+b) ({m.attn_implementation or 'sdpa'})"))
@@ -881,9 +891,9 @@ def host_memory_plan(settings: Settings, shape: ModelShape, *, episode_tokens: i
     add(HostPart("activations", activation_bytes(shape, n, b, m.gradient_checkpointing), "train",
                  f"n={n}, " + ("L*n*H*b + n*s (checkpointed)" if m.gradient_checkpointing else "L*n*s")))
     if settings.algorithm.privileged_critic:  # the second forward, over each segment after its critic context
-        n_critic = n + settings.env.max_observation_chars
+        n_critic = critic_forward_tokens(settings, n)
         add(HostPart("critic activations", activation_bytes(shape, n_critic, b, m.gradient_checkpointing), "train",
-                     f"as activations, n={n_critic} (+ env.max_observation_chars of critic context)"))
+                     f"as activations, n={n_critic} {CRITIC_N}"))
     add(HostPart("log-prob chunk", logprob_chunk_bytes(shape.vocab_size, t.logprob_chunk_tokens, b), "train",
                  f"C*V*(b+12), C={t.logprob_chunk_tokens}"))
     plan.notes.append("the sandbox service runs in its own process (its memory is not in this one)")

@@ -415,7 +415,9 @@ class RolloutSettings(_Section):
     error. Such a batch takes no optimizer or scheduler step."""
     max_steps_without_signal: int | None = Field(10, ge=1)
     """Consecutive steps without learning signal (every advantage 0: each group's episodes earned the same reward,
-    e.g. no valid tool call, or a reward that never varies) before the run stops with an error (exit status 3);
+    e.g. no valid tool call, or a reward that never varies; with ``algorithm.advantage: gae``, every reward of the
+    step the same, whose critic advantages then carry only the critic's own error, nothing about the task) before
+    the run stops with an error (exit status 3);
     None = never stop. The first such step warns, naming what the batch shows, and the closing line counts them.
     Such a step skips its forward and backward passes (its gradient is 0) unless a KL, entropy or value term
     is in the loss."""

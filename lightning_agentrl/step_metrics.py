@@ -13,6 +13,7 @@ import math
 import torch
 
 from lightning_agentrl.algorithms import importance
+from lightning_agentrl.algorithms.diagnostics import explained_variance_of_sums, variance_sums
 from lightning_agentrl.distributed import all_gather, reduce_metrics
 
 
@@ -28,6 +29,9 @@ def mean_over_updates(logs: list[dict[str, float]]) -> dict[str, float]:
         out[key] = functools.reduce(nan_max, values) if key.endswith("_max") else sum(values) / len(values)
     return out
 
+
+EV_SUMS = ("ev/n", "ev/sum_r", "ev/sum_r2", "ev/sum_d", "ev/sum_d2")
+"""The critic's :func:`variance_sums` under these names in a rank's totals: its explained variance is pooled from them."""
 
 SOMETIMES_UNMEASURED = ("mismatch/", "importance/")
 """Metrics an update may have nothing to measure for (NaN there): a step's value is over the updates that did."""
@@ -81,18 +85,17 @@ class StepTotals:
 
     def reduced(self) -> dict[str, float]:
         local = {"loss/total": 0.0, "weight": 0.0, "mismatch_sum": 0.0, "mismatch_n": 0.0, **self.sums, **self.maxima}
-        if self.values:
-            from lightning_agentrl.algorithms.diagnostics import explained_variance
-
-            local["value/explained_variance"] = explained_variance(torch.cat(self.values), torch.cat(self.returns))
-        averaged = {"value/explained_variance"}
+        if self.values:  # summed over ranks (a rank without values lacks the keys: 0 there)
+            local.update(zip(EV_SUMS, variance_sums(torch.cat(self.values), torch.cat(self.returns)), strict=True))
         maxima = {key for key in local if key.endswith("_max")}  # the same names on every rank
-        step = reduce_metrics(local, sums=lambda key: key not in averaged and key not in maxima, maxima=maxima)
+        step = reduce_metrics(local, sums=lambda key: key not in maxima, maxima=maxima)
+        if EV_SUMS[0] in step:  # pooled over ranks, not a mean of each rank's
+            step["value/explained_variance"] = explained_variance_of_sums(*(step.pop(key) for key in EV_SUMS))
         weight, mismatch_sum, mismatch_n = step.pop("weight"), step.pop("mismatch_sum"), step.pop("mismatch_n")
         value_weight = step.pop("value_weight", 0.0)
         out = {"mismatch/logprob_mean": mismatch_sum / mismatch_n if mismatch_n else math.nan}  # NaN: no lag-0 token
         for key, value in step.items():
-            if key.startswith("loss/") or key in averaged or key in maxima:
+            if key.startswith("loss/") or key == "value/explained_variance" or key in maxima:
                 out[key] = value
             elif key.startswith("value/"):  # turn-weighted: the critic's metrics are per turn
                 out[key] = value / max(value_weight, 1.0)

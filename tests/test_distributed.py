@@ -9,6 +9,7 @@ the zero-loss backward passes that keep the collectives in step are exercised to
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -53,6 +54,9 @@ WORKER = textwrap.dedent(
         torch.manual_seed(0)
         module = AgentRLModule(load_settings(overrides=common + overrides), model_path)
         module.configure_model()
+        if module.value_head is not None:  # a head that predicts something (at 0 explained variance is 0 everywhere)
+            torch.nn.init.normal_(module.value_head.weight, std=0.02)
+            torch.nn.init.constant_(module.value_head.bias, 0.3)
         modules[name] = module
     policy = modules["token-mean"].policy
     long = make_batch(policy, [1, 0, 1, 1], seed=1, turns=3).trajectories           # group 0
@@ -76,6 +80,7 @@ WORKER = textwrap.dedent(
             "loss": [log["loss/total"], log_ref["loss/total"]],
             "tokens": [log["tokens/train"], log_ref["tokens/train"]],
             "micro_batches": len(micro_batches(share.episode_ids, 64)),
+            "explained_variance": [log.get("value/explained_variance"), log_ref.get("value/explained_variance")],
         }
     gathered = [None, None]
     dist.all_gather_object(gathered, result)
@@ -111,3 +116,11 @@ def test_two_ranks_give_the_gradient_of_one(two_rank_gradients, case):
         assert rank["tokens"][0] == rank["tokens"][1]  # global action-token count
     # uneven shares: the rank with fewer micro-batches ran zero-loss backward passes
     assert rank0["micro_batches"] > rank1["micro_batches"]
+
+
+def test_two_ranks_give_the_critics_explained_variance_of_one(two_rank_gradients):
+    """Pooled over the ranks from their sums, not the mean of each rank's own value (which is not the batch's)."""
+    for ranks in two_rank_gradients:
+        two, one = ranks["gae-critic"]["explained_variance"]
+        assert one is not None and not math.isnan(one) and abs(one) > 1e-3
+        assert two == pytest.approx(one, rel=1e-6)

@@ -144,7 +144,8 @@ def test_staleness_overlaps_generation_with_training_and_vllm_is_another_process
     assert any("--episode-tokens" in note for note in bound.notes)
     critic_settings = learn_real("--model.value_head=true", "--algorithm.privileged_critic=true")
     critic = host_memory_plan(critic_settings, smollm2(), episode_tokens=430)
-    n_critic = 1720 + critic_settings.env.max_observation_chars  # the critic's context, clipped to as many characters
+    # forwards of whole segments after their contexts (at most max_observation_chars tokens), a micro-batch each
+    n_critic = max(1720, critic_settings.env.max_context_tokens + critic_settings.env.max_observation_chars)
     assert critic.part("critic activations").num_bytes == 30 * n_critic * 45_100
     two = host_memory_plan(learn_real("--trainer.devices=2"), smollm2(), episode_tokens=430)
     assert two.micro_batch_tokens == 1720 and any("per training process: 2" in note for note in two.notes)

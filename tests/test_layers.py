@@ -42,7 +42,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "policy": {"algorithms", "lora", "models", "settings"},
     "distributed": {"sandbox_checks", "settings"},
     "step_metrics": {"algorithms", "distributed"},
-    "critic": {"algorithms", "batching", "policy", "strategies"},
+    "critic": {"algorithms", "batching", "distributed", "policy", "strategies"},
     # rollout, and what watches it
     "rollout": {"algorithms", "envs", "lora", "models", "settings", "trajectory"},
     "experiments": {"rollout"},

@@ -203,3 +203,32 @@ def test_an_update_that_leaves_non_finite_weights_stops_the_run(tiny_model_path)
         next(module.policy.parameters())[0, 0] = float("inf")
     with pytest.raises(NonFiniteGradient, match="step 0: the optimizer step left non-finite weights"):
         module._stop_on_non_finite_weights()
+
+
+def test_the_privileged_critic_runs_its_stream_in_chunks_of_whole_segments(tiny_model_path, base):
+    """Every segment carries its episode's context, so one micro-batch's critic stream is far longer than the
+    micro-batch: it runs in forwards of whole segments of about ``trainer.micro_batch_tokens``, and the head reads
+    the same states as one episode at a time."""
+    _, batch = base
+    contexts = [list(range(10 + i, 40 + i)) for i in range(batch.num_episodes)]  # 30 tokens each
+    batch = pack([t.model_copy(update={"critic_context_ids": c}) for t, c in zip(batch.trajectories, contexts,
+                                                                                 strict=True)])
+    module = AgentRLModule(load_settings(overrides=["--model.value_head=true", "--algorithm.privileged_critic=true",
+                                                    "--trainer.micro_batch_tokens=100"]), str(tiny_model_path))
+    module.configure_model()
+    module.policy.eval()
+    lengths = []
+    decoder = module.policy.get_decoder()
+    original = decoder.forward
+    decoder.forward = lambda *args, **kwargs: lengths.append(kwargs["input_ids"].numel()) or original(*args, **kwargs)
+    whole = slice(0, batch.num_tokens)  # the whole batch as one micro-batch: 8 episodes, 8 contexts
+    with torch.no_grad():
+        states = module.critic.hidden(batch, whole, None)
+    decoder.forward = original
+    assert len(lengths) > 2 and sum(lengths) == batch.critic_input_ids.numel()
+    longest_segment = int(torch.bincount(batch.critic_segment_ids).max())
+    assert max(lengths) <= max(100, longest_segment)
+    for i, trajectory in enumerate(batch.trajectories):
+        alone = decoder(input_ids=torch.tensor([contexts[i] + trajectory.segments[0].token_ids])).last_hidden_state[0]
+        where = batch.episode_ids == i
+        torch.testing.assert_close(states[where], alone[len(contexts[i]):], atol=1e-4, rtol=1e-4)

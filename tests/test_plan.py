@@ -493,7 +493,12 @@ def test_a_privileged_critic_adds_its_second_forward_over_the_context():
     recipe = REPO / "configs" / "gpu_zero2.yaml"
     plan = memory_plan(load_settings(recipe, overrides), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
     gpu = {p.name: p.gpu_bytes for p in plan.parts}
-    # n = 32,768 + 2,000 (env.max_observation_chars of context); L*n*H*b + n*s = 28*34768*1536*2 + 34768*103,992
-    assert gpu["critic activations"] == 2_990_604_288 + 3_615_593_856 == 6_606_198_144
+    # its forwards run over whole segments after their contexts, about a micro-batch each: n = 32,768, as one
+    # segment of 16,384 tokens after 2,000 of context is shorter; L*n*H*b + n*s = 28*32768*1536*2 + 32768*103,992
+    assert gpu["critic activations"] == 2_818_572_288 + 3_407_609_856 == 6_226_182_144
     plain = memory_plan(load_settings(recipe, overrides[:1]), shape_of("qwen2.5-1.5b"), num_gpus=8, gpu_bytes=GPU_80)
-    assert plan.phase_total("train") - plain.phase_total("train") == 6_606_198_144
+    assert plan.phase_total("train") - plain.phase_total("train") == 6_226_182_144
+    # a segment longer than a micro-batch is a forward of its own, its context in front
+    long = memory_plan(load_settings(recipe, [*overrides, "--env.max_context_tokens=40000"]), shape_of("qwen2.5-1.5b"),
+                       num_gpus=8, gpu_bytes=GPU_80)
+    assert long.part("critic activations").formula.startswith("as activations, n=42000 ")

@@ -37,6 +37,26 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | None = No
     return float(1.0 - (r - v).var(correction=0) / var_returns)
 
 
+def variance_sums(values: Tensor, returns: Tensor) -> tuple[float, float, float, float, float]:
+    """``(n, sum R, sum R^2, sum D, sum D^2)`` with ``D = R - V``, in float64: what
+    :func:`explained_variance_of_sums` needs, and what adds up over processes (a mean of each process's
+    explained variance is not the batch's, and one process whose returns are all equal makes it NaN).
+    Shapes: values[K], returns[K] -> five floats."""
+    r, d = returns.detach().double().flatten(), (returns.detach().double() - values.detach().double()).flatten()
+    return float(r.numel()), float(r.sum()), float((r * r).sum()), float(d.sum()), float((d * d).sum())
+
+
+def explained_variance_of_sums(n: float, sum_r: float, sum_r2: float, sum_d: float, sum_d2: float) -> float:
+    """:func:`explained_variance` from :func:`variance_sums` added over any split of the items:
+    ``1 - (E[D^2] - E[D]^2) / (E[R^2] - E[R]^2)``; NaN without items or when ``Var[R] = 0``."""
+    if n == 0:
+        return float("nan")
+    var_returns = sum_r2 / n - (sum_r / n) ** 2
+    if var_returns <= 1e-12 * max(sum_r2 / n, 1e-300):  # equal returns, up to the sums' rounding
+        return float("nan")
+    return 1.0 - (sum_d2 / n - (sum_d / n) ** 2) / var_returns
+
+
 def echo_trap_warning(
     within_group_std_history: Sequence[float],
     *,

@@ -372,8 +372,9 @@ class Episode:
         first.extend(self.codec.prompt_ids(messages, tools=self.env.tools), mask=0)
         self.trajectory.segments.append(first)
         critic_context = checked_critic_context(self.env)
-        if critic_context:  # clipped like an observation: `plan` bounds the critic's stream by it
-            self.trajectory.critic_context_ids = self.codec.encode(clip(critic_context, self.budget.max_observation_chars))
+        if critic_context:  # clipped like an observation, and to as many tokens: `plan` bounds the critic's stream by it
+            limit = self.budget.max_observation_chars
+            self.trajectory.critic_context_ids = self.codec.encode(clip(critic_context, limit))[:limit]
 
     async def play_turns(self, started: float, park_after_s: float | None) -> None:
         steps_this_call = 0
