@@ -105,11 +105,12 @@ class Critic:
         forward as long as a micro-batch times its segments' count. Under ZeRO-3 every rank runs as many forwards
         (the most any rank needs: the extra ones over one token), since each forward gathers the weights."""
         chunks = batching.micro_batches(segment_ids, self.chunk_tokens)
+        # agreed before any forward: a rank's forwards and its all-reduce must not interleave with another's gathers
+        forwards = int(global_max(len(chunks))) if partitioned(self.trunk) else len(chunks)
         states = torch.cat([hidden_states(self.trunk, input_ids[c], position_ids[c], segment_ids[c]) for c in chunks])
-        if partitioned(self.trunk):
-            one = slice(0, 1)
-            for _ in range(int(global_max(len(chunks))) - len(chunks)):
-                hidden_states(self.trunk, input_ids[one], position_ids[one], segment_ids[one])
+        one = slice(0, 1)
+        for _ in range(forwards - len(chunks)):
+            hidden_states(self.trunk, input_ids[one], position_ids[one], segment_ids[one])
         return states
 
     def empty_old_values(self, batch: RolloutBatch) -> OldValues:

@@ -195,3 +195,16 @@ def test_throughput_counts_the_tokens_of_every_rank(root):
     assert len({json.loads(line)["group_id"] for line in lines}) == 2 and tokens > 0  # both ranks' groups
     logged = metric(run, "throughput/tokens_per_s")[0] * metric(run, "time/step_s")[0]  # step 0
     assert logged == pytest.approx(tokens, rel=1e-9)
+
+
+def test_zero3_with_two_processes_runs_the_privileged_critic_in_chunks(root):
+    """The privileged critic's second forward runs in chunks of whole segments (each after its hidden tests) of
+    about a micro-batch: at 1,200 tokens a micro-batch holds two episodes of one task, whose critic stream is two
+    chunks for the longer task and one for the shorter. Under ZeRO-3 every forward gathers the weights on every
+    rank, so the ranks must run as many: the run finishes (no collective left waiting) and the critic trained."""
+    run = root / "zero3-critic"
+    ok(fit(root, run.name, "--trainer.devices=2", "--trainer.strategy=deepspeed_stage_3", "--model.value_head=true",
+           "--algorithm.advantage=gae", "--algorithm.privileged_critic=true", "--trainer.micro_batch_tokens=1200"))
+    assert len(metric(run, "time/critic_forward_s")) == 2
+    assert all(value > 0 for value in metric(run, "time/critic_forward_s").values())
+    assert all(0 < value < 1e3 for value in metric(run, "policy/grad_norm").values())
