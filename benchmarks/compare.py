@@ -273,6 +273,22 @@ def finished_run(run_dir: Path, spec: dict) -> dict | None:
     return record
 
 
+def earlier_runs(path: str, name: str, warm: dict) -> dict[tuple[str, int], dict]:
+    """The runs of an earlier record of comparison ``name`` (``--runs-from``), by (arm, seed), each carrying the
+    commit it ran at (``commit``). Its warm start must be made as this one's: the same kind, tasks, steps and model,
+    and the same final loss (to 1e-4), so that its runs started from the same weights."""
+    record = json.loads(Path(path).read_text())
+    if record.get("comparison") != name:
+        raise SystemExit(f"error: --runs-from {path} is a record of {record.get('comparison')!r}, not {name!r}")
+    keys = sorted(set(warm) - {"path", "seconds"})
+    theirs, ours = {k: record["warm_start"].get(k) for k in keys}, {k: warm[k] for k in keys}
+    same = all(math.isclose(a, b, rel_tol=1e-4) if isinstance(a, float) and isinstance(b, float) else a == b
+               for a, b in ((theirs[k], ours[k]) for k in keys))
+    if not same:
+        raise SystemExit(f"error: --runs-from {path}: its warm start {theirs} is not this one's {ours}")
+    return {(r["arm"], r["seed"]): {"commit": record["commit"], **r} for r in record["runs"]}
+
+
 def warm_start_for(spec: dict, base, root: Path, args) -> dict:
     """The comparison's format-only warm start (one for all its runs, so every arm starts from the same
     weights); one left in ``root`` by an earlier call is reused only if it was made the same way."""
@@ -464,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=None,
                         help="held-out evaluation every N steps and at the end (default: the comparison's, else 30)")
     parser.add_argument("--target", type=float, default=0.5, help="report when each run first reached this score")
+    parser.add_argument("--runs-from", default=None,
+                        help="an earlier record of this comparison (its JSON): its runs stand in for the arms and seeds "
+                        "not finished in --root, each with the commit it ran at; its warm start must be this one's. "
+                        "How a comparison split over several machines or days is put together")
     parser.add_argument("--no-run", action="store_true",
                         help="run nothing: write the record from the runs already finished in --root (complete: false "
                         "if any arm and seed is missing)")
@@ -487,8 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     arms = args.arms or list(spec["arms"])
     if set(arms) - set(spec["arms"]):
         parser.error(f"--arms: {args.name} has the arms {list(spec['arms'])}")
+    earlier = earlier_runs(args.runs_from, args.name, warm) if args.runs_from else {}
     for seed in args.seeds:
         for arm in arms:
+            if (arm, seed) in earlier and finished_run(root / f"{arm.replace(' ', '_')}-seed{seed}", spec) is None:
+                runs.append(earlier[(arm, seed)])
+                continue
             if args.no_run:
                 finished = finished_run(root / f"{arm.replace(' ', '_')}-seed{seed}", spec)
                 runs += [finished] if finished is not None else []

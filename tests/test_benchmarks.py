@@ -94,6 +94,20 @@ def test_a_rooms_comparison_pairs_arms_by_seed_and_resumes_from_its_finished_run
     partial = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
     assert partial["runs"] == record["runs"] and partial["seeds"] == [1, 2] and not partial["complete"]
     assert not list((tmp_path / "runs").glob("*seed2"))
+    # a comparison put together from two machines: a root where nothing ran takes the earlier record's runs
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(record))
+    elsewhere = [*argv[:5], str(tmp_path / "elsewhere"), *argv[6:own], "--no-run", "--runs-from", str(earlier)]
+    run_benchmark(*elsewhere, *argv[own:])
+    merged = json.loads((tmp_path / "compare_rooms_truncation.json").read_text())
+    assert [{k: v for k, v in r.items() if k != "commit"} for r in merged["runs"]] == record["runs"]
+    assert {r["commit"] for r in merged["runs"]} == {record["commit"]} and merged["complete"]
+    record["warm_start"]["steps"] = 3  # another warm start: other weights, refused
+    earlier.write_text(json.dumps(record))
+    done = subprocess.run([sys.executable, *elsewhere, *argv[own:]], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode != 0 and "its warm start" in done.stderr and "is not this one's" in done.stderr
+    record["warm_start"]["steps"] = 2
     # a run recorded before records carried diagnostics gets them from its MLflow store; --no-run only reads
     old = tmp_path / "runs" / "reward_0-seed1" / "compare_run.json"
     kept = json.loads(old.read_text())
