@@ -29,12 +29,7 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor | None = No
     if mask is not None:
         keep = mask.flatten() > 0
         v, r = v[keep], r[keep]
-    if r.numel() == 0:
-        return float("nan")
-    var_returns = r.var(correction=0)
-    if var_returns == 0:
-        return float("nan")
-    return float(1.0 - (r - v).var(correction=0) / var_returns)
+    return explained_variance_of_sums(*variance_sums(v, r))
 
 
 def variance_sums(values: Tensor, returns: Tensor) -> tuple[float, float, float, float, float]:
