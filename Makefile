@@ -15,7 +15,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
 # benchmarks/compare.py NAME, each a `make compare-NAME` target
-COMPARISONS = gigpo gigpo_detour mask truncation rooms_gigpo rooms_similarity rooms_truncation rooms_critic rooms_critic_level rooms_privileged rooms_staleness rooms_offpolicy
+COMPARISONS = gigpo gigpo_detour mask truncation rooms_gigpo rooms_similarity rooms_truncation rooms_critic critic_level rooms_critic_level rooms_privileged rooms_staleness rooms_offpolicy
 .PHONY: install smoke test test-fast lint format bench mlflow-ui validate-tasks learn learn-real compare credit $(addprefix compare-,$(COMPARISONS)) clean
 
 install: $(STAMP) $(TOOLS_STAMP)

@@ -6,6 +6,7 @@
     python benchmarks/compare.py rooms_critic      # GAE (turn-level critic) vs GRPO: the world pays per turn
     python benchmarks/compare.py rooms_critic_level  # GRPO vs GAE turn-level vs token-level critic, and the token
                                                      # level with groups of one at the same episodes a step
+    python benchmarks/compare.py critic_level      # the same four on copy-the-key: long turns (whole tool calls)
     python benchmarks/compare.py rooms_privileged  # GAE vs GAE whose critic reads the hidden goal (privileged),
                                                    # its head without the goal (control) and GRPO
     python benchmarks/compare.py rooms_staleness   # staleness weighting vs none at bounds 2 and 4, partial rollouts
@@ -134,6 +135,19 @@ COMPARISONS: dict[str, dict] = {
         "pairs": [("grpo", "gae"), ("grpo + value head", "gae")],
         "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
+    "critic_level": {
+        "question": "GRPO vs GAE with a turn-level critic vs GAE with a token-level critic, and the token-level critic "
+        "with groups of one (32 groups of 1 against 4 of 8: the same 32 episodes a step), on copy-the-key: long turns "
+        "(whole tool calls), the hidden test's reward at the end; gamma 1, lambda 1",
+        "arms": {"grpo": ["--algorithm.advantage=grpo"],
+                 "gae turn": [*GAE, "--algorithm.gae_level=turn"],
+                 "gae token": [*GAE, "--algorithm.gae_level=token"],
+                 "gae token group 1": [*GAE, "--algorithm.gae_level=token", "--rollout.group_size=1",
+                                       "--rollout.groups_per_step=32"]},
+        "pairs": [("grpo", "gae turn"), ("grpo", "gae token"), ("gae turn", "gae token"),
+                  ("gae token", "gae token group 1")],
+        "diagnostics": CRITIC_METRICS, "warm": COPY_KEY, "detour_prob": 0.0, "seeds": [0, 1, 2, 3, 4],
+    },
     "rooms_critic_level": {
         "question": "GRPO vs GAE with a turn-level critic vs GAE with a token-level critic, and the token-level critic "
         "with groups of one (32 groups of 1 against 4 of 8: the same 32 episodes a step), with per-turn rewards "
@@ -164,6 +178,7 @@ COMPARISONS: dict[str, dict] = {
                   ("grpo", "gae"), ("grpo", "gae privileged")],
         # 12 held-out tasks (3 starts x 4 goals): 4 episodes each, 48 an evaluation (the maze's: 5 x 8 = 40)
         "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 4,
+        "seeds": [0, 1, 2, 3, 4],
     },
     "rooms_staleness": {
         "question": "staleness weighting (exp, rate 0.5) vs none, with partial rollouts, at max_staleness 2 and 4",
