@@ -87,9 +87,9 @@ def test_nothing_the_policy_reads_names_the_goal():
 def test_the_comparisons_run_every_arm_at_the_same_episodes_a_step():
     from lightning_agentrl.settings import load_settings
 
-    for name in ("rooms_critic_level", "rooms_privileged"):
+    for name in ("critic_level", "rooms_critic_level", "rooms_privileged"):
         spec = COMPARISONS[name]
-        config = REPO / spec["config"]
+        config = REPO / spec.get("config", f"configs/compare_{name}.yaml")  # copy-the-key's: compare_<name>.yaml
         assert config.read_text().startswith(f"# python benchmarks/compare.py {name}")
         assert "value/explained_variance" in spec["diagnostics"]
         budgets = set()
@@ -99,6 +99,9 @@ def test_the_comparisons_run_every_arm_at_the_same_episodes_a_step():
             assert settings.model.value_head == (settings.algorithm.advantage == "gae"), arm
         assert budgets == {32}, name
         assert all(a in spec["arms"] and b in spec["arms"] for a, b in spec["pairs"])
+    long_turns = COMPARISONS["critic_level"]
+    token = load_settings(REPO / "configs/compare_critic_level.yaml", long_turns["arms"]["gae token"])
+    assert (token.algorithm.gamma, token.algorithm.gae_lambda, token.env.tasks.name) == (1.0, 1.0, "learn")
     makefile = (REPO / "Makefile").read_text().split("\nCOMPARISONS = ")[1].split("\n")[0]
     assert set(makefile.split()) == set(COMPARISONS)  # each has its `make compare-NAME`
     privileged = COMPARISONS["rooms_privileged"]
