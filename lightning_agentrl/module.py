@@ -153,24 +153,29 @@ class AgentRLModule(L.LightningModule):
 
         t, scheduler = self.settings.trainer, self.lr_schedulers()
         groups = self.trainer.optimizers[0].param_groups
-        lr = t.lr * scheduler.lr_lambdas[0](scheduler.last_epoch)  # where the schedule stands now
-        wanted = {"initial_lr": t.lr, "lr": lr, "eps": t.adam_eps, "weight_decay": t.weight_decay}
-        names = {"initial_lr": "trainer.lr", "lr": "this step's lr (trainer.lr and warmup_steps)",
-                 "eps": "trainer.adam_eps", "weight_decay": "trainer.weight_decay"}
-        for key, value in wanted.items():
-            before = {group.get(key) for group in groups}
-            if before != {value}:
-                rank_zero_info(f"{names[key]}: the checkpoint's optimizer had {sorted(before, key=str)}; "
-                               f"this run uses {value:g} (its settings)")
-            for group in groups:
+        at = scheduler.lr_lambdas[0](scheduler.last_epoch)  # where the schedule stands now
+        # the policy's group, then the value head's with trainer.value_lr (configure_optimizers)
+        bases = [(t.lr, "trainer.lr"), (t.value_lr, "trainer.value_lr")][:len(groups)]
+        for group, (base, name) in zip(groups, bases, strict=True):
+            wanted = {"initial_lr": base, "lr": base * at, "eps": t.adam_eps, "weight_decay": t.weight_decay}
+            names = {"initial_lr": name, "lr": f"this step's lr ({name} and warmup_steps)",
+                     "eps": "trainer.adam_eps", "weight_decay": "trainer.weight_decay"}
+            for key, value in wanted.items():
+                if group.get(key) != value:
+                    rank_zero_info(f"{names[key]}: the checkpoint's optimizer had [{group.get(key)}]; "
+                                   f"this run uses {value:g} (its settings)")
                 group[key] = value
-        scheduler.base_lrs = [t.lr] * len(scheduler.base_lrs)
+        scheduler.base_lrs = [group["initial_lr"] for group in groups]
         scheduler._last_lr = [group["lr"] for group in groups]
 
     @override
     def configure_optimizers(self):
         t = self.settings.trainer
-        params = [p for p in self.parameters() if p.requires_grad]
+        head = [] if t.value_lr is None else [p for p in self.value_head.parameters() if p.requires_grad]
+        ids = {id(p) for p in head}
+        params = [{"params": [p for p in self.parameters() if p.requires_grad and id(p) not in ids]}]
+        if head:  # trainer.value_lr: the critic's head in a group of its own, at its own learning rate
+            params.append({"params": head, "lr": t.value_lr})
         if t.offload_optimizer:
             # ZeRO's optimizer offload steps on the CPU with DeepSpeed's own (vectorized) Adam; it
             # refuses torch's. Same AdamW update rule (decoupled weight decay).

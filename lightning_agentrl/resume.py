@@ -197,6 +197,13 @@ def check_resume_keeps(settings: Settings, run_dir: Path) -> None:
                 f"{section}.{field}: the run in {run_dir} ran with {old!r}, this resume asks for {new!r}; "
                 f"{reason} (resume with {old!r}, or start a new run.dir)"
             )
+    if (before("trainer", "value_lr") is None) != (settings.trainer.value_lr is None):
+        raise SettingsError(
+            f"trainer.value_lr: the run in {run_dir} ran with {before('trainer', 'value_lr')!r}, this resume asks for "
+            f"{settings.trainer.value_lr!r}; a resume keeps whether the value head has a learning rate of its own (its "
+            "optimizer state is then a parameter group of its own), though it may change the rate (resume with a "
+            "value set, or unset, as before, or start a new run.dir)"
+        )
     old_path = before("model", "path")
     if settings.model.lora and _resolved(old_path) != _resolved(settings.model.path):
         raise SettingsError(

@@ -521,6 +521,10 @@ class TrainerSettings(_Section):
     whatever number of optimizer updates (`ppo_epochs` x `mini_batches`) it takes."""
     lr: float = Field(1e-5, gt=0, le=1.0, allow_inf_nan=False)
     """AdamW learning rate (at most 1)."""
+    value_lr: float | None = Field(None, gt=0, le=1.0, allow_inf_nan=False)
+    """The value head's AdamW learning rate (None = `lr`; only with `model.value_head`). A head that starts at
+    V = 0 moves each weight by at most about this much an update, so at a policy's learning rate it may take
+    hundreds of updates to tell states apart (verl's critic has its own optimizer and learning rate too)."""
     weight_decay: float = Field(0.0, ge=0, le=100.0, allow_inf_nan=False)
     """AdamW weight decay."""
     adam_eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
@@ -658,6 +662,8 @@ class Settings(BaseSettings):
             raise ValueError("algorithm.advantage=gae needs model.value_head=true (a critic)")
         if self.algorithm.privileged_critic and not self.model.value_head:
             raise ValueError("algorithm.privileged_critic needs model.value_head=true (a critic to read the context)")
+        if self.trainer.value_lr is not None and not self.model.value_head:
+            raise ValueError("trainer.value_lr is the value head's learning rate: it needs model.value_head=true")
         if self.rollout.bootstraps_truncations and self.algorithm.advantage != "gae":
             raise ValueError("rollout.truncation=bootstrap needs algorithm.advantage=gae (the critic bootstraps returns)")
         if self.env.sub_agent is not None and self.engine.kind != "torch":

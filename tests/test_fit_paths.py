@@ -247,6 +247,57 @@ def test_a_resume_trains_with_its_own_lr_eps_and_weight_decay_from_where_the_war
         assert change in caplog.text
 
 
+class HeadAndPolicyUpdates(L.Callback):
+    """The largest change of any value-head weight and of any policy weight in each training step, and the
+    optimizer's learning rates as each step starts."""
+
+    def __init__(self) -> None:
+        self.head, self.policy, self.lrs = {}, {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before = [[p.detach().clone() for p in m.parameters()] for m in (pl_module.value_head, pl_module.policy)]
+        self.lrs[trainer.global_step] = [group["lr"] for group in trainer.optimizers[0].param_groups]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        head, policy = ([float((p.detach() - b).abs().max()) for p, b in zip(m.parameters(), before, strict=True)]
+                        for m, before in zip((pl_module.value_head, pl_module.policy), self.before, strict=True))
+        self.head[trainer.global_step - 1], self.policy[trainer.global_step - 1] = max(head), max(policy)
+
+
+@pytest.mark.parametrize("value_lr", [None, 0.05])
+def test_the_value_head_trains_at_its_own_learning_rate(tmp_path, value_lr):
+    """Adam's first step moves each weight by about its group's lr: the value head by trainer.value_lr (0.05),
+    the policy by trainer.lr (1e-3); without value_lr the head moves at lr like the rest."""
+    updates = HeadAndPolicyUpdates()
+    overrides = [] if value_lr is None else [f"--trainer.value_lr={value_lr}"]
+    scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=1", "--model.value_head=true",
+                                "--algorithm.advantage=gae", *overrides), {"e0": SOLVE}, callbacks=[updates])
+    lr = 1e-3  # learn_settings'
+    head_lr = value_lr or lr
+    assert updates.lrs[0] == ([lr] if value_lr is None else [lr, value_lr])
+    assert 0.9 * head_lr < updates.head[0] <= 1.01 * head_lr, updates.head
+    assert 0.5 * lr < updates.policy[0] <= 1.01 * lr, updates.policy
+
+
+def test_a_resume_may_change_the_value_lr_but_not_whether_there_is_one(tmp_path, caplog):
+    """The value head's own group is in the checkpoint's optimizer state: a resume runs at the new value_lr
+    (and says so), and refuses to add or drop the group before any work starts."""
+    from lightning_agentrl.settings import SettingsError
+    from lightning_agentrl.train import fit
+
+    critic = ("--model.value_head=true", "--algorithm.advantage=gae")
+    scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=1", *critic, "--trainer.value_lr=0.05"), {"e0": SOLVE})
+    updates = HeadAndPolicyUpdates()
+    with caplog.at_level("INFO"):
+        scripted_fit(learn_settings(tmp_path, "--trainer.max_steps=2", *critic, "--trainer.value_lr=0.02",
+                                    "--run.resume=last"), {"e0": SOLVE}, callbacks=[updates])
+    assert updates.lrs == {1: [1e-3, 0.02]}
+    assert 0.9 * 0.02 < updates.head[1] <= 1.01 * 0.05, updates.head  # Adam's second step: about lr, at most
+    assert "trainer.value_lr: the checkpoint's optimizer had [0.05]; this run uses 0.02" in caplog.text
+    with pytest.raises(SettingsError, match=r"trainer.value_lr: the run in .* ran with 0.02, this resume asks for None"):
+        fit(learn_settings(tmp_path, "--trainer.max_steps=3", *critic, "--run.resume=last"))
+
+
 def test_a_resume_that_changes_the_sampling_distribution_is_refused_before_it_starts(tmp_path):
     """Episodes restored from the checkpoint carry log-probs of the distribution they were sampled from; a
     resume with another would weight them wrongly. The run's settings file may predate `engine.logprobs`
