@@ -227,6 +227,16 @@ def episode_stats(run_dir: Path, last_steps: int = 10) -> dict:
             "late_mean_reward": statistics.fmean(t.reward for t in late) if late else 0.0}
 
 
+def critic_ceiling(run_dir: Path, spec: dict) -> dict:
+    """For a comparison whose records carry the value head's explained variance: what a memorizing critic
+    explains of the same returns (``state_mean_ev``, benchmarks/critic_ceiling.py), to read it against."""
+    if "value/explained_variance" not in spec.get("diagnostics", []):
+        return {}
+    from critic_ceiling import run_ceiling
+
+    return {"state_mean_ev": run_ceiling(run_dir)}
+
+
 def run_diagnostics(run_dir: Path, keys: list[str], last_steps: int = 10) -> dict[str, dict[str, float]]:
     """Per MLflow metric of ``keys`` the run logged: ``{"mean": over its steps, "late": over its last
     ``last_steps`` steps, "max": its largest step value, "nan_steps": steps whose value was NaN}``, read
@@ -285,6 +295,8 @@ def finished_run(run_dir: Path, spec: dict) -> dict | None:
     record = json.loads(path.read_text())
     if "diagnostics" not in record:
         record["diagnostics"] = run_diagnostics(run_dir, diagnostic_keys(spec))
+    if "state_mean_ev" not in record:
+        record.update(critic_ceiling(run_dir, spec))
     return record
 
 
@@ -356,6 +368,7 @@ def run_arm(config: str, spec: dict, arm: str, seed: int, root: Path, warm: dict
         "train_reward_per_step": [r["reward"] for r in train_rewards(run_dir)],
         **episode_stats(run_dir), "seconds": round(time.monotonic() - t0, 1),
         "diagnostics": run_diagnostics(run_dir, diagnostic_keys(spec)),
+        **critic_ceiling(run_dir, spec),
         "episodes": result.global_step * settings.rollout.groups_per_step * settings.rollout.group_size,
     }
     write_json(run_dir / "compare_run.json", record)
@@ -396,6 +409,8 @@ def summarize(spec: dict, runs: list[dict], target: float = 0.5) -> dict:
             "late_mean_turns": {e: sum(int(k) * v for k, v in t.items()) / sum(t.values())
                                 for e, t in _merge_turns(r["late_turns"] for r in mine).items()},
             "diagnostics": _mean_diagnostics([r.get("diagnostics", {}) for r in mine]),
+            **({"state_mean_ev": _mean_ceilings([r["state_mean_ev"] for r in mine if "state_mean_ev" in r])}
+               if any("state_mean_ev" in r for r in mine) else {}),
         }
     pairs = {}
     for a, b in spec.get("pairs", [(arms[0], arm) for arm in arms[1:]]):
@@ -419,6 +434,16 @@ def _mean_diagnostics(tables: list[dict]) -> dict[str, dict[str, float]]:
                         "late": statistics.fmean(lates) if lates else None,
                         "max": max(d["max"] for d in logged), "runs": len(logged)}
     return out
+
+
+def _mean_ceilings(tables: list[dict]) -> dict[str, dict[str, float | None]]:
+    """Each key's state-mean explained variance (``critic_ceiling``), mean and late, averaged over the runs."""
+    def average(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+
+    return {key: {part: average(t[key][part] for t in tables if key in t) for part in ("mean", "late")}
+            for key in sorted({k for t in tables for k in t})}
 
 
 def _sum_counts(tables) -> dict[str, int]:
