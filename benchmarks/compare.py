@@ -229,12 +229,12 @@ def episode_stats(run_dir: Path, last_steps: int = 10) -> dict:
 
 def critic_ceiling(run_dir: Path, spec: dict) -> dict:
     """For a comparison whose records carry the value head's explained variance: what a memorizing critic
-    explains of the same returns (``state_mean_ev``, benchmarks/critic_ceiling.py), to read it against."""
+    could explain of the returns (``critic_ceiling``, benchmarks/critic_ceiling.py), to read it against."""
     if "value/explained_variance" not in spec.get("diagnostics", []):
         return {}
     from critic_ceiling import run_ceiling
 
-    return {"state_mean_ev": run_ceiling(run_dir)}
+    return {"critic_ceiling": run_ceiling(run_dir)}
 
 
 def run_diagnostics(run_dir: Path, keys: list[str], last_steps: int = 10) -> dict[str, dict[str, float]]:
@@ -295,7 +295,7 @@ def finished_run(run_dir: Path, spec: dict) -> dict | None:
     record = json.loads(path.read_text())
     if "diagnostics" not in record:
         record["diagnostics"] = run_diagnostics(run_dir, diagnostic_keys(spec))
-    if "state_mean_ev" not in record:
+    if "critic_ceiling" not in record:
         record.update(critic_ceiling(run_dir, spec))
     return record
 
@@ -409,8 +409,8 @@ def summarize(spec: dict, runs: list[dict], target: float = 0.5) -> dict:
             "late_mean_turns": {e: sum(int(k) * v for k, v in t.items()) / sum(t.values())
                                 for e, t in _merge_turns(r["late_turns"] for r in mine).items()},
             "diagnostics": _mean_diagnostics([r.get("diagnostics", {}) for r in mine]),
-            **({"state_mean_ev": _mean_ceilings([r["state_mean_ev"] for r in mine if "state_mean_ev" in r])}
-               if any("state_mean_ev" in r for r in mine) else {}),
+            **({"critic_ceiling": _mean_ceilings([r["critic_ceiling"] for r in mine if "critic_ceiling" in r])}
+               if any("critic_ceiling" in r for r in mine) else {}),
         }
     pairs = {}
     for a, b in spec.get("pairs", [(arms[0], arm) for arm in arms[1:]]):
@@ -437,7 +437,7 @@ def _mean_diagnostics(tables: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def _mean_ceilings(tables: list[dict]) -> dict[str, dict[str, float | None]]:
-    """Each key's state-mean explained variance (``critic_ceiling``), mean and late, averaged over the runs."""
+    """Each number of ``critic_ceiling``, mean and late, averaged over the runs that have it."""
     def average(values):
         values = [v for v in values if v is not None]
         return statistics.fmean(values) if values else None

@@ -254,6 +254,8 @@ class AgentRLModule(L.LightningModule):
         log["tokens/train"] = sum(span_tokens)
         log["train/optimizer_updates"] = float(len(updates))
         log["policy/lr"] = scheduler.get_last_lr()[0]
+        if len(scheduler.get_last_lr()) > 1:  # trainer.value_lr: the value head's group
+            log["value/lr"] = scheduler.get_last_lr()[1]
         self.log_dict(log, on_step=True, prog_bar=False, batch_size=batch.num_episodes)
         self.log("loss", log["loss/total"], prog_bar=True, batch_size=batch.num_episodes)
         return torch.tensor(log["loss/total"])
