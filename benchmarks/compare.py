@@ -79,6 +79,16 @@ OFFPOLICY_ARMS = {
 
 GAE = ["--algorithm.advantage=gae", "--model.value_head=true"]  # the critic arms' common overrides
 
+# Where the critic reads its values (critic_level, rooms_critic_level): GRPO, turn- and token-level GAE, and the
+# token level with groups of one at the same 32 episodes a step.
+CRITIC_LEVEL_ARMS = {"grpo": ["--algorithm.advantage=grpo"],
+                     "gae turn": [*GAE, "--algorithm.gae_level=turn"],
+                     "gae token": [*GAE, "--algorithm.gae_level=token"],
+                     "gae token group 1": [*GAE, "--algorithm.gae_level=token", "--rollout.group_size=1",
+                                           "--rollout.groups_per_step=32"]}
+CRITIC_LEVEL_PAIRS = [("grpo", "gae turn"), ("grpo", "gae token"), ("gae turn", "gae token"),
+                      ("gae token", "gae token group 1")]
+
 COMPARISONS: dict[str, dict] = {
     "gigpo": {
         "question": "GRPO vs GiGPO (anchor states repeat: every episode that read key.txt is in the same state)",
@@ -139,13 +149,7 @@ COMPARISONS: dict[str, dict] = {
         "question": "GRPO vs GAE with a turn-level critic vs GAE with a token-level critic, and the token-level critic "
         "with groups of one (32 groups of 1 against 4 of 8: the same 32 episodes a step), on copy-the-key: long turns "
         "(whole tool calls), the hidden test's reward at the end; gamma 1, lambda 1",
-        "arms": {"grpo": ["--algorithm.advantage=grpo"],
-                 "gae turn": [*GAE, "--algorithm.gae_level=turn"],
-                 "gae token": [*GAE, "--algorithm.gae_level=token"],
-                 "gae token group 1": [*GAE, "--algorithm.gae_level=token", "--rollout.group_size=1",
-                                       "--rollout.groups_per_step=32"]},
-        "pairs": [("grpo", "gae turn"), ("grpo", "gae token"), ("gae turn", "gae token"),
-                  ("gae token", "gae token group 1")],
+        "arms": CRITIC_LEVEL_ARMS, "pairs": CRITIC_LEVEL_PAIRS,
         "diagnostics": CRITIC_METRICS, "warm": COPY_KEY, "detour_prob": 0.0, "seeds": [0, 1, 2, 3, 4],
     },
     "rooms_critic_level": {
@@ -153,13 +157,7 @@ COMPARISONS: dict[str, dict] = {
         "with groups of one (32 groups of 1 against 4 of 8: the same 32 episodes a step), with per-turn rewards "
         "(bonus rooms on the way)",
         "config": "configs/credit_critic_level.yaml",
-        "arms": {"grpo": ["--algorithm.advantage=grpo"],
-                 "gae turn": [*GAE, "--algorithm.gae_level=turn"],
-                 "gae token": [*GAE, "--algorithm.gae_level=token"],
-                 "gae token group 1": [*GAE, "--algorithm.gae_level=token", "--rollout.group_size=1",
-                                       "--rollout.groups_per_step=32"]},
-        "pairs": [("grpo", "gae turn"), ("grpo", "gae token"), ("gae turn", "gae token"),
-                  ("gae token", "gae token group 1")],
+        "arms": CRITIC_LEVEL_ARMS, "pairs": CRITIC_LEVEL_PAIRS,
         "diagnostics": CRITIC_METRICS, "warm": ROOMS, "score": "solved", "eval_every": 10, "eval_samples": 8,
     },
     "rooms_privileged": {

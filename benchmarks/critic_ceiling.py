@@ -73,11 +73,16 @@ def turn_states(trajectory, key: str) -> list[tuple]:
 
 
 def explained_variance(returns: list[float], predicted: list[float]) -> float | None:
-    """``1 - Var(G - pred) / Var(G)``; None without variance in ``returns`` or with fewer than 2 of them."""
-    if len(returns) < 2 or _no_variance(returns):
+    """``1 - Var(G - pred) / Var(G)``, the product's formula (``explained_variance_of_sums``); None where it is
+    NaN (fewer than 2 returns, or returns equal up to rounding)."""
+    from lightning_agentrl.algorithms.diagnostics import explained_variance_of_sums
+
+    if len(returns) < 2:
         return None
     errors = [g - p for g, p in zip(returns, predicted, strict=True)]
-    return 1.0 - statistics.pvariance(errors) / statistics.pvariance(returns)
+    ev = explained_variance_of_sums(len(returns), sum(returns), sum(g * g for g in returns), sum(errors),
+                                    sum(d * d for d in errors))
+    return None if math.isnan(ev) else ev
 
 
 def _no_variance(returns: list[float]) -> bool:
