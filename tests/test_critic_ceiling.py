@@ -121,3 +121,19 @@ def test_the_run_s_latest_gamma_is_used_and_a_step_file_cut_short_is_left_out(tm
     (run / "trajectories" / "step_000001.jsonl").write_text('{"episode_id": "e", "task_')  # a kill mid-write
     assert run_ceiling(run)["state"] == {"mean": pytest.approx(1 - 0.3125 / 0.171875),
                                          "late": pytest.approx(1 - 0.3125 / 0.171875)}
+
+
+def test_the_probe_s_ridge_finds_a_linear_value_and_none_in_noise():
+    """benchmarks/critic_probe.py: returns that are a linear map of the states are explained in and out of sample;
+    returns independent of them are not (out of sample about 0 or below)."""
+    import numpy as np
+    from critic_probe import ridge_ev
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 8))
+    linear = x @ rng.normal(size=8) + 0.5
+    fitted, held_out = ridge_ev(x[:300], linear[:300], x[300:], linear[300:], 1e-3)
+    assert fitted > 0.999 and held_out > 0.999
+    noise = rng.normal(size=400)
+    fitted, held_out = ridge_ev(x[:300], noise[:300], x[300:], noise[300:], 1e-3)
+    assert fitted < 0.1 and held_out < 0.02
