@@ -407,7 +407,9 @@ def test_sampling_benchmark_times_both_samplers_on_the_same_distributions(tmp_pa
     assert (record["rows"], record["vocab"], record["steps"]) == (3, 50, 4)
     ms = record["ms_per_step"]
     assert set(ms) == {"per_row", "batched"} and all(v > 0 for v in ms.values())
-    assert math.isclose(record["speedup"], ms["per_row"] / ms["batched"], rel_tol=0.02)
+    # the speedup is kept to 2 decimals and each time to 3: allow half a unit of the first, 1% for the second
+    ratio = ms["per_row"] / ms["batched"]
+    assert abs(record["speedup"] - ratio) <= 0.005 + 0.01 * ratio
     assert f"{record['speedup']}x" in done.stdout
 
 
