@@ -108,25 +108,22 @@ def _no_servers(settings: Settings, model_path: str, run_dir: Path) -> None:
 
 @dataclass(frozen=True)
 class EngineKind:
-    """What one ``engine.kind`` is: how its engine is built, what the run starts for it, and where its engines
-    live (which decides what the KV-cache check counts)."""
+    """How one ``engine.kind`` is built and what the run starts for it (what the settings, plans and checks know
+    of it is :data:`lightning_agentrl.settings.ENGINE_KINDS`)."""
 
     build: Callable[[Settings, str, Any, list[str] | None], GenerationEngine]
     """``(settings, model path, tokenizer, server URLs) -> engine``."""
     start_servers: Callable[[Settings, str, Path], LocalVLLMServers | None] = _no_servers
     """What the run starts before the engine is built (``(settings, model path, run folder)``), or None."""
-    in_training_process: bool = False
-    """Its engines live in every training process: each process's KV caches count against the machine's memory."""
 
 
 ENGINES: dict[str, EngineKind] = {
-    "torch": EngineKind(build=_torch_engine, in_training_process=True),
-    "vllm": EngineKind(build=_vllm_engine, in_training_process=True),
+    "torch": EngineKind(build=_torch_engine),
+    "vllm": EngineKind(build=_vllm_engine),
     "vllm_server": EngineKind(build=_server_engine, start_servers=_local_servers),
 }
-"""Every ``engine.kind``, the names ``EngineSettings.kind`` takes. Elsewhere a kind is still named by the settings'
-rules between fields, by ``plan.py`` (each kind's memory) and by ``preflight.py`` (vLLM reads safetensors only;
-the start-up checks import no torch, so they do not read this table)."""
+"""Every ``engine.kind``, keyed as :data:`lightning_agentrl.settings.ENGINE_KINDS` (the kinds' traits, which the
+settings, the memory plans and the start-up checks read without importing torch)."""
 
 
 def cpu_kv_cache_bytes(settings: Settings, model_path: str, num_engines: int) -> int:
@@ -150,7 +147,7 @@ def cpu_kv_cache_bytes(settings: Settings, model_path: str, num_engines: int) ->
     holds = vllm_engine.kv_cache_sequences(size, max_model_len, per_token)
     available = psutil.virtual_memory().available
     # every training process of this machine holds its own in-process engines
-    in_process = ENGINES[e.kind].in_training_process
+    in_process = e.traits.in_training_process
     processes = settings.trainer.devices if isinstance(settings.trainer.devices, int) and in_process else 1
     if processes * num_engines * size > available:
         why = f" (for {share} episodes of {max_model_len:,} tokens each)" if sized else ""

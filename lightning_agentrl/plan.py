@@ -634,11 +634,11 @@ def memory_plan(settings: Settings, shape: ModelShape, *, num_gpus: int, gpu_byt
              f"C*V*(b+12), C={t.logprob_chunk_tokens}"))
     add(Part("trainer reserve", PROCESS_RESERVE_BYTES, "both", "CUDA context + fragmentation"))
 
-    if e.kind == "vllm_server":
-        plan.placement = ("vllm_server engine: servers in their own processes, planned apart "
+    if e.traits.servers:
+        plan.placement = (f"{e.kind} engine: servers in their own processes, planned apart "
                           "(fit starts local ones on these GPUs: give them engine.gpu_memory_utilization)")
-    elif e.kind != "vllm":
-        plan.placement = "torch engine, in-process on CPU: no GPU memory"
+    elif not e.traits.shares_trainer_gpus:
+        plan.placement = f"{e.kind} engine, in-process on CPU: no GPU memory"
     else:
         _plan_engine(plan, settings, shape)
     _check(plan, settings)
@@ -716,7 +716,7 @@ def _check(plan: MemoryPlan, settings: Settings) -> None:
     """Fill ``plan.problems``; each names the part to change, the shortfall and the setting."""
     e = settings.engine
     gpu = plan.gpu_bytes
-    vllm = e.kind == "vllm"
+    vllm = e.traits.shares_trainer_gpus
     engine_fits = vllm and plan.min_utilization <= plan.suggested_utilization
     for phase in ("generate", "train"):
         total = plan.phase_total(phase)
@@ -936,7 +936,7 @@ def _host_engine_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelSha
     ``rollout.max_in_flight`` episodes of ``e`` tokens, ``2*L*k*d*b`` bytes a token. vLLM runs in processes
     of its own (a note, no part)."""
     m, r = settings.model, settings.rollout
-    if settings.engine.kind != "torch":
+    if not settings.engine.traits.own_sampler:
         plan.notes.append(f"engine.kind={settings.engine.kind}: the engine runs in processes of its own "
                           "(its weights and KV cache are not in this process)")
         return

