@@ -1,4 +1,4 @@
-"""Attention over packed segments without an ``[n, n]`` mask.
+"""Attention over packed segments without an ``[n, n]`` mask, and shared prompts computed once.
 
 A micro-batch is one flat stream of ``n`` tokens holding ``S`` whole segments (contiguous runs of
 one segment id; positions restart at each). Running the decoder over the whole stream with a
@@ -8,13 +8,30 @@ buckets of near-equal lengths, ``[b, L]`` per bucket, each run as an ordinary ri
 a token attends to its own segment only (causal, and padding comes after every real token), so
 the result equals running each segment alone, at a cost of at most ``sum_s len_s^2 / ratio^2``.
 
+Shared prefixes. The episodes of one GRPO group start with the same chat-templated prompt, often
+half of each episode's tokens: running every segment whole recomputes that prompt once per
+episode, forward and backward. A causal decoder's states over a prefix do not depend on what
+follows, so segments whose first ``p >= MIN_SHARED_PREFIX`` tokens are identical (token ids and
+position ids, found by comparing the tokens, never assumed) run that prefix once, with a KV cache,
+and only their own remaining tokens (suffixes) on top of it. The cached keys and values are
+indexed per suffix row, so each row's gradient flows back into the one prefix forward and sums
+there; the prefix's hidden states are copied to every segment that shares it. Values and
+gradients equal running each segment alone (up to float rounding).
+
     n  tokens in the micro-batch       S  segments
-    H  hidden size                     L  a bucket's longest segment
+    H  hidden size                     L  a bucket's longest segment (or suffix)
+    P  a suffix bucket's longest prefix    K  key/value heads    D  head dimension
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_SHARED_PREFIX = 16
+"""Shortest prefix worth a forward of its own: below it the extra decoder call costs more than the
+tokens it saves."""
 
 
 def segment_runs(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +66,82 @@ def length_buckets(lengths: list[int], max_tokens: int, ratio: float = 0.8) -> l
     return buckets
 
 
+def _common_length(a: list, b: list) -> int:
+    limit = min(len(a), len(b))
+    k = 0
+    while k < limit and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def shared_prefix_groups(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    starts: list[int],
+    lengths: list[int],
+    min_length: int = MIN_SHARED_PREFIX,
+) -> list[tuple[int, list[int]]]:
+    """Groups ``(p, segments)`` of at least 2 segments whose first ``p >= min_length`` tokens are
+    equal, in ``input_ids`` and ``position_ids`` (``[n]``); each segment in at most one group.
+
+    The segments sorted by their tokens form a trie; of its nodes (a prefix of length ``p`` shared by
+    ``k`` segments) the disjoint set chosen saves the most token forwards, ``sum (k - 1) * p``. So a
+    system prompt common to every group does not hide the longer per-group prompts below it, and
+    two episodes whose completions happen to start alike do not split their group's prompt.
+
+    >>> ids = torch.tensor([5, 6, 7, 1, 5, 6, 7, 2, 9, 9])
+    >>> pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
+    >>> shared_prefix_groups(ids, pos, [0, 4, 8], [4, 4, 2], min_length=2)
+    [(3, [0, 1])]
+    """
+    ids, pos = input_ids.tolist(), position_ids.tolist()
+    candidates = [s for s, length in enumerate(lengths) if length >= min_length]
+    tokens = {s: list(zip(ids[starts[s] : starts[s] + lengths[s]], pos[starts[s] : starts[s] + lengths[s]]))
+              for s in candidates}
+    order = sorted(candidates, key=tokens.__getitem__)
+    common = [_common_length(tokens[a], tokens[b]) for a, b in zip(order, order[1:])]
+
+    def best(lo: int, hi: int) -> tuple[int, list[tuple[int, list[int]]]]:
+        """Most tokens saved, and the groups saving them, among the sorted segments ``order[lo:hi]``."""
+        if hi - lo < 2:
+            return 0, []
+        depth = min(common[lo : hi - 1])  # the prefix all of them share: this node of the trie
+        saved, groups, child = 0, [], lo
+        for i in range(lo, hi):
+            if i == hi - 1 or common[i] == depth:  # a child node ends after order[i]
+                child_saved, child_groups = best(child, i + 1)
+                saved, groups, child = saved + child_saved, groups + child_groups, i + 1
+        own = (hi - lo - 1) * depth if depth >= min_length else 0
+        if own > 0 and own >= saved:
+            return own, [(depth, sorted(order[lo:hi]))]
+        return saved, groups
+
+    return sorted(best(0, len(order))[1], key=lambda group: group[1][0])
+
+
+def prefix_cache_exact(decoder: torch.nn.Module) -> bool:
+    """Whether ``decoder`` can run a suffix on a given prefix's keys and values: every layer's cache
+    is a plain growing one (no sliding window, no recurrent state), and no gradient checkpointing in
+    training, under which transformers drops the cache (its backward replay would extend it twice)."""
+    if decoder.training and any(getattr(module, "gradient_checkpointing", False) for module in decoder.modules()):
+        return False
+    layers = DynamicCache(config=decoder.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def _padded_batch(input_ids, position_ids, spans: list[tuple[int, int]]):
+    """Right-padded ``ids, pos, mask`` ``[b, L]`` of the stream's ``spans`` (start, length)."""
+    longest = max(length for _, length in spans)
+    ids = input_ids.new_zeros(len(spans), longest)
+    pos = position_ids.new_zeros(len(spans), longest)
+    mask = torch.zeros(len(spans), longest, dtype=torch.long, device=input_ids.device)
+    for row, (start, length) in enumerate(spans):
+        ids[row, :length] = input_ids[start : start + length]
+        pos[row, :length] = position_ids[start : start + length]
+        mask[row, :length] = 1
+    return ids, pos, mask
+
+
 def packed_hidden_states(
     decoder: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -57,33 +150,102 @@ def packed_hidden_states(
     max_bucket_tokens: int | None = None,
 ) -> torch.Tensor:
     """Last hidden states ``[n, H]`` of a packed micro-batch, each segment attending only to
-    itself, computed bucket by bucket (see the module docstring); differentiable.
+    itself, computed bucket by bucket, shared prefixes once (see the module docstring);
+    differentiable.
 
     ``input_ids``, ``position_ids``, ``segment_ids``: ``[n]``. ``decoder``: an HF decoder stack
-    (``model.get_decoder()``) taking ``input_ids``, ``position_ids`` and a ``[b, L]`` padding mask.
+    (``model.get_decoder()``) taking ``input_ids``, ``position_ids``, a padding mask ``[b, L]`` (or
+    ``[b, P + L]`` over a cache) and ``past_key_values``.
     """
     n = input_ids.numel()
+    device = input_ids.device
     starts, lengths = segment_runs(segment_ids)
     starts_l, lengths_l = starts.tolist(), lengths.tolist()
-    buckets = length_buckets(lengths_l, max_bucket_tokens or n)
-    pieces, order = [], []
-    for bucket in buckets:
-        longest = lengths_l[bucket[0]]
-        ids = input_ids.new_zeros(len(bucket), longest)
-        pos = position_ids.new_zeros(len(bucket), longest)
-        mask = torch.zeros(len(bucket), longest, dtype=torch.long, device=input_ids.device)
-        for row, s in enumerate(bucket):
-            start, length = starts_l[s], lengths_l[s]
-            ids[row, :length] = input_ids[start : start + length]
-            pos[row, :length] = position_ids[start : start + length]
-            mask[row, :length] = 1
-            order.append(torch.arange(start, start + length, device=input_ids.device))
+    groups = shared_prefix_groups(input_ids, position_ids, starts_l, lengths_l) if prefix_cache_exact(decoder) else []
+    grouped = {s for _, members in groups for s in members}
+    plain = [s for s in range(len(starts_l)) if s not in grouped]
+    max_tokens = max_bucket_tokens or n
+    # every output token's row in the concatenation of the pieces: a prefix row serves many tokens
+    pieces, destinations, rows = [], [], []
+    num_rows = 0
+
+    def add_piece(hidden: torch.Tensor, mask: torch.Tensor) -> int:
+        nonlocal num_rows
+        pieces.append(hidden[mask.bool()])  # row-major: span by span
+        first, num_rows = num_rows, num_rows + pieces[-1].shape[0]
+        return first
+
+    def place(stream_start: int, row_start: int, length: int) -> None:
+        destinations.append(torch.arange(stream_start, stream_start + length, device=device))
+        rows.append(torch.arange(row_start, row_start + length, device=device))
+
+    for bucket in length_buckets([lengths_l[s] for s in plain], max_tokens):
+        spans = [(starts_l[plain[i]], lengths_l[plain[i]]) for i in bucket]
+        ids, pos, mask = _padded_batch(input_ids, position_ids, spans)
         hidden = decoder(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state
-        pieces.append(hidden[mask.bool()])  # row-major: segment by segment, in bucket order
+        row = add_piece(hidden, mask)
+        for start, length in spans:
+            place(start, row, length)
+            row += length
+
+    if groups:
+        # each distinct prefix once: hidden states copied to every member, keys and values kept
+        # flat per layer, [sum p, K, D], for the suffixes to index
+        prefix_lengths = [p for p, _ in groups]
+        flat_keys: list[list[torch.Tensor]] = []
+        flat_values: list[list[torch.Tensor]] = []
+        prefix_at = [0] * len(groups)  # group -> its first token's index in the flat prefix stream
+        offset = 0
+        for bucket in length_buckets(prefix_lengths, max_tokens):
+            spans = [(starts_l[groups[g][1][0]], prefix_lengths[g]) for g in bucket]
+            ids, pos, mask = _padded_batch(input_ids, position_ids, spans)
+            out = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
+            row = add_piece(out.last_hidden_state, mask)
+            real = mask.bool()
+            for layer, cache in enumerate(out.past_key_values.layers):  # keys: [b, K, L, D]
+                if layer == len(flat_keys):
+                    flat_keys.append([])
+                    flat_values.append([])
+                flat_keys[layer].append(cache.keys.transpose(1, 2)[real])
+                flat_values[layer].append(cache.values.transpose(1, 2)[real])
+            for g in bucket:
+                prefix_at[g] = offset
+                for s in groups[g][1]:
+                    place(starts_l[s], row, prefix_lengths[g])
+                row += prefix_lengths[g]
+                offset += prefix_lengths[g]
+        keys = [torch.cat(parts) for parts in flat_keys]
+        values = [torch.cat(parts) for parts in flat_values]
+
+        suffixes = [(g, s) for g, (p, members) in enumerate(groups) for s in members if lengths_l[s] > p]
+        suffix_lengths = [lengths_l[s] - groups[g][0] for g, s in suffixes]
+        for bucket in length_buckets(suffix_lengths, max_tokens):
+            spans = [(starts_l[s] + groups[g][0], suffix_lengths[i]) for i in bucket for g, s in [suffixes[i]]]
+            ids, pos, suffix_mask = _padded_batch(input_ids, position_ids, spans)
+            prefix_of = [suffixes[i][0] for i in bucket]
+            longest = max(prefix_lengths[g] for g in prefix_of)
+            # row r reads its prefix's flat keys; the padding past a shorter prefix is masked out
+            steps = torch.arange(longest, device=device)
+            starts_t = torch.tensor([prefix_at[g] for g in prefix_of], device=device)
+            lengths_t = torch.tensor([prefix_lengths[g] for g in prefix_of], device=device)
+            prefix_mask = steps[None, :] < lengths_t[:, None]  # [b, P]
+            index = torch.where(prefix_mask, starts_t[:, None] + steps[None, :], starts_t[:, None])
+            cache = DynamicCache(
+                ddp_cache_data=[(k[index].transpose(1, 2), v[index].transpose(1, 2)) for k, v in zip(keys, values)],
+                config=decoder.config,
+            )  # per layer [b, K, P, D]
+            mask = torch.cat([prefix_mask.long(), suffix_mask], dim=1)  # [b, P + L]
+            hidden = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                             use_cache=True).last_hidden_state
+            row = add_piece(hidden, suffix_mask)
+            for start, length in spans:
+                place(start, row, length)
+                row += length
+
     flat = torch.cat(pieces)
-    inverse = torch.empty(n, dtype=torch.long, device=input_ids.device)
-    inverse[torch.cat(order)] = torch.arange(n, device=input_ids.device)
-    return flat[inverse]
+    source = torch.empty(n, dtype=torch.long, device=device)
+    source[torch.cat(destinations)] = torch.cat(rows)
+    return flat[source]
 
 
 def block_mask_hidden_states(
