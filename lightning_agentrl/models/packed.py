@@ -25,6 +25,8 @@ gradients equal running each segment alone (up to float rounding).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -96,10 +98,12 @@ def shared_prefix_groups(
     """
     ids, pos = input_ids.tolist(), position_ids.tolist()
     candidates = [s for s, length in enumerate(lengths) if length >= min_length]
-    tokens = {s: list(zip(ids[starts[s] : starts[s] + lengths[s]], pos[starts[s] : starts[s] + lengths[s]]))
-              for s in candidates}
+    tokens = {}
+    for s in candidates:
+        span = slice(starts[s], starts[s] + lengths[s])
+        tokens[s] = list(zip(ids[span], pos[span], strict=True))
     order = sorted(candidates, key=tokens.__getitem__)
-    common = [_common_length(tokens[a], tokens[b]) for a, b in zip(order, order[1:])]
+    common = [_common_length(tokens[a], tokens[b]) for a, b in itertools.pairwise(order)]
 
     def best(lo: int, hi: int) -> tuple[int, list[tuple[int, list[int]]]]:
         """Most tokens saved, and the groups saving them, among the sorted segments ``order[lo:hi]``."""
@@ -123,7 +127,8 @@ def prefix_cache_exact(decoder: torch.nn.Module) -> bool:
     """Whether ``decoder`` can run a suffix on a given prefix's keys and values: every layer's cache
     is a plain growing one (no sliding window, no recurrent state), and no gradient checkpointing in
     training, under which transformers drops the cache (its backward replay would extend it twice)."""
-    if decoder.training and any(getattr(module, "gradient_checkpointing", False) for module in decoder.modules()):
+    checkpointed = any(getattr(module, "gradient_checkpointing", False) for module in decoder.modules())
+    if decoder.training and checkpointed:
         return False
     layers = DynamicCache(config=decoder.config).layers
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
@@ -148,10 +153,11 @@ def packed_hidden_states(
     position_ids: torch.Tensor,
     segment_ids: torch.Tensor,
     max_bucket_tokens: int | None = None,
+    min_shared_prefix: int | None = MIN_SHARED_PREFIX,
 ) -> torch.Tensor:
     """Last hidden states ``[n, H]`` of a packed micro-batch, each segment attending only to
-    itself, computed bucket by bucket, shared prefixes once (see the module docstring);
-    differentiable.
+    itself, computed bucket by bucket, shared prefixes of at least ``min_shared_prefix`` tokens
+    once (``None``: every segment whole; see the module docstring); differentiable.
 
     ``input_ids``, ``position_ids``, ``segment_ids``: ``[n]``. ``decoder``: an HF decoder stack
     (``model.get_decoder()``) taking ``input_ids``, ``position_ids``, a padding mask ``[b, L]`` (or
@@ -161,7 +167,9 @@ def packed_hidden_states(
     device = input_ids.device
     starts, lengths = segment_runs(segment_ids)
     starts_l, lengths_l = starts.tolist(), lengths.tolist()
-    groups = shared_prefix_groups(input_ids, position_ids, starts_l, lengths_l) if prefix_cache_exact(decoder) else []
+    groups = []
+    if min_shared_prefix is not None and prefix_cache_exact(decoder):
+        groups = shared_prefix_groups(input_ids, position_ids, starts_l, lengths_l, min_shared_prefix)
     grouped = {s for _, members in groups for s in members}
     plain = [s for s in range(len(starts_l)) if s not in grouped]
     max_tokens = max_bucket_tokens or n
@@ -220,9 +228,10 @@ def packed_hidden_states(
         suffixes = [(g, s) for g, (p, members) in enumerate(groups) for s in members if lengths_l[s] > p]
         suffix_lengths = [lengths_l[s] - groups[g][0] for g, s in suffixes]
         for bucket in length_buckets(suffix_lengths, max_tokens):
-            spans = [(starts_l[s] + groups[g][0], suffix_lengths[i]) for i in bucket for g, s in [suffixes[i]]]
+            members = [suffixes[i] for i in bucket]
+            spans = [(starts_l[s] + prefix_lengths[g], lengths_l[s] - prefix_lengths[g]) for g, s in members]
             ids, pos, suffix_mask = _padded_batch(input_ids, position_ids, spans)
-            prefix_of = [suffixes[i][0] for i in bucket]
+            prefix_of = [g for g, _ in members]
             longest = max(prefix_lengths[g] for g in prefix_of)
             # row r reads its prefix's flat keys; the padding past a shorter prefix is masked out
             steps = torch.arange(longest, device=device)
@@ -230,10 +239,9 @@ def packed_hidden_states(
             lengths_t = torch.tensor([prefix_lengths[g] for g in prefix_of], device=device)
             prefix_mask = steps[None, :] < lengths_t[:, None]  # [b, P]
             index = torch.where(prefix_mask, starts_t[:, None] + steps[None, :], starts_t[:, None])
-            cache = DynamicCache(
-                ddp_cache_data=[(k[index].transpose(1, 2), v[index].transpose(1, 2)) for k, v in zip(keys, values)],
-                config=decoder.config,
-            )  # per layer [b, K, P, D]
+            per_layer = [(k[index].transpose(1, 2), v[index].transpose(1, 2))  # [b, K, P, D]
+                         for k, v in zip(keys, values, strict=True)]
+            cache = DynamicCache(ddp_cache_data=per_layer, config=decoder.config)
             mask = torch.cat([prefix_mask.long(), suffix_mask], dim=1)  # [b, P + L]
             hidden = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
                              use_cache=True).last_hidden_state
