@@ -251,8 +251,10 @@ def packed_hidden_states(
                 row += length
 
     flat = torch.cat(pieces)
+    destination = torch.cat(destinations)
+    assert destination.numel() == n, "every token of the stream is placed once"
     source = torch.empty(n, dtype=torch.long, device=device)
-    source[torch.cat(destinations)] = torch.cat(rows)
+    source[destination] = torch.cat(rows)
     return flat[source]
 
 
