@@ -147,6 +147,108 @@ def _padded_batch(input_ids, position_ids, spans: list[tuple[int, int]]):
     return ids, pos, mask
 
 
+class _Placement:
+    """The decoder's outputs gathered piece by piece, ``[rows, H]``, and the row each stream token
+    reads: a shared prefix's row is read by every segment that shares it, so its gradient sums."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.n, self.device = n, device
+        self.pieces: list[torch.Tensor] = []
+        self.destinations: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []
+        self.num_rows = 0
+
+    def add(self, hidden: torch.Tensor, mask: torch.Tensor) -> int:
+        """Keep the real tokens of ``hidden[b, L, H]`` (``mask[b, L]``), row-major: span by span; the
+        first one's row."""
+        self.pieces.append(hidden[mask.bool()])
+        first, self.num_rows = self.num_rows, self.num_rows + self.pieces[-1].shape[0]
+        return first
+
+    def place(self, stream_start: int, row_start: int, length: int) -> None:
+        """Stream tokens ``stream_start + i`` read rows ``row_start + i``, ``i < length``."""
+        self.destinations.append(torch.arange(stream_start, stream_start + length, device=self.device))
+        self.rows.append(torch.arange(row_start, row_start + length, device=self.device))
+
+    def states(self) -> torch.Tensor:
+        """``[n, H]`` in stream order."""
+        destination = torch.cat(self.destinations)
+        assert destination.numel() == self.n, "every token of the stream is placed once"
+        source = torch.empty(self.n, dtype=torch.long, device=self.device)
+        source[destination] = torch.cat(self.rows)
+        return torch.cat(self.pieces)[source]
+
+
+def _run_spans(decoder, input_ids, position_ids, spans, placement: _Placement,
+               past_key_values: DynamicCache | None = None, prefix_mask: torch.Tensor | None = None) -> None:
+    """One decoder call over the right-padded ``spans`` (start, length), placed where they came from;
+    on ``past_key_values`` ``[b, K, P, D]`` per layer, whose real tokens are ``prefix_mask[b, P]``,
+    when the spans continue cached prefixes."""
+    ids, pos, mask = _padded_batch(input_ids, position_ids, spans)
+    full_mask = mask if prefix_mask is None else torch.cat([prefix_mask.long(), mask], dim=1)  # [b, P + L]
+    hidden = decoder(input_ids=ids, position_ids=pos, attention_mask=full_mask,
+                     past_key_values=past_key_values, use_cache=past_key_values is not None).last_hidden_state
+    row = placement.add(hidden, mask)
+    for start, length in spans:
+        placement.place(start, row, length)
+        row += length
+
+
+def _run_prefixes(decoder, input_ids, position_ids, spans, placement: _Placement, max_tokens: int):
+    """Each prefix ``spans[g]`` (start, length) once, in length buckets: per layer the keys and
+    values of all prefixes, flat ``[sum p, K, D]``, each prefix's first index in them, and the first
+    row of its hidden states in ``placement`` (for the caller to place at every member)."""
+    flat_keys: list[list[torch.Tensor]] = []
+    flat_values: list[list[torch.Tensor]] = []
+    first_at, rows_at = [0] * len(spans), [0] * len(spans)
+    offset = 0
+    for bucket in length_buckets([length for _, length in spans], max_tokens):
+        ids, pos, mask = _padded_batch(input_ids, position_ids, [spans[g] for g in bucket])
+        out = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
+        row = placement.add(out.last_hidden_state, mask)
+        for layer, cache in enumerate(out.past_key_values.layers):  # keys: [b, K, L, D]
+            if layer == len(flat_keys):
+                flat_keys.append([])
+                flat_values.append([])
+            flat_keys[layer].append(cache.keys.transpose(1, 2)[mask.bool()])
+            flat_values[layer].append(cache.values.transpose(1, 2)[mask.bool()])
+        for g in bucket:
+            first_at[g], rows_at[g] = offset, row
+            row += spans[g][1]
+            offset += spans[g][1]
+    keys = [torch.cat(parts) for parts in flat_keys]
+    values = [torch.cat(parts) for parts in flat_values]
+    return keys, values, first_at, rows_at
+
+
+def _run_shared(decoder, input_ids, position_ids, starts, lengths, groups, placement: _Placement,
+                max_tokens: int) -> None:
+    """The segments of ``groups`` (``(p, members)``): each prefix once, then the members' suffixes in
+    length buckets, each row on its own prefix's keys and values (indexed, so gradients sum back)."""
+    prefix_lengths = [p for p, _ in groups]
+    prefix_spans = [(starts[members[0]], p) for p, members in groups]
+    keys, values, first_at, rows_at = _run_prefixes(decoder, input_ids, position_ids, prefix_spans, placement,
+                                                    max_tokens)
+    for g, (p, members) in enumerate(groups):
+        for s in members:
+            placement.place(starts[s], rows_at[g], p)
+    suffixes = [(g, s) for g, (p, members) in enumerate(groups) for s in members if lengths[s] > p]
+    suffix_lengths = [lengths[s] - prefix_lengths[g] for g, s in suffixes]
+    for bucket in length_buckets(suffix_lengths, max_tokens):
+        rows = [suffixes[i] for i in bucket]
+        spans = [(starts[s] + prefix_lengths[g], lengths[s] - prefix_lengths[g]) for g, s in rows]
+        # row r reads its prefix's flat keys; the padding past a shorter prefix is masked out
+        first = torch.tensor([first_at[g] for g, _ in rows], device=input_ids.device)[:, None]
+        prefix_length = torch.tensor([prefix_lengths[g] for g, _ in rows], device=input_ids.device)[:, None]
+        steps = torch.arange(max(prefix_lengths[g] for g, _ in rows), device=input_ids.device)
+        prefix_mask = steps < prefix_length  # [b, P]
+        index = torch.where(prefix_mask, first + steps, first)
+        per_layer = [(k[index].transpose(1, 2), v[index].transpose(1, 2))  # [b, K, P, D]
+                     for k, v in zip(keys, values, strict=True)]
+        cache = DynamicCache(ddp_cache_data=per_layer, config=decoder.config)
+        _run_spans(decoder, input_ids, position_ids, spans, placement, cache, prefix_mask)
+
+
 def packed_hidden_states(
     decoder: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -164,98 +266,21 @@ def packed_hidden_states(
     ``[b, P + L]`` over a cache) and ``past_key_values``.
     """
     n = input_ids.numel()
-    device = input_ids.device
     starts, lengths = segment_runs(segment_ids)
     starts_l, lengths_l = starts.tolist(), lengths.tolist()
     groups = []
     if min_shared_prefix is not None and prefix_cache_exact(decoder):
         groups = shared_prefix_groups(input_ids, position_ids, starts_l, lengths_l, min_shared_prefix)
     grouped = {s for _, members in groups for s in members}
-    plain = [s for s in range(len(starts_l)) if s not in grouped]
+    whole = [s for s in range(len(starts_l)) if s not in grouped]
     max_tokens = max_bucket_tokens or n
-    # every output token's row in the concatenation of the pieces: a prefix row serves many tokens
-    pieces, destinations, rows = [], [], []
-    num_rows = 0
-
-    def add_piece(hidden: torch.Tensor, mask: torch.Tensor) -> int:
-        nonlocal num_rows
-        pieces.append(hidden[mask.bool()])  # row-major: span by span
-        first, num_rows = num_rows, num_rows + pieces[-1].shape[0]
-        return first
-
-    def place(stream_start: int, row_start: int, length: int) -> None:
-        destinations.append(torch.arange(stream_start, stream_start + length, device=device))
-        rows.append(torch.arange(row_start, row_start + length, device=device))
-
-    for bucket in length_buckets([lengths_l[s] for s in plain], max_tokens):
-        spans = [(starts_l[plain[i]], lengths_l[plain[i]]) for i in bucket]
-        ids, pos, mask = _padded_batch(input_ids, position_ids, spans)
-        hidden = decoder(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state
-        row = add_piece(hidden, mask)
-        for start, length in spans:
-            place(start, row, length)
-            row += length
-
+    placement = _Placement(n, input_ids.device)
+    for bucket in length_buckets([lengths_l[s] for s in whole], max_tokens):
+        spans = [(starts_l[whole[i]], lengths_l[whole[i]]) for i in bucket]
+        _run_spans(decoder, input_ids, position_ids, spans, placement)
     if groups:
-        # each distinct prefix once: hidden states copied to every member, keys and values kept
-        # flat per layer, [sum p, K, D], for the suffixes to index
-        prefix_lengths = [p for p, _ in groups]
-        flat_keys: list[list[torch.Tensor]] = []
-        flat_values: list[list[torch.Tensor]] = []
-        prefix_at = [0] * len(groups)  # group -> its first token's index in the flat prefix stream
-        offset = 0
-        for bucket in length_buckets(prefix_lengths, max_tokens):
-            spans = [(starts_l[groups[g][1][0]], prefix_lengths[g]) for g in bucket]
-            ids, pos, mask = _padded_batch(input_ids, position_ids, spans)
-            out = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
-            row = add_piece(out.last_hidden_state, mask)
-            real = mask.bool()
-            for layer, cache in enumerate(out.past_key_values.layers):  # keys: [b, K, L, D]
-                if layer == len(flat_keys):
-                    flat_keys.append([])
-                    flat_values.append([])
-                flat_keys[layer].append(cache.keys.transpose(1, 2)[real])
-                flat_values[layer].append(cache.values.transpose(1, 2)[real])
-            for g in bucket:
-                prefix_at[g] = offset
-                for s in groups[g][1]:
-                    place(starts_l[s], row, prefix_lengths[g])
-                row += prefix_lengths[g]
-                offset += prefix_lengths[g]
-        keys = [torch.cat(parts) for parts in flat_keys]
-        values = [torch.cat(parts) for parts in flat_values]
-
-        suffixes = [(g, s) for g, (p, members) in enumerate(groups) for s in members if lengths_l[s] > p]
-        suffix_lengths = [lengths_l[s] - groups[g][0] for g, s in suffixes]
-        for bucket in length_buckets(suffix_lengths, max_tokens):
-            members = [suffixes[i] for i in bucket]
-            spans = [(starts_l[s] + prefix_lengths[g], lengths_l[s] - prefix_lengths[g]) for g, s in members]
-            ids, pos, suffix_mask = _padded_batch(input_ids, position_ids, spans)
-            prefix_of = [g for g, _ in members]
-            longest = max(prefix_lengths[g] for g in prefix_of)
-            # row r reads its prefix's flat keys; the padding past a shorter prefix is masked out
-            steps = torch.arange(longest, device=device)
-            starts_t = torch.tensor([prefix_at[g] for g in prefix_of], device=device)
-            lengths_t = torch.tensor([prefix_lengths[g] for g in prefix_of], device=device)
-            prefix_mask = steps[None, :] < lengths_t[:, None]  # [b, P]
-            index = torch.where(prefix_mask, starts_t[:, None] + steps[None, :], starts_t[:, None])
-            per_layer = [(k[index].transpose(1, 2), v[index].transpose(1, 2))  # [b, K, P, D]
-                         for k, v in zip(keys, values, strict=True)]
-            cache = DynamicCache(ddp_cache_data=per_layer, config=decoder.config)
-            mask = torch.cat([prefix_mask.long(), suffix_mask], dim=1)  # [b, P + L]
-            hidden = decoder(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                             use_cache=True).last_hidden_state
-            row = add_piece(hidden, suffix_mask)
-            for start, length in spans:
-                place(start, row, length)
-                row += length
-
-    flat = torch.cat(pieces)
-    destination = torch.cat(destinations)
-    assert destination.numel() == n, "every token of the stream is placed once"
-    source = torch.empty(n, dtype=torch.long, device=device)
-    source[destination] = torch.cat(rows)
-    return flat[source]
+        _run_shared(decoder, input_ids, position_ids, starts_l, lengths_l, groups, placement, max_tokens)
+    return placement.states()
 
 
 def block_mask_hidden_states(
