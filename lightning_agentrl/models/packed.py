@@ -68,6 +68,26 @@ def length_buckets(lengths: list[int], max_tokens: int, ratio: float = 0.8) -> l
     return buckets
 
 
+def suffix_buckets(prefix_lengths: list[int], suffix_lengths: list[int], max_tokens: int,
+                   ratio: float = 0.8) -> list[list[int]]:
+    """Suffix rows (each continuing a cached prefix of ``prefix_lengths[i]`` tokens with
+    ``suffix_lengths[i]`` new ones) grouped into buckets run as one batch: prefixes no shorter than
+    ``ratio`` times the bucket's longest ``P`` (each row's keys are padded to ``P``), and at most
+    ``max_tokens`` cached plus new positions, ``b * (P + L)`` (at least one row), the bound
+    :func:`length_buckets` keeps for whole segments.
+
+    >>> suffix_buckets([3000, 3000, 16, 16, 16], [50, 50, 50, 50, 50], max_tokens=6000)
+    [[0], [1], [2, 3, 4]]
+    """
+    unbounded = sum(prefix_lengths) + sum(suffix_lengths) + 1
+    buckets = []
+    for similar in length_buckets(prefix_lengths, unbounded, ratio):
+        longest = max(prefix_lengths[i] for i in similar)
+        totals = [longest + suffix_lengths[i] for i in similar]
+        buckets += [[similar[j] for j in bucket] for bucket in length_buckets(totals, max_tokens, ratio)]
+    return buckets
+
+
 def _common_length(a: list, b: list) -> int:
     limit = min(len(a), len(b))
     k = 0
@@ -234,7 +254,7 @@ def _run_shared(decoder, input_ids, position_ids, starts, lengths, groups, place
             placement.place(starts[s], rows_at[g], p)
     suffixes = [(g, s) for g, (p, members) in enumerate(groups) for s in members if lengths[s] > p]
     suffix_lengths = [lengths[s] - prefix_lengths[g] for g, s in suffixes]
-    for bucket in length_buckets(suffix_lengths, max_tokens):
+    for bucket in suffix_buckets([prefix_lengths[g] for g, _ in suffixes], suffix_lengths, max_tokens):
         rows = [suffixes[i] for i in bucket]
         spans = [(starts[s] + prefix_lengths[g], lengths[s] - prefix_lengths[g]) for g, s in rows]
         # row r reads its prefix's flat keys; the padding past a shorter prefix is masked out

@@ -16,6 +16,7 @@ from lightning_agentrl.models.packed import (
     prefix_cache_exact,
     segment_runs,
     shared_prefix_groups,
+    suffix_buckets,
 )
 
 
@@ -85,7 +86,7 @@ def _tokens(length, vocab, generator):
 def _prompt_cases(vocab):
     g = torch.Generator().manual_seed(1)
     prompt = _tokens(36, vocab, g)
-    other_prompt = _tokens(24, vocab, g)
+    other_prompt = _tokens(30, vocab, g)
     short_prompt = _tokens(MIN_SHARED_PREFIX - 1, vocab, g)
     completion = lambda k: _tokens(k, vocab, g)  # noqa: E731
     return {
@@ -93,7 +94,8 @@ def _prompt_cases(vocab):
         "mixed shared and unshared": [[completion(40)], [prompt, completion(9)], [completion(5)],
                                       [prompt, completion(12)], [completion(50)], [prompt, completion(11)]],
         "a segment equal to the prefix": [[prompt], [prompt, completion(7)], [prompt, completion(19)]],
-        # suffixes of 30, 30 and 28 tokens run as one batch over prefixes of 24 and 36 tokens
+        # suffixes of 30, 30 and 28 tokens run as one batch over prefixes of 30 and 36 tokens (the
+        # shorter prefix's keys padded in the middle of its row)
         "prefixes of different lengths": [[prompt, completion(9)], [other_prompt, completion(30)],
                                           [prompt, completion(30)], [other_prompt, completion(2)],
                                           [other_prompt, completion(28)]],
@@ -118,12 +120,31 @@ def test_shared_prefix_equals_block_mask_in_value_and_gradient(attn, case):
     reference_grads = [p.grad.clone() for p in decoder.parameters()]
     model.zero_grad()
 
-    shared = packed_hidden_states(decoder, ids, positions, segments, max_bucket_tokens=128)
+    shared = packed_hidden_states(decoder, ids, positions, segments, max_bucket_tokens=256)
     (shared * weight).sum().backward()
 
     torch.testing.assert_close(shared, reference, atol=1e-5, rtol=1e-5)
     for p, ref in zip(decoder.parameters(), reference_grads, strict=True):
         torch.testing.assert_close(p.grad, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_suffix_buckets_keep_cached_plus_new_positions_under_the_cap():
+    """A bucket pads every row's keys to its longest prefix: a long prompt never shares a batch with
+    short ones, and ``b * (P + L)`` stays within the cap (the whole-segment bound), whatever the mix."""
+    long_and_short = suffix_buckets([3000, 3000, *[16] * 60], [50] * 62, max_tokens=10_060)
+    assert all(set(b) <= {0, 1} or not set(b) & {0, 1} for b in long_and_short)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        rows = int(torch.randint(1, 40, (1,), generator=generator))
+        prefixes = torch.randint(16, 400, (rows,), generator=generator).tolist()
+        suffixes = torch.randint(1, 200, (rows,), generator=generator).tolist()
+        cap = int(torch.randint(200, 4000, (1,), generator=generator))
+        buckets = suffix_buckets(prefixes, suffixes, cap)
+        assert sorted(i for b in buckets for i in b) == list(range(rows))
+        for bucket in buckets:
+            longest = max(prefixes[i] for i in bucket)
+            assert min(prefixes[i] for i in bucket) >= 0.8 * longest
+            assert len(bucket) == 1 or len(bucket) * (longest + max(suffixes[i] for i in bucket)) <= cap
 
 
 def test_shared_prefixes_found_by_tokens_and_positions():
@@ -132,7 +153,7 @@ def test_shared_prefixes_found_by_tokens_and_positions():
     assert groups["a group sharing a prompt"] == [(36, list(range(8)))]
     assert groups["mixed shared and unshared"] == [(36, [1, 3, 5])]
     assert groups["a segment equal to the prefix"] == [(36, [0, 1, 2])]
-    assert groups["prefixes of different lengths"] == [(36, [0, 2]), (24, [1, 3, 4])]
+    assert groups["prefixes of different lengths"] == [(36, [0, 2]), (30, [1, 3, 4])]
     assert groups["a prefix below the minimum"] == []
     ids, positions, segments = _shared_pack(cases["a group sharing a prompt"], 97)
     assert shared_prefix_groups(ids, positions + 1, *_runs(ids, positions, segments)[2:]) == [(36, list(range(8)))]
