@@ -334,12 +334,17 @@ class ExpectedTokenGaeLoss(L.Callback):
     computed episode by episode (not packed) with verl's multi-turn recursion: V before every action
     token from the value head, rewards at the end of each turn's action, observations skipped."""
 
-    def __init__(self, gamma: float, lam: float) -> None:
-        self.gamma, self.lam = gamma, lam
+    def __init__(self, gamma: float, lam: float, *, bootstrap: bool = False) -> None:
+        self.gamma, self.lam, self.bootstrap = gamma, lam, bootstrap
         self.expected: list[float] = []
+        self.without_bootstrap: list[float] = []
 
     @torch.no_grad()
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.expected.append(self.loss(pl_module, batch, bootstrap=self.bootstrap))
+        self.without_bootstrap.append(self.loss(pl_module, batch, bootstrap=False))
+
+    def loss(self, pl_module, batch, *, bootstrap: bool) -> float:
         from tests.algorithms.test_token_gae import verl_gae
 
         decoder = pl_module.policy.get_decoder()
@@ -355,12 +360,14 @@ class ExpectedTokenGaeLoss(L.Callback):
             for t in segment.turns:
                 rewards[t.action_end - 1] = float(batch.turn_rewards[turn])
                 turn += 1
-            # V before token t is read at t - 1; the episode's last step sees V = 0 after it
+            # V before token t is read at t - 1; the episode's last step sees V = 0 after it, or with the
+            # bootstrap a truncated episode sees V at its last token
             before = torch.cat([values.new_zeros(1), values[:-1]])
-            advantages, _ = verl_gae(rewards[None], before[None], mask[None], self.gamma, self.lam)
+            last = values[-1:] if bootstrap and trajectory.termination.truncated else None
+            advantages, _ = verl_gae(rewards[None], before[None], mask[None], self.gamma, self.lam, last_values=last)
             total += float((advantages[0] * mask).sum())
             count += int(mask.sum())
-        self.expected.append(-total / count)
+        return -total / count
 
 
 def test_token_level_gae_through_the_module_equals_verls_recursion_episode_by_episode(tmp_path):
@@ -375,6 +382,33 @@ def test_token_level_gae_through_the_module_equals_verls_recursion_episode_by_ep
         assert step["loss/policy"] == pytest.approx(want, abs=1e-4)
         assert math.isfinite(step["loss/value"]) and step["loss/value"] > 0
     assert all(abs(want) > 1e-3 for want in expected.expected)  # the critic's values make advantages non-zero
+
+
+def test_token_level_gae_bootstraps_truncated_episodes_from_the_value_at_their_last_token(tmp_path):
+    settings = learn_settings(tmp_path, "--model.value_head=true", "--algorithm.advantage=gae",
+                              "--algorithm.gae_level=token", "--rollout.truncation=bootstrap", "--trainer.max_steps=3",
+                              "--trainer.lr=1e-2", "--algorithm.gamma=0.9", "--algorithm.gae_lambda=0.8")
+    expected = ExpectedTokenGaeLoss(settings.algorithm.gamma, settings.algorithm.gae_lambda, bootstrap=True)
+    _, log = scripted_fit(settings, {"e0": SOLVE}, callbacks=[expected])
+    assert len(expected.expected) == 3
+    for step, want in zip(log.metrics, expected.expected, strict=True):
+        assert step["loss/policy"] == pytest.approx(want, abs=1e-4)  # one update at lag 0: ratio 1
+    assert any(t.termination.truncated for batch in log.batches for t in batch.trajectories)
+    # the bootstrap changes the advantages: without it the loss would differ
+    assert any(abs(a - b) > 1e-3 for a, b in zip(expected.expected, expected.without_bootstrap, strict=True))
+
+
+def test_token_level_gae_over_several_updates_reads_old_values_at_every_trained_token(tmp_path):
+    """Two epochs a step: the value loss clips against the old values recorded before the first update (NaN
+    until recorded), so a trained token without one would make the loss NaN."""
+    settings = learn_settings(tmp_path, "--model.value_head=true", "--algorithm.advantage=gae",
+                              "--algorithm.gae_level=token", "--rollout.truncation=bootstrap", "--trainer.max_steps=2",
+                              "--trainer.ppo_epochs=2", "--trainer.lr=1e-2")
+    _, log = scripted_fit(settings, {"e0": SOLVE})
+    assert len(log.metrics) == 2
+    for step in log.metrics:
+        assert math.isfinite(step["loss/value"]) and step["loss/value"] > 0
+        assert math.isfinite(step["loss/policy"])
 
 
 def test_a_group_of_one_trains_with_the_token_critic_and_is_refused_for_group_baselines(tmp_path):
