@@ -74,7 +74,7 @@ format: install
 # then one table of each figure against its target, with the commit each record measured.
 # The `bench` extra (TRL, the peer of peer_trl.py) installs beside the pins without changing one.
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines,bench]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,cpu-engines,datasets,bench]" --config-settings editable_mode=compat
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(BENCH_STAMP)
 

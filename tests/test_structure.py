@@ -38,3 +38,13 @@ def test_the_length_check_sees_a_long_body(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "m.py").write_text(f'def f():\n    """doc."""\n{body}\n\n\ndef g():\n    """doc."""\n    return 1\n')
     assert long_functions(tmp_path / "pkg", MAX_BODY_LINES) == ["pkg/m.py:1 f (81 lines)"]
+
+
+def test_every_editable_install_keeps_the_repository_on_the_path():
+    """`python benchmarks/<script>.py` imports `benchmarks.record`: only the `compat` editable mode (a plain
+    path in a .pth file) puts the repository on the path. An install of the package without it (a `make`
+    target with other extras) would turn the venv to the import-hook mode and break every such script."""
+    makefile = (REPO / "Makefile").read_text()
+    installs = [line.strip() for line in makefile.splitlines() if "install" in line and " -e " in line]
+    assert len(installs) >= 2
+    assert all("editable_mode=compat" in line for line in installs), installs
