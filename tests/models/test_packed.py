@@ -31,22 +31,29 @@ def _pack(lengths, vocab, seed=0):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_bucketed_equals_block_mask_in_value_and_gradient(attn):
     torch.manual_seed(0)
+    decoder = _decoder(attn)
+    pack = _pack([37, 3, 120, 1, 64, 60, 59, 9], decoder.config.vocab_size)
+    _assert_packed_equals_block_mask(decoder, *pack, max_bucket_tokens=128)
+
+
+def _decoder(attn: str):
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn)
-    model = LlamaForCausalLM(config).float()
-    ids, positions, segments = _pack([37, 3, 120, 1, 64, 60, 59, 9], config.vocab_size)
-    decoder = model.get_decoder()
-    weight = torch.randn(ids.numel(), config.hidden_size) / ids.numel()  # a mean, as a loss is
+    return LlamaForCausalLM(config).float().get_decoder()
 
+
+def _assert_packed_equals_block_mask(decoder, ids, positions, segments, *, max_bucket_tokens: int) -> None:
+    """``packed_hidden_states`` equals the block-mask reference in value and in every parameter's gradient."""
+    weight = torch.randn(ids.numel(), decoder.config.hidden_size) / ids.numel()  # a mean, as a loss is
     reference = block_mask_hidden_states(decoder, ids, positions, segments)
     (reference * weight).sum().backward()
     reference_grads = [p.grad.clone() for p in decoder.parameters()]
-    model.zero_grad()
+    decoder.zero_grad()
 
-    bucketed = packed_hidden_states(decoder, ids, positions, segments, max_bucket_tokens=128)
-    (bucketed * weight).sum().backward()
+    packed = packed_hidden_states(decoder, ids, positions, segments, max_bucket_tokens=max_bucket_tokens)
+    (packed * weight).sum().backward()
 
-    torch.testing.assert_close(bucketed, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed, reference, atol=1e-5, rtol=1e-5)
     for p, ref in zip(decoder.parameters(), reference_grads, strict=True):
         torch.testing.assert_close(p.grad, ref, atol=1e-5, rtol=1e-5)
 
@@ -107,25 +114,10 @@ def _prompt_cases(vocab):
 @pytest.mark.parametrize("case", list(_prompt_cases(97)))
 def test_shared_prefix_equals_block_mask_in_value_and_gradient(attn, case):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn)
-    model = LlamaForCausalLM(config).float()
-    ids, positions, segments = _shared_pack(_prompt_cases(config.vocab_size)[case], config.vocab_size)
-    decoder = model.get_decoder()
+    decoder = _decoder(attn)
     assert prefix_cache_exact(decoder)
-    weight = torch.randn(ids.numel(), config.hidden_size) / ids.numel()
-
-    reference = block_mask_hidden_states(decoder, ids, positions, segments)
-    (reference * weight).sum().backward()
-    reference_grads = [p.grad.clone() for p in decoder.parameters()]
-    model.zero_grad()
-
-    shared = packed_hidden_states(decoder, ids, positions, segments, max_bucket_tokens=256)
-    (shared * weight).sum().backward()
-
-    torch.testing.assert_close(shared, reference, atol=1e-5, rtol=1e-5)
-    for p, ref in zip(decoder.parameters(), reference_grads, strict=True):
-        torch.testing.assert_close(p.grad, ref, atol=1e-5, rtol=1e-5)
+    vocab = decoder.config.vocab_size
+    _assert_packed_equals_block_mask(decoder, *_shared_pack(_prompt_cases(vocab)[case], vocab), max_bucket_tokens=256)
 
 
 def test_suffix_buckets_keep_cached_plus_new_positions_under_the_cap():
