@@ -936,7 +936,7 @@ def _host_engine_parts(plan: HostMemoryPlan, settings: Settings, shape: ModelSha
     ``rollout.max_in_flight`` episodes of ``e`` tokens, ``2*L*k*d*b`` bytes a token. vLLM runs in processes
     of its own (a note, no part)."""
     m, r = settings.model, settings.rollout
-    if not settings.engine.traits.own_sampler:
+    if not settings.engine.traits.weights_in_trainer:
         plan.notes.append(f"engine.kind={settings.engine.kind}: the engine runs in processes of its own "
                           "(its weights and KV cache are not in this process)")
         return

@@ -124,7 +124,10 @@ class EngineTraits:
     is built and what a run starts for it is :data:`lightning_agentrl.engines.ENGINES`, keyed the same."""
 
     in_training_process: bool
-    """Its engines live in every training process (their weights and KV caches count there)."""
+    """Its engines are started by every training process (each process's KV caches count against the machine)."""
+    weights_in_trainer: bool
+    """Its weights and KV cache are tensors of the training process itself (the host memory plan's engine parts);
+    vLLM keeps them in engine processes of its own."""
     shares_trainer_gpus: bool
     """It takes `engine.gpu_memory_utilization` of the trainer's GPUs, so the GPU plan sizes it with them."""
     own_sampler: bool
@@ -137,12 +140,12 @@ class EngineTraits:
 
 
 ENGINE_KINDS: dict[str, EngineTraits] = {
-    "torch": EngineTraits(in_training_process=True, shares_trainer_gpus=False, own_sampler=True, servers=False,
-                          reads_safetensors=False),
-    "vllm": EngineTraits(in_training_process=True, shares_trainer_gpus=True, own_sampler=False, servers=False,
-                         reads_safetensors=True),
-    "vllm_server": EngineTraits(in_training_process=False, shares_trainer_gpus=False, own_sampler=False,
-                                servers=True, reads_safetensors=True),
+    "torch": EngineTraits(in_training_process=True, weights_in_trainer=True, shares_trainer_gpus=False,
+                          own_sampler=True, servers=False, reads_safetensors=False),
+    "vllm": EngineTraits(in_training_process=True, weights_in_trainer=False, shares_trainer_gpus=True,
+                         own_sampler=False, servers=False, reads_safetensors=True),
+    "vllm_server": EngineTraits(in_training_process=False, weights_in_trainer=False, shares_trainer_gpus=False,
+                                own_sampler=False, servers=True, reads_safetensors=True),
 }
 """Every ``engine.kind`` (the names ``EngineSettings.kind`` takes) and its traits: the one place a kind is
 told apart by name."""
