@@ -253,7 +253,7 @@ async def measure(model_path: str, in_flights: list[int], calls: int, tokens: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_agentrl.settings import EngineSettings
+    from lightning_agentrl.settings import TorchEngineSettings
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 32])
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="each arm's calls in this many parts, the arms alternating (it must divide --calls)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--model-path", default="tiny", help="the model (a model.path: tiny, smollm2-135m-instruct, a folder)")
-    parser.add_argument("--admission-window-ms", type=float, default=EngineSettings().admission_window_ms,
+    parser.add_argument("--admission-window-ms", type=float, default=TorchEngineSettings().admission_window_ms,
                         help="the torch engine's admission window (engine.admission_window_ms; default: its default)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"the record (default: {RESULTS.relative_to(REPO)} for tiny, else gateway_<model>.json beside it)")

@@ -254,10 +254,12 @@ def project_tasks(group_digits: list[str], seed: int, path: Path) -> Path:
 
 
 def project_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    kinds = [o.split("=", 1)[1] for o in args.project_set if o.startswith("engine.kind=")]
+    # the torch engine decodes every episode in one batch; the vLLM kinds schedule their own batches
+    batch = [f"--engine.max_batch_size={NUM_PROMPTS * NUM_GENERATIONS}"] if kinds[-1:] in ([], ["torch"]) else []
     return [
         f"--run.dir={run_dir}", f"--run.seed={args.seed}", f"--model.path={args.model}", f"--model.cache_dir={CACHE_DIR}",
-        "--engine.kind=torch", f"--engine.max_new_tokens={NEW_TOKENS}",
-        f"--engine.max_batch_size={NUM_PROMPTS * NUM_GENERATIONS}", "--engine.temperature=1.0",
+        "--engine.kind=torch", f"--engine.max_new_tokens={NEW_TOKENS}", *batch, "--engine.temperature=1.0",
         f"--env.kind={ENV_KIND}", f"--env.tasks={args.tasks}", "--env.max_turns=1",
         f"--rollout.groups_per_step={NUM_PROMPTS}", f"--rollout.group_size={NUM_GENERATIONS}",
         f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0", "--algorithm.grpo_std=sample",

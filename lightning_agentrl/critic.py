@@ -63,7 +63,7 @@ class Critic:
 
     @property
     def token_level(self) -> bool:
-        return self.algorithm.gae_level == "token"
+        return self.algorithm.token_level_critic
 
     def turn_values(self, batch: RolloutBatch, sl: slice, hidden, turns) -> torch.Tensor:
         """V of each turn [k]: the value head at the token just before its action (the state it starts from)."""

@@ -125,7 +125,7 @@ def _run(policy: Path, settings: Settings, folder: Path):
         service = build_rollout_service(settings, engine, sandbox, chat_codec(settings, tokenizer), tasks)
         temperature = settings.engine.temperature if settings.eval.temperature is None else settings.eval.temperature
         sampling = replace(service.sampling, temperature=temperature)
-        push = bool(settings.engine.urls)  # servers run elsewhere (engine.urls, vllm_server only): they load the policy
+        push = bool(settings.engine.fleet_urls)  # servers run elsewhere (engine.urls, vllm_server only): they load the policy
         with EpisodeProgress(len(tasks) * settings.eval.samples_per_task) as progress:
             trajectories = asyncio.run(_play(service, tasks, settings.eval.samples_per_task, sampling,
                                              policy if push else None, on_episode=progress.add))

@@ -69,8 +69,8 @@ def preflight(settings: Settings, *, network: bool = True):
     if env_uses_sandbox(settings):  # only the environments that run actions there need the service
         check_sandbox(settings.sandbox, judge_policy(settings), harness=harness_timeout(settings))
     check_tracking(settings.tracking)
-    check_inference_servers(settings.engine.urls, min_model_len=settings.env.max_context_tokens + 1)
-    if settings.model.lora and settings.engine.urls:
+    check_inference_servers(settings.engine.fleet_urls, min_model_len=settings.env.max_context_tokens + 1)
+    if settings.model.lora and settings.engine.fleet_urls:
         check_lora_servers(settings)
     return codec
 
@@ -504,7 +504,7 @@ def check_lora_servers(settings: Settings, timeout_s: float = 120.0) -> None:
     folder, name = adapters.write(zero_adapters(settings.model, model_path), 0), f"probe-{adapters.nonce}"
     needs = f"start them with {' '.join(vllm_lora_args(settings.model.lora_rank))} and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
     try:
-        for url in settings.engine.urls:
+        for url in settings.engine.fleet_urls:
             base = url.rstrip("/")
             try:
                 response = httpx2.post(f"{base}/v1/load_lora_adapter", timeout=timeout_s,

