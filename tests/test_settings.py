@@ -291,3 +291,18 @@ def test_a_variant_is_chosen_by_environment_variable_too(monkeypatch):
     assert type(settings.engine).__name__ == "VLLMServerSettings" and settings.engine.num_servers == 3
     assert (settings.algorithm.advantage, settings.algorithm.gigpo_omega) == ("gigpo", 0.25)
     assert settings.engine.fleet_urls == [] and load_settings().engine.fleet_urls == []
+
+
+def test_the_plans_built_from_settings_default_to_the_settings_defaults():
+    """RolloutPlan and EpisodeBudget copy fields of their sections by name: their defaults are the sections'."""
+    import dataclasses
+
+    from lightning_agentrl.rollout.agent_loop import EpisodeBudget
+    from lightning_agentrl.rollout.service import RolloutPlan
+    from lightning_agentrl.settings import EnvSettings, RolloutSettings
+
+    for plan, section in ((RolloutPlan, RolloutSettings), (EpisodeBudget, EnvSettings)):
+        for field in dataclasses.fields(plan):
+            if field.default is not dataclasses.MISSING and field.name in section.model_fields:
+                assert field.default == section.model_fields[field.name].default, (plan.__name__, field.name)
+    assert RolloutPlan(1, 1, 1, 0).max_sampling_rounds == RolloutSettings().max_sampling_rounds == 4

@@ -56,21 +56,29 @@ from lightning_agentrl.rollout.buffer import RolloutBuffer, RolloutServiceError
 from lightning_agentrl.rollout.chat import ChatCodec
 from lightning_agentrl.rollout.engine import GenerationEngine, SamplingParams
 from lightning_agentrl.rollout.summarize import Summarizer
+from lightning_agentrl.settings import RolloutSettings
 from lightning_agentrl.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
 
+def _rollout_default(name: str):
+    return RolloutSettings.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class RolloutPlan:
+    """How the service groups, bounds and re-samples episodes: the ``rollout`` settings of the same names, with
+    their defaults (documented there), and the run's seed."""
+
     group_size: int
     groups_per_step: int
     max_in_flight: int
     max_staleness: int
     seed: int = 0
-    partial_rollout_s: float | None = None
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 1
+    partial_rollout_s: float | None = _rollout_default("partial_rollout_s")
+    dynamic_sampling: bool = _rollout_default("dynamic_sampling")
+    max_sampling_rounds: int = _rollout_default("max_sampling_rounds")
 
     def __post_init__(self) -> None:
         if self.max_sampling_rounds < 1:
