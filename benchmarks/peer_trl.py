@@ -254,15 +254,19 @@ def project_tasks(group_digits: list[str], seed: int, path: Path) -> Path:
 
 
 def project_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    kinds = [o.split("=", 1)[1] for o in args.project_set if o.startswith("engine.kind=")]
+    def chosen(key: str, default: str) -> str:  # the last --project-set of key, else the default
+        return ([default] + [o.split("=", 1)[1] for o in args.project_set if o.startswith(f"{key}=")])[-1]
+
     # the torch engine decodes every episode in one batch; the vLLM kinds schedule their own batches
-    batch = [f"--engine.max_batch_size={NUM_PROMPTS * NUM_GENERATIONS}"] if kinds[-1:] in ([], ["torch"]) else []
+    batch = [f"--engine.max_batch_size={NUM_PROMPTS * NUM_GENERATIONS}"] if chosen("engine.kind", "torch") == "torch" else []
+    # TRL's torch.std is the sample std (a grpo field: another estimator set with --project-set has none)
+    std = ["--algorithm.grpo_std=sample"] if chosen("algorithm.advantage", "grpo") == "grpo" else []
     return [
         f"--run.dir={run_dir}", f"--run.seed={args.seed}", f"--model.path={args.model}", f"--model.cache_dir={CACHE_DIR}",
         "--engine.kind=torch", f"--engine.max_new_tokens={NEW_TOKENS}", *batch, "--engine.temperature=1.0",
         f"--env.kind={ENV_KIND}", f"--env.tasks={args.tasks}", "--env.max_turns=1",
         f"--rollout.groups_per_step={NUM_PROMPTS}", f"--rollout.group_size={NUM_GENERATIONS}",
-        f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0", "--algorithm.grpo_std=sample",
+        f"--rollout.max_in_flight={NUM_PROMPTS * NUM_GENERATIONS}", "--algorithm.kl_coef=0", *std,
         f"--trainer.lr={LR}", f"--trainer.threads={args.threads}", f"--trainer.max_steps={args.warmup + args.steps}",
         "--tracking.experiment=peer_trl",
         *(f"--{override}" for override in args.project_set),

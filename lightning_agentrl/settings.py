@@ -9,6 +9,7 @@ documentation: ``fit --help`` prints it.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from contextvars import ContextVar
@@ -25,6 +26,7 @@ from pydantic import (
     Field,
     SecretStr,
     Tag,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -178,11 +180,22 @@ class _Variant(_Section):
             owners = {tag: v for tag, v in cls._by_tag.items() if key in v.model_fields and key not in cls.model_fields}
             if not owners:
                 kept[key] = value  # its own field, or unknown (extra="forbid" names it)
-            elif any(value != v.model_fields[key].get_default(call_default_factory=True) for v in owners.values()):
+            elif not any(_is_default(v, key, value) for v in owners.values()):
                 tag = data.get(cls._tag, cls.model_fields[cls._tag].default)
                 raise ValueError(f"{cls._section}.{key} applies to {cls._section}.{cls._tag}={' or '.join(owners)} "
                                  f"only ({cls._section}.{cls._tag} is {tag!r})")
         return kept
+
+
+def _is_default(model: type[BaseModel], key: str, value: Any) -> bool:
+    """Whether ``value``, read as field ``key`` of ``model`` reads it ("16" from an environment variable is 16),
+    is that field's default."""
+    info = model.model_fields[key]
+    try:
+        value = TypeAdapter(info.annotation).validate_python(value, strict=False)
+    except ValidationError:
+        return False
+    return value == info.get_default(call_default_factory=True)
 
 
 def _variants(base: type[_Variant], *variants: type[_Variant]) -> Any:
@@ -891,7 +904,8 @@ class Settings(BaseSettings):
                 f"trainer.adam_eps ({self.trainer.adam_eps:g}) rounds to 0 in model.dtype={self.model.dtype} (smallest "
                 f"normal number about {tiny:g}): a weight whose gradient is 0 would become NaN (0/0)"
             )
-        if "vllm_kv_cache_bytes" in self.engine.model_fields_set and self.trainer.accelerator == "gpu":  # vLLM kinds
+        e = self.engine
+        if isinstance(e, _VLLMSettings) and e.vllm_kv_cache_bytes is not None and self.trainer.accelerator == "gpu":
             raise ValueError(
                 "engine.vllm_kv_cache_bytes applies to vLLM on CPU only; on GPUs the KV cache is sized by "
                 "engine.gpu_memory_utilization (see `python -m lightning_agentrl plan`)"
@@ -1141,7 +1155,7 @@ def load_settings(config: str | Path | None = None, overrides: list[str] | dict 
         data = loaded or {}
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
-    token = _YAML_DATA.set(data)
+    token = _YAML_DATA.set(_switched_variants(data, overrides or {}))
     try:
         return Settings(**(overrides or {}))
     except ValidationError as err:
@@ -1150,6 +1164,25 @@ def load_settings(config: str | Path | None = None, overrides: list[str] | dict 
         raise SettingsError(f"invalid settings{source}:\n" + "\n".join(lines)) from None
     finally:
         _YAML_DATA.reset(token)
+
+
+def _switched_variants(data: dict, overrides: dict) -> dict:
+    """The file's ``data`` without its keys of a variant that the overrides or an ``AGENTRL_`` variable switched
+    away from: ``evaluate RUN_DIR --engine.kind=vllm`` on a torch run's settings.yaml (its ``max_batch_size``
+    applied to the torch engine only), or a resume that changes the estimator. Keys given beside the new tag
+    stay checked."""
+    data = dict(data)
+    for section, field in Settings.model_fields.items():
+        base = _variant_base(field.annotation)
+        if base is None or not isinstance(data.get(section), dict):
+            continue
+        given = overrides.get(section) if isinstance(overrides.get(section), dict) else {}
+        variable = f"{Settings.model_config['env_prefix']}{section}__{base._tag}".upper()
+        tag = given.get(base._tag, os.environ.get(variable, os.environ.get(variable.lower())))
+        old = data[section].get(base._tag, base.model_fields[base._tag].default)
+        if tag is not None and tag != old and tag in base._by_tag:
+            data[section] = {k: v for k, v in data[section].items() if k in base._by_tag[tag].model_fields}
+    return data
 
 
 def _error_line(e: dict) -> str:
@@ -1162,7 +1195,9 @@ def _error_line(e: dict) -> str:
     where = ".".join(str(p) for p in loc) or "settings"
     message = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")
     given = e["input"]
-    if base and e["type"] == "invalid_variant" and isinstance(given, dict):
+    if base and e["type"] == "invalid_variant":
+        if not isinstance(given, dict):
+            return f"{where}: must be a mapping of the section's fields (got {given!r})"
         given = given.get(base._tag)
     got = f" (got {given!r})" if e["type"] != "missing" and not isinstance(given, dict) else ""
     return f"{message}{got}" if message.startswith(f"{where}.") else f"{where}: {message}{got}"

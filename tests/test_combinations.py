@@ -4,7 +4,8 @@ refused by the settings validation with a message.
 
 The covering set ``ROWS`` was built by :func:`covering_rows`, a small greedy algorithm (seeded;
 ``python -m tests.test_combinations`` prints it again): while some pair of values is uncovered,
-draw random complete rows, keep the one that covers most uncovered pairs. A row is valid when
+draw random complete rows (``algorithm.grpo_std``, a field of ``grpo`` only, at its default in the rows of
+other estimators), keep the one that covers most uncovered pairs. A row is valid when
 ``load_settings`` accepts it, so the constraints are the validation's own. The tests check that
 the fixed table still covers every pair that some valid row can hold, and that each pair it leaves
 out is refused by the validation. The table is printed with ``-s``.
@@ -117,7 +118,7 @@ def _validates(row: dict) -> bool:
     return True
 
 
-def covering_rows(seed: int = 0, candidates: int = 60) -> tuple[list[dict], set]:
+def covering_rows(seed: int = 0, candidates: int = 300) -> tuple[list[dict], set]:
     """Greedy pairwise cover of FACTORS by valid rows; also the pairs no valid row holds."""
     rng = random.Random(seed)
     names = list(FACTORS)
@@ -130,6 +131,8 @@ def covering_rows(seed: int = 0, candidates: int = 60) -> tuple[list[dict], set]
         best, best_gain = None, 0
         for _ in range(candidates):
             row = {name: rng.choice(values) for name, values in FACTORS.items()}
+            if row["algorithm.advantage"] != "grpo":  # a grpo field: the others take it at its default only
+                row["algorithm.grpo_std"] = FACTORS["algorithm.grpo_std"][0]
             (a, va), (b, vb) = target
             row[a], row[b] = va, vb
             if not is_valid(row):
@@ -147,36 +150,36 @@ def covering_rows(seed: int = 0, candidates: int = 60) -> tuple[list[dict], set]
 
 ROWS = [dict(zip(FACTORS, row, strict=True)) for row in [
     ('gae', 'seq-mean-token-mean', 'zero', 1, 0.0, 'policy', True, 0.1, 0.5, 'inverse', 1, 1, 2, True, 'population', 'k3', 'torch'),
-    ('gae', 'seq-mean-token-sum', 'bootstrap', 2, None, 'rule', True, 0.0, 1.0, 'exp', 2, 1, 1, True, 'population', 'k1', 'torch'),
-    ('gae', 'token-mean', 'filter', 1, None, 'policy', True, 0.0, 1.0, 'none', 2, 2, 1, True, 'population', 'k3', 'torch'),
-    ('gae', 'seq-mean-token-mean', 'bootstrap', 2, None, 'none', True, 0.1, 0.5, 'none', 1, 2, 2, False, 'population', 'k3', 'torch'),
-    ('gae', 'token-mean', 'zero', 0, None, 'policy', True, 0.0, 0.5, 'none', 1, 1, 1, False, 'population', 'k1', 'torch'),
-    ('gigpo', 'seq-mean-token-mean', 'filter', 2, None, 'none', False, 0.1, 1.0, 'inverse', 2, 2, 1, False, 'population', 'k3', 'torch'),
-    ('gigpo', 'seq-mean-token-sum', 'zero', 1, 0.0, 'rule', False, 0.0, 1.0, 'exp', 2, 2, 1, True, 'population', 'k1', 'torch'),
-    ('gigpo', 'token-mean', 'filter', 1, 0.0, 'none', False, 0.1, 1.0, 'none', 2, 1, 2, False, 'population', 'k3', 'torch'),
-    ('gigpo', 'seq-mean-token-sum', 'filter', 1, 0.0, 'policy', False, 0.0, 0.5, 'exp', 1, 2, 2, True, 'population', 'k1', 'torch'),
-    ('gigpo', 'seq-mean-token-sum', 'filter', 0, None, 'none', True, 0.0, 1.0, 'none', 1, 1, 1, True, 'population', 'k3', 'torch'),
-    ('grpo', 'seq-mean-token-mean', 'zero', 2, 0.0, 'rule', True, 0.0, 0.5, 'inverse', 1, 1, 2, False, 'sample', 'k3', 'torch'),
-    ('grpo', 'seq-mean-token-sum', 'zero', 0, None, 'none', False, 0.1, 0.5, 'none', 1, 2, 1, False, 'none', 'k3', 'torch'),
-    ('grpo', 'token-mean', 'filter', 1, 0.0, 'policy', False, 0.1, 1.0, 'exp', 1, 2, 1, False, 'sample', 'k1', 'torch'),
-    ('grpo', 'seq-mean-token-mean', 'zero', 1, None, 'rule', False, 0.1, 0.5, 'none', 2, 1, 1, True, 'population', 'k3', 'torch'),
-    ('reinforce_decay', 'seq-mean-token-mean', 'zero', 2, None, 'none', True, 0.1, 1.0, 'exp', 1, 2, 1, True, 'population', 'k3', 'torch'),
-    ('reinforce_decay', 'seq-mean-token-sum', 'filter', 1, None, 'rule', True, 0.0, 1.0, 'inverse', 2, 2, 1, False, 'population', 'k1', 'torch'),
-    ('reinforce_decay', 'token-mean', 'filter', 2, 0.0, 'policy', True, 0.0, 1.0, 'inverse', 2, 2, 1, False, 'population', 'k3', 'torch'),
-    ('reinforce_decay', 'seq-mean-token-mean', 'zero', 0, None, 'rule', True, 0.0, 0.5, 'none', 1, 2, 1, True, 'population', 'k3', 'torch'),
-    ('reinforce_decay', 'seq-mean-token-sum', 'filter', 2, 0.0, 'none', False, 0.1, 0.5, 'none', 1, 1, 2, False, 'population', 'k1', 'torch'),
-    ('rloo', 'seq-mean-token-mean', 'zero', 1, 0.0, 'none', False, 0.0, 0.5, 'exp', 2, 2, 1, False, 'population', 'k1', 'torch'),
-    ('rloo', 'seq-mean-token-sum', 'filter', 2, None, 'rule', True, 0.1, 0.5, 'inverse', 2, 1, 1, True, 'population', 'k3', 'torch'),
-    ('rloo', 'token-mean', 'zero', 1, None, 'rule', False, 0.0, 1.0, 'none', 1, 1, 2, False, 'population', 'k1', 'torch'),
-    ('rloo', 'seq-mean-token-mean', 'filter', 1, None, 'policy', True, 0.1, 0.5, 'inverse', 1, 1, 1, False, 'population', 'k3', 'torch'),
-    ('rloo', 'seq-mean-token-mean', 'filter', 0, None, 'rule', True, 0.0, 1.0, 'none', 1, 2, 1, True, 'population', 'k1', 'torch'),
-    ('grpo', 'seq-mean-token-mean', 'filter', 2, None, 'rule', True, 0.0, 0.5, 'exp', 2, 1, 2, False, 'none', 'k3', 'torch'),
-    ('grpo', 'seq-mean-token-sum', 'filter', 0, None, 'rule', True, 0.1, 0.5, 'none', 1, 1, 2, True, 'sample', 'k3', 'torch'),
-    ('grpo', 'token-mean', 'filter', 1, 0.0, 'policy', False, 0.0, 1.0, 'exp', 1, 1, 2, True, 'none', 'k1', 'torch'),
-    ('gae', 'token-mean', 'bootstrap', 1, 0.0, 'none', True, 0.0, 1.0, 'none', 1, 1, 2, False, 'population', 'k1', 'torch'),
-    ('grpo', 'seq-mean-token-sum', 'zero', 1, None, 'policy', False, 0.1, 0.5, 'inverse', 2, 1, 2, False, 'none', 'k1', 'torch'),
-    ('grpo', 'token-mean', 'zero', 1, 0.0, 'none', True, 0.0, 0.5, 'none', 2, 2, 1, False, 'sample', 'k1', 'torch'),
-    ('gae', 'token-mean', 'bootstrap', 1, 0.0, 'policy', True, 0.1, 1.0, 'inverse', 1, 1, 2, True, 'population', 'k1', 'torch'),
+    ('gae', 'seq-mean-token-sum', 'zero', 2, None, 'rule', True, 0.0, 1.0, 'exp', 1, 2, 1, False, 'population', 'k1', 'torch'),
+    ('gae', 'token-mean', 'bootstrap', 2, None, 'none', True, 0.1, 1.0, 'none', 2, 1, 1, True, 'population', 'k3', 'torch'),
+    ('gae', 'seq-mean-token-mean', 'filter', 0, None, 'policy', True, 0.1, 0.5, 'none', 1, 2, 1, False, 'population', 'k1', 'torch'),
+    ('gigpo', 'seq-mean-token-mean', 'filter', 1, None, 'rule', False, 0.0, 1.0, 'inverse', 2, 2, 2, False, 'population', 'k3', 'torch'),
+    ('gigpo', 'seq-mean-token-sum', 'filter', 2, 0.0, 'none', False, 0.1, 0.5, 'inverse', 2, 1, 2, False, 'population', 'k1', 'torch'),
+    ('gigpo', 'token-mean', 'zero', 1, 0.0, 'none', False, 0.0, 0.5, 'exp', 1, 1, 1, True, 'population', 'k3', 'torch'),
+    ('gigpo', 'seq-mean-token-sum', 'zero', 1, 0.0, 'policy', False, 0.0, 1.0, 'none', 2, 2, 2, True, 'population', 'k3', 'torch'),
+    ('gigpo', 'token-mean', 'filter', 1, 0.0, 'rule', True, 0.1, 1.0, 'exp', 2, 2, 2, True, 'population', 'k1', 'torch'),
+    ('gigpo', 'token-mean', 'filter', 0, None, 'rule', True, 0.1, 1.0, 'none', 1, 1, 2, True, 'population', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'zero', 2, 0.0, 'none', True, 0.0, 0.5, 'exp', 2, 2, 2, False, 'sample', 'k1', 'torch'),
+    ('grpo', 'seq-mean-token-sum', 'filter', 1, None, 'none', False, 0.1, 1.0, 'exp', 1, 1, 1, True, 'none', 'k1', 'torch'),
+    ('grpo', 'token-mean', 'zero', 2, None, 'policy', False, 0.1, 1.0, 'inverse', 1, 2, 1, False, 'sample', 'k3', 'torch'),
+    ('grpo', 'token-mean', 'zero', 0, None, 'rule', False, 0.0, 1.0, 'none', 1, 2, 2, False, 'population', 'k3', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-mean', 'filter', 2, None, 'policy', True, 0.0, 1.0, 'exp', 1, 1, 1, True, 'population', 'k1', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-sum', 'zero', 2, 0.0, 'rule', False, 0.1, 0.5, 'inverse', 2, 2, 1, False, 'population', 'k3', 'torch'),
+    ('reinforce_decay', 'token-mean', 'zero', 1, None, 'none', True, 0.1, 1.0, 'none', 2, 1, 2, True, 'population', 'k1', 'torch'),
+    ('reinforce_decay', 'seq-mean-token-sum', 'zero', 0, None, 'none', True, 0.0, 0.5, 'none', 1, 2, 2, True, 'population', 'k1', 'torch'),
+    ('rloo', 'seq-mean-token-mean', 'filter', 1, None, 'policy', True, 0.0, 1.0, 'none', 2, 1, 1, True, 'population', 'k3', 'torch'),
+    ('rloo', 'seq-mean-token-sum', 'zero', 2, 0.0, 'rule', True, 0.1, 1.0, 'exp', 1, 2, 2, False, 'population', 'k1', 'torch'),
+    ('rloo', 'token-mean', 'zero', 1, 0.0, 'none', False, 0.0, 0.5, 'inverse', 2, 1, 1, False, 'population', 'k1', 'torch'),
+    ('rloo', 'seq-mean-token-mean', 'filter', 0, None, 'rule', False, 0.1, 1.0, 'none', 1, 1, 1, True, 'population', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'zero', 0, None, 'rule', True, 0.0, 0.5, 'none', 1, 1, 2, False, 'none', 'k3', 'torch'),
+    ('gae', 'seq-mean-token-mean', 'bootstrap', 1, 0.0, 'policy', True, 0.0, 1.0, 'exp', 1, 2, 2, False, 'population', 'k1', 'torch'),
+    ('grpo', 'seq-mean-token-sum', 'filter', 1, None, 'none', False, 0.0, 0.5, 'none', 1, 1, 1, True, 'sample', 'k3', 'torch'),
+    ('gae', 'seq-mean-token-sum', 'bootstrap', 2, 0.0, 'rule', True, 0.0, 0.5, 'inverse', 1, 2, 1, True, 'population', 'k3', 'torch'),
+    ('grpo', 'token-mean', 'filter', 2, 0.0, 'rule', True, 0.1, 0.5, 'inverse', 2, 2, 2, True, 'none', 'k1', 'torch'),
+    ('grpo', 'token-mean', 'filter', 2, 0.0, 'policy', False, 0.0, 1.0, 'exp', 2, 2, 1, False, 'none', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'filter', 2, 0.0, 'rule', False, 0.1, 0.5, 'inverse', 2, 1, 1, True, 'sample', 'k3', 'torch'),
+    ('grpo', 'seq-mean-token-mean', 'zero', 0, None, 'policy', False, 0.1, 0.5, 'none', 1, 2, 1, False, 'sample', 'k3', 'torch'),
+    ('gae', 'seq-mean-token-mean', 'bootstrap', 0, None, 'rule', True, 0.0, 0.5, 'none', 1, 2, 1, False, 'population', 'k3', 'torch'),
     ('grpo', 'seq-mean-token-sum', 'filter', 1, 0.0, 'policy', False, 0.0, 1.0, 'exp', 2, 2, 2, True, 'sample', 'k1', 'torch'),
 ]]
 

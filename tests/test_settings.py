@@ -12,7 +12,8 @@ import pytest
 from lightning_agentrl.__main__ import main
 from lightning_agentrl.settings import Settings, SettingsError, load_settings, parse_overrides, section_models
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
 def test_there_are_configs():
@@ -306,3 +307,68 @@ def test_the_plans_built_from_settings_default_to_the_settings_defaults():
             if field.default is not dataclasses.MISSING and field.name in section.model_fields:
                 assert field.default == section.model_fields[field.name].default, (plan.__name__, field.name)
     assert RolloutPlan(1, 1, 1, 0).max_sampling_rounds == RolloutSettings().max_sampling_rounds == 4
+
+
+def test_an_override_that_switches_the_variant_drops_the_files_fields_of_the_old_one(tmp_path, monkeypatch):
+    """`evaluate RUN_DIR --engine.kind=vllm` on a torch run, a resume that changes the estimator, a GPU recipe's
+    smoke run on the torch engine: the file's fields of the kind it no longer is do not apply; fields given
+    beside the new tag are still checked."""
+    config = tmp_path / "run.yaml"
+    config.write_text("engine: {kind: torch, max_batch_size: 32}\nalgorithm: {advantage: grpo, grpo_std: none}\n")
+    settings = load_settings(config, ["--engine.kind=vllm", "--algorithm.advantage=rloo"])
+    assert (settings.engine.kind, settings.algorithm.advantage) == ("vllm", "rloo")
+    with pytest.raises(SettingsError, match="engine.max_batch_size applies to engine.kind=torch only"):
+        load_settings(config, ["--engine.kind=vllm", "--engine.max_batch_size=8"])
+    with pytest.raises(SettingsError, match="algorithm.grpo_std applies to algorithm.advantage=grpo only"):
+        load_settings(tmp_path / "run.yaml", ["--algorithm.grpo_std=sample", "--algorithm.advantage=gigpo"])
+    assert load_settings(REPO / "configs" / "gpu_zero2.yaml", ["--engine.kind=torch"]).engine.max_batch_size == 16
+    monkeypatch.setenv("AGENTRL_ENGINE__KIND", "vllm_server")
+    assert load_settings(config).engine.kind == "vllm_server"
+    monkeypatch.setenv("AGENTRL_ENGINE__KIND", "torch")
+    assert load_settings(config).engine.max_batch_size == 32  # not switched: the file's own value
+
+
+def test_evaluation_of_a_torch_run_on_vllm_reads_the_runs_settings_file(tmp_path):
+    import yaml
+
+    from lightning_agentrl.evaluate import evaluation_settings
+
+    run = tmp_path / "run"
+    (run / "policy").mkdir(parents=True)
+    (run / "policy" / "config.json").write_text("{}")
+    dump = load_settings(overrides=["--engine.max_batch_size=32", "--algorithm.grpo_std=sample"]).model_dump(mode="json")
+    (run / "settings.yaml").write_text(yaml.safe_dump(dump))
+    _, settings = evaluation_settings(run, split="test", samples=1, config=None, overrides=["--engine.kind=vllm"],
+                                      out=tmp_path / "out")
+    assert settings.engine.kind == "vllm" and settings.algorithm.grpo_std == "sample"
+
+
+def test_a_gpu_vllm_runs_settings_file_loads_back(tmp_path):
+    """Its dump holds `vllm_kv_cache_bytes: null`, which is not setting it."""
+    import yaml
+
+    settings = load_settings(REPO / "configs" / "gpu_zero2.yaml")
+    path = tmp_path / "settings.yaml"
+    path.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
+    assert load_settings(path) == settings
+    with pytest.raises(SettingsError, match="engine.vllm_kv_cache_bytes applies to vLLM on CPU only"):
+        load_settings(path, ["--engine.vllm_kv_cache_bytes=1073741824"])
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    ("engine: null\n", "  engine: must be a mapping of the section's fields (got None)"),
+    ("algorithm: gae\n", "  algorithm: must be a mapping of the section's fields (got 'gae')"),
+])
+def test_a_variant_section_that_is_not_a_mapping_says_so(text, line, tmp_path):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(SettingsError) as err:
+        load_settings(tmp_path / "c.yaml")
+    assert str(err.value).splitlines()[1:] == [line]
+
+
+def test_another_variants_field_at_its_default_counts_as_its_type_reads_it(monkeypatch):
+    monkeypatch.setenv("AGENTRL_ENGINE__MAX_BATCH_SIZE", "16")  # an environment variable is a string
+    assert load_settings(overrides=["--engine.kind=vllm"]).engine.kind == "vllm"
+    monkeypatch.setenv("AGENTRL_ENGINE__MAX_BATCH_SIZE", "17")
+    with pytest.raises(SettingsError, match="engine.max_batch_size applies to engine.kind=torch only"):
+        load_settings(overrides=["--engine.kind=vllm"])
