@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
+from lightning_agentrl import policy
 from lightning_agentrl.batching import micro_batches
+from lightning_agentrl.models import packed as packed_module
 from lightning_agentrl.module import AgentRLModule
 from lightning_agentrl.policy import hidden_states
 from lightning_agentrl.settings import load_settings
 from lightning_agentrl.trajectory import Segment, TerminationReason, Trajectory, Turn, pack
 
 
-def make_batch(model, rewards, *, seed=0, turns=2, group_size=4, vocab=2000):
-    """Episodes whose action tokens and behavior logprobs are sampled from ``model`` itself."""
+def make_batch(model, rewards, *, seed=0, turns=2, group_size=4, vocab=2000, shared_prompt=0):
+    """Episodes whose action tokens and behavior logprobs are sampled from ``model`` itself; with
+    ``shared_prompt``, a group's episodes open with the same prompt of that many tokens (as GRPO's do)."""
     g = torch.Generator().manual_seed(seed)
     trajectories = []
+    prompts = {}
     for i, reward in enumerate(rewards):
         segment = Segment()
-        segment.extend(torch.randint(5, vocab, (int(torch.randint(6, 12, (1,), generator=g)),), generator=g).tolist(), mask=0)
+        if shared_prompt:
+            if i // group_size not in prompts:
+                prompts[i // group_size] = torch.randint(5, vocab, (shared_prompt,), generator=g).tolist()
+            segment.extend(prompts[i // group_size], mask=0)
+        else:
+            segment.extend(torch.randint(5, vocab, (int(torch.randint(6, 12, (1,), generator=g)),), generator=g).tolist(), mask=0)
         for _ in range(turns):
             start = len(segment.token_ids)
             ids = torch.tensor([segment.token_ids])
@@ -160,6 +170,30 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, base, att
             where = batch.segment_ids == segment
             alone = module.policy.get_decoder()(input_ids=batch.input_ids[where][None]).last_hidden_state[0]
             torch.testing.assert_close(packed[where], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_the_training_step_runs_a_group_s_shared_prompt_once(base, monkeypatch):
+    """The training forward (with gradients) takes the shared-prefix path of packed_hidden_states: each
+    group's prompt once, its episodes' own tokens on its cache; gradients equal every episode run whole."""
+    module, _ = base
+    batch = make_batch(module.policy, [1, 0, 1, 1, 0, 0, 1, 0], shared_prompt=packed_module.MIN_SHARED_PREFIX + 4)
+    shared_groups = []
+    run_shared = packed_module._run_shared
+
+    def spy(decoder, input_ids, position_ids, starts, lengths, groups, *args):
+        shared_groups.append([len(members) for _, members in groups])
+        return run_shared(decoder, input_ids, position_ids, starts, lengths, groups, *args)
+
+    monkeypatch.setattr(packed_module, "_run_shared", spy)
+    shared, log = gradients(module, batch)
+    assert shared_groups == [[4, 4]]  # one micro-batch, both groups' prompts shared
+    assert log["mismatch/logprob_max"] < 1e-4
+    whole_states = functools.partial(packed_module.packed_hidden_states, min_shared_prefix=None)
+    monkeypatch.setattr(policy, "packed_hidden_states", whole_states)
+    whole, _ = gradients(module, batch)
+    assert shared_groups == [[4, 4]] and shared.keys() == whole.keys()
+    for name, gradient in whole.items():
+        torch.testing.assert_close(shared[name], gradient, atol=1e-5, rtol=1e-4)
 
 
 def test_a_rank_without_tokens_still_joins_the_backward_with_a_zero_loss(base):
