@@ -314,11 +314,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
     so the backward holds one ``[V, H]`` gradient and one chunk's ``[C, V]`` tensors at a time, where
     autograd over checkpointed chunks built a ``[V, H]`` gradient per chunk and then added it to the
     running one (two at once: at a 152k vocabulary that second matrix was most of the peak).
+
+    An output the loss does not use (the entropy, without an entropy bonus: a metric only) reaches the
+    backward as None, not as zeros (``set_materialize_grads(False)``), so its ``[C, V]`` terms are skipped.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, options):
         temperature, top_p, top_k, compute_entropy, chunk_size = options
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.options = options
         parts = [_chunk_logprobs(hidden[i : i + chunk_size], weight, bias, targets[i : i + chunk_size],
@@ -331,6 +335,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets = ctx.saved_tensors
         temperature, top_p, top_k, compute_entropy, chunk_size = ctx.options
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logprobs is None:  # only the entropy is in the loss
+            grad_logprobs = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b else None

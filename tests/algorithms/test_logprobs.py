@@ -79,6 +79,33 @@ def test_backward_keeps_at_most_one_chunk_of_logits():
     assert torch.allclose(logp, want[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("used", ["logprobs", "entropy"])
+def test_an_output_outside_the_loss_costs_no_backward_and_the_gradients_stay_exact(used, monkeypatch):
+    """The entropy is a metric unless there is an entropy bonus: its gradient is None in the backward (its
+    [C, V] terms skipped), not zeros; a loss on the entropy alone gets its exact gradient too."""
+    from lightning_agentrl.algorithms import logprobs
+
+    hidden, weight, bias, targets = inputs()
+    entropy_grads = []
+    chunk_logits_grad = logprobs._chunk_logits_grad
+
+    def spy(*args):
+        entropy_grads.append(args[-1])
+        return chunk_logits_grad(*args)
+
+    monkeypatch.setattr(logprobs, "_chunk_logits_grad", spy)
+    results = []
+    for fn in (lambda h, w, b: naive(h, w, targets, 0.7, b),
+               lambda h, w, b: token_logprobs(h, w, targets, temperature=0.7, chunk_size=8, lm_head_bias=b)):
+        h, w, b = (t.clone().requires_grad_(True) for t in (hidden, weight, bias))
+        logp, entropy = fn(h, w, b)
+        (logp if used == "logprobs" else entropy).sum().backward()
+        results.append((h.grad, w.grad, b.grad))
+    assert len(entropy_grads) == 5 and all((g is None) == (used == "logprobs") for g in entropy_grads)
+    for want, got in zip(*results, strict=True):
+        assert torch.allclose(got.double(), want.double(), rtol=1e-5, atol=5e-5), (want - got).abs().max()
+
+
 def test_no_grad_and_no_entropy_paths():
     hidden, weight, _, targets = inputs(dtype=torch.float32)
     with torch.no_grad():
