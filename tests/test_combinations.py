@@ -296,9 +296,11 @@ def test_every_row_trains_two_steps(results, index):
 @pytest.mark.vllm
 @pytest.mark.timeout(400)
 def test_a_row_with_the_vllm_engine(tmp_path):
-    """One row of the table (GAE, KL, several updates, staleness 1) with vLLM generating every episode."""
+    """A row (GAE, KL, several updates, staleness 1, the policy's summaries) with vLLM generating every episode
+    (written out: a regenerated table reorders its rows)."""
     pytest.importorskip("vllm")
-    row = {**ROWS[3], "engine.kind": "vllm"}
+    row = dict(zip(FACTORS, ('gae', 'seq-mean-token-sum', 'zero', 1, None, 'policy', True, 0.1, 1.0, 'exp', 1, 2, 2,
+                             True, 'population', 'k3', 'vllm'), strict=True))
     result, output, _ = run_row(0, tmp_path, row)
     check_row(row, result, output, "vllm")
 
