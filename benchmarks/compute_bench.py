@@ -87,6 +87,15 @@ def matmul_rate(tokens: int, n_in: int, n_out: int, dtype, repeats: int = 8) -> 
     return 2 * tokens * n_in * n_out / statistics.median(times)
 
 
+def native_bfloat16(hidden: int) -> bool:
+    """Whether this CPU multiplies bfloat16 at least half as fast as float32 (AVX-512 BF16 or AMX; without them
+    torch falls back to a path some 20x slower, which would make the bfloat16 sweep the suite's longest part)."""
+    import torch
+
+    probe = {dtype: matmul_rate(256, hidden, hidden, dtype, repeats=3) for dtype in (torch.float32, torch.bfloat16)}
+    return probe[torch.bfloat16] >= 0.5 * probe[torch.float32]
+
+
 def machine_rates(config, tokens: int, scored: int) -> dict:
     """Per-shape rates (GFLOP/s) in float32 and bfloat16 and each dtype's FLOP-weighted harmonic mean over one
     forward pass (the decoder layers' shapes at ``tokens`` rows, the head at ``scored``)."""
@@ -94,8 +103,8 @@ def machine_rates(config, tokens: int, scored: int) -> dict:
 
     shapes = [(name, tokens, i, o, config.num_hidden_layers) for name, i, o in linear_shapes(config)]
     shapes.append(("head", scored, config.hidden_size, config.vocab_size, 1))
-    out = {"shapes": {}}
-    for dtype in (torch.float32, torch.bfloat16):
+    out = {"shapes": {}, "native_bfloat16": native_bfloat16(config.hidden_size)}
+    for dtype in (torch.float32, torch.bfloat16) if out["native_bfloat16"] else (torch.float32,):
         label = str(dtype).removeprefix("torch.")
         flops = seconds = 0.0
         for name, rows, i, o, count in shapes:
@@ -191,8 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     per_token = 2 * gen.pop("params")
     gen["prefill_fraction"] = gen["prefill_tokens_per_s"] * per_token / fp32
     gen["decode_fraction"] = gen["decode_tokens_per_s"] * per_token / fp32
-    gen_bf16 = asyncio.run(generation(model_path, args, "bfloat16"))  # engine.dtype=bfloat16
-    gen_bf16.pop("params")
+    gen_bf16 = None
+    if rates["native_bfloat16"]:  # engine.dtype=bfloat16 (without native bfloat16 it only measures the fallback)
+        gen_bf16 = asyncio.run(generation(model_path, args, "bfloat16"))
+        gen_bf16.pop("params")
     gen["bfloat16"] = gen_bf16
     record = {
         "model": args.model_path, "threads": args.threads, "load_average": os.getloadavg(),
@@ -205,12 +216,14 @@ def main(argv: list[str] | None = None) -> dict:
         "meets_target": train_fraction >= TARGET_TRAIN_FRACTION,
     }
     write_record(args.out, record, config=None, overrides=["--trainer.micro_batch_tokens=1000000"], seed=None)
-    print(f"compute ({args.model_path}, {args.threads} thread(s)): matmul per CPU second fp32 {rates['float32_gflops']:.0f} / bf16 "
-          f"{rates['bfloat16_gflops']:.0f} GFLOP/s; train step {flops / 1e9:.0f} GFLOP in {train['cpu_s']:.2f} CPU s = "
+    bf16 = (f"bf16 {rates['bfloat16_gflops']:.0f} GFLOP/s" if gen_bf16 else "no native bf16 on this CPU (not swept)")
+    in_bf16 = (f"; in bfloat16 prefill {gen_bf16['prefill_tokens_per_s']:.0f}, decode "
+               f"{gen_bf16['decode_tokens_per_s']:.0f} tok/s" if gen_bf16 else "")
+    print(f"compute ({args.model_path}, {args.threads} thread(s)): matmul per CPU second fp32 {rates['float32_gflops']:.0f} "
+          f"GFLOP/s, {bf16}; train step {flops / 1e9:.0f} GFLOP in {train['cpu_s']:.2f} CPU s = "
           f"{train_fraction:.0%} of fp32 (target {TARGET_TRAIN_FRACTION:.0%}); torch engine prefill "
           f"{gen['prefill_tokens_per_s']:.0f} tok/s ({gen['prefill_fraction']:.0%}), decode "
-          f"{gen['decode_tokens_per_s']:.0f} tok/s ({gen['decode_fraction']:.0%}); in bfloat16 prefill "
-          f"{gen_bf16['prefill_tokens_per_s']:.0f}, decode {gen_bf16['decode_tokens_per_s']:.0f} tok/s")
+          f"{gen['decode_tokens_per_s']:.0f} tok/s ({gen['decode_fraction']:.0%}){in_bf16}")
     return record
 
 
