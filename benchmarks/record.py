@@ -30,13 +30,14 @@ def _git(*argv: str) -> str:
 
 
 def provenance(argv: list[str] | None = None) -> dict:
-    """The commit (short hash; ``unknown`` outside a git checkout), ``dirty`` (tracked files differ from
-    it: the figure may not be the commit's), the command as typed, the 1-minute load average and the
+    """The commit (short hash; ``unknown`` outside a git checkout), ``dirty`` (tracked files other than the records
+    under benchmarks/results differ from it: the figure may not be the commit's; `make bench` rewrites records
+    one after another), the command as typed, the 1-minute load average and the
     core count (a ratio measured on a busy machine misleads), and the UTC time of writing."""
     argv = sys.argv if argv is None else argv
     return {
         "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")),
         "command": shlex.join(["python", *argv]),
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
