@@ -87,13 +87,15 @@ def matmul_rate(tokens: int, n_in: int, n_out: int, dtype, repeats: int = 8) -> 
     return 2 * tokens * n_in * n_out / statistics.median(times)
 
 
-def native_bfloat16(hidden: int) -> bool:
-    """Whether this CPU multiplies bfloat16 at least half as fast as float32 (AVX-512 BF16 or AMX; without them
-    torch falls back to a path some 20x slower, which would make the bfloat16 sweep the suite's longest part)."""
+def bfloat16_probe(hidden: int) -> dict:
+    """One ``[256, H] @ [H, H]`` matmul's rate (GFLOP/s) in float32 and bfloat16, and whether this CPU multiplies
+    bfloat16 at least half as fast as float32 (AVX-512 BF16 or AMX; without them torch falls back to a path some
+    20x slower, which would make the bfloat16 sweep the suite's longest part)."""
     import torch
 
-    probe = {dtype: matmul_rate(256, hidden, hidden, dtype, repeats=3) for dtype in (torch.float32, torch.bfloat16)}
-    return probe[torch.bfloat16] >= 0.5 * probe[torch.float32]
+    rates = {str(d).removeprefix("torch."): matmul_rate(256, hidden, hidden, d, repeats=3) / 1e9
+             for d in (torch.float32, torch.bfloat16)}
+    return {"gflops": {k: round(v, 1) for k, v in rates.items()}, "native": rates["bfloat16"] >= 0.5 * rates["float32"]}
 
 
 def machine_rates(config, tokens: int, scored: int) -> dict:
@@ -103,7 +105,8 @@ def machine_rates(config, tokens: int, scored: int) -> dict:
 
     shapes = [(name, tokens, i, o, config.num_hidden_layers) for name, i, o in linear_shapes(config)]
     shapes.append(("head", scored, config.hidden_size, config.vocab_size, 1))
-    out = {"shapes": {}, "native_bfloat16": native_bfloat16(config.hidden_size)}
+    probe = bfloat16_probe(config.hidden_size)
+    out = {"shapes": {}, "bfloat16_probe": probe["gflops"], "native_bfloat16": probe["native"]}
     for dtype in (torch.float32, torch.bfloat16) if out["native_bfloat16"] else (torch.float32,):
         label = str(dtype).removeprefix("torch.")
         flops = seconds = 0.0
