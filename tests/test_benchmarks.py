@@ -647,3 +647,17 @@ def test_a_broken_record_reads_as_unreadable_in_the_suite_table(tmp_path, conten
     lora = next(row for row in ROWS if row.name == "lora")
     read = table_row(dataclasses.replace(lora, record=str(path)))
     assert read["figure"].startswith("unreadable record (") and read["met"] is None and read["commit"] == "?"
+
+
+@pytest.mark.parametrize("project_set", [[], ["engine.kind=vllm"], ["algorithm.advantage=rloo", "engine.kind=vllm"]])
+def test_peer_project_side_settings_load_with_another_engine_or_estimator(project_set):
+    """The shared shape's torch-only (max_batch_size) and grpo-only (grpo_std) fields follow --project-set."""
+    from benchmarks.peer_trl import parse_args, project_overrides
+    from lightning_agentrl.settings import load_settings
+
+    args = parse_args(["--tasks", "t.jsonl", *(a for p in project_set for a in ("--project-set", p))])
+    overrides = [o for o in project_overrides(args, Path("run")) if not o.startswith(("--env.kind", "--env.tasks"))]
+    settings = load_settings(overrides=overrides)
+    kind = "vllm" if project_set else "torch"
+    assert settings.engine.kind == kind and getattr(settings.engine, "max_batch_size", None) == (64 if kind == "torch" else None)
+    assert getattr(settings.algorithm, "grpo_std", None) == ("sample" if settings.algorithm.advantage == "grpo" else None)

@@ -372,3 +372,17 @@ def test_another_variants_field_at_its_default_counts_as_its_type_reads_it(monke
     monkeypatch.setenv("AGENTRL_ENGINE__MAX_BATCH_SIZE", "17")
     with pytest.raises(SettingsError, match="engine.max_batch_size applies to engine.kind=torch only"):
         load_settings(overrides=["--engine.kind=vllm"])
+
+
+def test_every_comparison_arm_loads_on_its_config():
+    """The arms are overrides of settings paths: a variant's field in the wrong arm would stop a comparison."""
+    from benchmarks.compare import COMPARISONS
+    from lightning_agentrl.settings import flatten_dict
+
+    for name, spec in COMPARISONS.items():
+        config = REPO / spec.get("config", f"configs/compare_{name}.yaml")
+        for arm, overrides in spec["arms"].items():
+            loaded = load_settings(config, [*spec.get("common", []), *overrides]).model_dump(mode="json")
+            for dotted, value in flatten_dict(parse_overrides(overrides)).items():  # each arm's setting took effect
+                section, field = dotted.split(".")
+                assert str(loaded[section][field]) in (value, f"{value}.0"), (name, arm, dotted)
