@@ -180,7 +180,7 @@ def test_the_protocol_conformance_suite_passes_against_each_server_of_a_fleet(th
     urls = ",".join(server.url for server in three_servers)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/sandbox_conformance/test_protocol.py",
-         "--sandbox-url", urls, "--sandbox-token", three_servers[0].token, "-rA"],
+         "--sandbox-url", urls, f"--sandbox-token={three_servers[0].token}", "-rA"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stdout[-3000:]

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_conformance_suite_passes_against_a_server_started_as_the_readme_says():
-    token, port = secrets.token_urlsafe(32), free_port()
+    # a token may begin with "-" (token_urlsafe does, 1 time in 64): the "=" form keeps it a value
+    token, port = "-" + secrets.token_urlsafe(32), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)} | {TOKEN_ENV: token}
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen([sys.executable, "-m", "sandbox_server", "--host", "127.0.0.1", "--port", str(port)],
@@ -31,7 +32,7 @@ def test_the_conformance_suite_passes_against_a_server_started_as_the_readme_say
             _wait_healthy(server, f"http://127.0.0.1:{port}", token)
             suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                                     "tests/sandbox_conformance", "--sandbox-url", f"http://127.0.0.1:{port}",
-                                    "--sandbox-token", token], cwd=REPO, capture_output=True, text=True, timeout=900)
+                                    f"--sandbox-token={token}"], cwd=REPO, capture_output=True, text=True, timeout=900)
         finally:
             server.terminate()
             server.wait(timeout=30)

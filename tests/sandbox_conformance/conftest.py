@@ -1,6 +1,6 @@
 """Sandbox protocol conformance suite: runs against any server speaking protocol v1.
 
-    pytest tests/sandbox_conformance --sandbox-url http://host:port --sandbox-token T
+    pytest tests/sandbox_conformance --sandbox-url http://host:port --sandbox-token=T
     SANDBOX_URL=... SANDBOX_TOKEN=... pytest tests/sandbox_conformance
 
 A fleet sharing one token (what ``sandbox.urls`` names) is checked server by server: give the URLs
