@@ -25,6 +25,8 @@ from lightning_agentrl.rollout.vllm_worker import RELOAD_METHOD
 class FakeReplica:
     """Records the calls an ``AsyncLLM`` receives."""
 
+    errored = False  # AsyncLLM.errored: its engine process died
+
     def __init__(self, calls: list) -> None:
         self.calls = calls
 
@@ -96,6 +98,39 @@ def test_sleep_update_wake_call_order_and_gate(model_dir):
         per_replica = [("pause_generation",), ("rpc", RELOAD_METHOD), ("reset_prefix_cache",), ("resume_generation",)]
         assert calls == per_replica * 2
         assert engine.num_sleeps == 1
+
+    asyncio.run(scenario())
+
+
+class HangingReplica(FakeReplica):
+    """A replica whose engine process was killed: vLLM's pause call waits for a reply that never comes."""
+
+    async def pause_generation(self, **kwargs) -> None:
+        self.calls.append(("pause_generation",))
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.calls.append(("cancelled",))
+            raise
+
+
+def test_a_weight_update_on_a_dead_engine_process_raises_instead_of_waiting_forever(model_dir):
+    from lightning_agentrl.rollout.vllm_engine import ENGINE_DEATH_POLL_S, EngineDeadError
+
+    async def scenario():
+        engine, calls = engine_with_fakes(model_dir, num_replicas=2, sleep_mode=False)
+        engine._replicas[1] = HangingReplica(calls)
+        update = asyncio.create_task(engine.update_weights(WEIGHTS, version=1))
+        await asyncio.sleep(3 * ENGINE_DEATH_POLL_S)
+        assert not update.done()  # alive and slow: it waits
+        engine._replicas[1].errored = True
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(EngineDeadError, match="the vLLM engine process of replica 1 died"):
+            await update
+        assert asyncio.get_running_loop().time() - started < 3 * ENGINE_DEATH_POLL_S
+        assert ("cancelled",) in calls and engine.policy_version == 0
+        with pytest.raises(EngineDeadError, match="replica 1 died"):  # the engine stays unusable
+            await engine.update_weights(WEIGHTS, version=2)
 
     asyncio.run(scenario())
 

@@ -60,7 +60,7 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +81,12 @@ class PromptTooLongError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """A weight reload failed inside vLLM; the replicas hold half-loaded weights."""
+    """A weight reload failed inside vLLM (the replicas hold half-loaded weights), or an engine process died."""
+
+
+#: Seconds between two looks at the replicas' engine processes while a call into them waits (a weight
+#: reload, sleep, wake-up): vLLM's utility calls wait for a reply that a dead engine core never sends.
+ENGINE_DEATH_POLL_S = 0.5
 
 
 #: vLLM scheduler settings of every CPU engine and server: no prompt is ever prefilled over two steps.
@@ -549,7 +554,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine is closed")
         if self._dead is not None:
             raise EngineDeadError(
-                f"a weight update failed inside vLLM ({self._dead!r}); restart the engine"
+                f"the vLLM engine is unusable after {self._dead!r}; restart the engine"
             ) from self._dead
 
     # -- generation --------------------------------------------------------------------------
@@ -659,12 +664,12 @@ class VLLMEngine:
                         # Only the weights wake: the KV cache stays freed until wake_up(), so the
                         # trainer's memory and the engine's weights are all the GPU holds.
                         await self._wake(["weights"])
-                        await asyncio.gather(
-                            *(replica.collective_rpc(RELOAD_METHOD, args=(payload,)) for replica in self._replicas)
-                        )
+                        await self._on_replicas(lambda replica: replica.collective_rpc(RELOAD_METHOD, args=(payload,)))
                         self._stale_prefix_cache = True
                     else:
-                        await asyncio.gather(*(self._reload(replica, payload) for replica in self._replicas))
+                        await self._on_replicas(lambda replica: self._reload(replica, payload))
+                except EngineDeadError:
+                    raise
                 except Exception as err:
                     self._dead = err
                     raise EngineDeadError(f"weight reload failed inside vLLM: {err!r}") from err
@@ -691,6 +696,22 @@ class VLLMEngine:
             finally:
                 if not self._sleeping:
                     self._admission_open.set()
+
+    async def _on_replicas(self, call: Callable[[Any], Awaitable[Any]]) -> None:
+        """``call(replica)`` on every replica at once, or :class:`EngineDeadError` as soon as one replica's
+        engine process has died: vLLM's utility calls (pause, reload, reset, sleep) wait for a reply with
+        no timeout, and a killed engine core never sends it (the run hung in a weight sync)."""
+        calls = asyncio.ensure_future(asyncio.gather(*(call(replica) for replica in self._replicas)))
+        try:
+            while not calls.done():
+                await asyncio.wait({calls}, timeout=ENGINE_DEATH_POLL_S)
+                dead = [index for index, replica in enumerate(self._replicas) if replica.errored]
+                if dead and not calls.done():
+                    self._dead = EngineDeadError(f"the vLLM engine process of replica {dead[0]} died")
+                    raise self._dead
+            calls.result()
+        finally:
+            calls.cancel()
 
     @staticmethod
     async def _reload(replica: Any, payload: str) -> None:
@@ -726,7 +747,7 @@ class VLLMEngine:
             self._admission_open.clear()
             await self._drained.wait()
             if self._replicas:  # an engine that never started holds no memory
-                await asyncio.gather(*(replica.sleep(level) for replica in self._replicas))
+                await self._on_replicas(lambda replica: replica.sleep(level))
                 self._asleep = {"weights", "kv_cache"}
             self.num_sleeps += 1
 
@@ -738,7 +759,7 @@ class VLLMEngine:
                 return
             await self._wake(["weights", "kv_cache"])
             if self._stale_prefix_cache:
-                await asyncio.gather(*(replica.reset_prefix_cache() for replica in self._replicas))
+                await self._on_replicas(lambda replica: replica.reset_prefix_cache())
                 self._stale_prefix_cache = False
             self._sleeping = False
             self._admission_open.set()
@@ -751,7 +772,7 @@ class VLLMEngine:
             # thread is blocked on this call (weight sync, end of step), so nothing allocates meanwhile.
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            await asyncio.gather(*(replica.wake_up(tags=todo) for replica in self._replicas))
+            await self._on_replicas(lambda replica: replica.wake_up(tags=todo))
             self._asleep.difference_update(todo)
 
     @property
