@@ -11,6 +11,7 @@ stand in for ``AsyncLLM`` at its edge only: ``sleep``, ``wake_up(tags)``, ``coll
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from lightning_agentrl.callbacks.engine_sleep import EngineSleep, engine_sleep_callbacks
+from lightning_agentrl.rollout.engine import SamplingParams
 from lightning_agentrl.rollout.vllm_engine import VLLMEngine
 from lightning_agentrl.rollout.vllm_worker import RELOAD_METHOD
 
@@ -133,6 +135,97 @@ def test_a_weight_update_on_a_dead_engine_process_raises_instead_of_waiting_fore
             await engine.update_weights(WEIGHTS, version=2)
 
     asyncio.run(scenario())
+
+
+class DeadReplica(FakeReplica):
+    """A replica whose engine process died and vLLM saw it: ``errored``, and every call fails at once."""
+
+    errored = True
+
+    async def _fail(self, *args, **kwargs) -> None:
+        raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+    sleep = wake_up = collective_rpc = reset_prefix_cache = pause_generation = resume_generation = _fail
+
+
+def test_a_death_vllm_saw_first_is_named_and_leaves_the_engine_unusable(model_dir):
+    from lightning_agentrl.rollout.vllm_engine import EngineDeadError
+
+    async def scenario():
+        for method in ("update", "sleep"):
+            engine, calls = engine_with_fakes(model_dir, num_replicas=2)
+            engine._replicas[1] = DeadReplica(calls)
+            with pytest.raises(EngineDeadError, match="the vLLM engine process of replica 1 died"):
+                await (engine.update_weights(WEIGHTS, version=1) if method == "update" else engine.sleep())
+            assert calls == [] and isinstance(engine._dead, EngineDeadError), method  # nothing was asked of vLLM
+
+    asyncio.run(scenario())
+
+
+def test_a_sleeping_engine_that_died_is_not_woken_and_its_callback_keeps_the_runs_error(model_dir, caplog):
+    """The engine dies during a step: the weight sync raises, and the wake-up after the failed step
+    (EngineSleep.on_exception) touches no replica, reopens the gate to the engine's error, and never raises."""
+    from lightning_agentrl.rollout.vllm_engine import EngineDeadError
+
+    async def scenario():
+        engine, calls = engine_with_fakes(model_dir, num_replicas=1)
+        await engine.sleep()
+        engine._replicas[0] = DeadReplica(calls)
+        with pytest.raises(EngineDeadError, match="replica 0 died"):
+            await engine.update_weights(WEIGHTS, version=1)
+        calls.clear()
+        await engine.wake_up()
+        assert calls == [] and not engine.sleeping and engine._admission_open.is_set()
+        with pytest.raises(EngineDeadError, match="unusable after"):
+            await engine.generate([1, 2], SamplingParams(max_new_tokens=2), "session")
+
+    asyncio.run(scenario())
+
+    class Failing:  # an engine whose wake-up fails, in a loop of its own thread (the rollout service's)
+        sleep_mode = sleeping = True
+        loop = asyncio.new_event_loop()
+
+        async def wake_up(self):
+            raise EngineDeadError("the vLLM engine process of replica 0 died")
+
+    engine = Failing()
+    thread = threading.Thread(target=engine.loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level("WARNING"):
+            EngineSleep(engine).on_exception(None, None, RuntimeError("the run's own error"))
+    finally:
+        engine.loop.call_soon_threadsafe(engine.loop.stop)
+        thread.join(timeout=5)
+    assert "the engine did not wake after the run failed: EngineDeadError" in caplog.text
+
+
+def test_closing_the_engine_ends_a_weight_update_waiting_on_a_stuck_replica_without_stray_errors(model_dir):
+    """close() empties the replica list and shuts the replicas down (vLLM then marks them errored): the
+    update waiting on them ends with EngineDeadError, and asyncio logs no unread error of the cancelled calls."""
+    from lightning_agentrl.rollout.vllm_engine import ENGINE_DEATH_POLL_S, EngineDeadError
+
+    class ClosingReplica(HangingReplica):
+        def shutdown(self, timeout=None) -> None:
+            self.errored = True
+
+    unread: list = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unread.append(context["message"]))
+        engine, calls = engine_with_fakes(model_dir, num_replicas=1, sleep_mode=False)
+        engine._replicas[0] = ClosingReplica(calls)
+        update = asyncio.create_task(engine.update_weights(WEIGHTS, version=1))
+        await asyncio.sleep(ENGINE_DEATH_POLL_S)
+        await engine.close()
+        with pytest.raises(EngineDeadError, match="replica 0 died"):
+            await asyncio.wait_for(update, timeout=5 * ENGINE_DEATH_POLL_S)
+        del update
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert unread == []
 
 
 def test_torch_cached_memory_is_released_before_each_wake(model_dir, monkeypatch):

@@ -17,9 +17,12 @@ loop and waited for. An engine that has not started yet (no loop) holds no memor
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import lightning as L
 from typing_extensions import override
+
+log = logging.getLogger(__name__)
 
 
 class EngineSleep(L.Callback):
@@ -41,9 +44,13 @@ class EngineSleep(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # A failed step must not leave the rollout service waiting forever on a sleeping engine.
+        # A failed step must not leave the rollout service waiting forever on a sleeping engine, and a
+        # failed wake-up (a dead engine) must not replace the error the run is stopping with.
         if self.engine.sleeping:
-            self._run(self.engine.wake_up)
+            try:
+                self._run(self.engine.wake_up)
+            except Exception as err:
+                log.warning("the engine did not wake after the run failed: %s: %s", type(err).__name__, err)
 
     def _run(self, make_coroutine) -> None:
         loop = self.engine.loop

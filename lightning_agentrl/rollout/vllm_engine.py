@@ -698,20 +698,33 @@ class VLLMEngine:
                     self._admission_open.set()
 
     async def _on_replicas(self, call: Callable[[Any], Awaitable[Any]]) -> None:
-        """``call(replica)`` on every replica at once, or :class:`EngineDeadError` as soon as one replica's
-        engine process has died: vLLM's utility calls (pause, reload, reset, sleep) wait for a reply with
-        no timeout, and a killed engine core never sends it (the run hung in a weight sync)."""
-        calls = asyncio.ensure_future(asyncio.gather(*(call(replica) for replica in self._replicas)))
+        """``call(replica)`` on every replica at once, or :class:`EngineDeadError` naming the replica whose
+        engine process has died: before the calls, while they wait (vLLM's utility calls (pause, reload,
+        reset, sleep) wait for a reply with no timeout, and a killed engine core never sends it: a run hung
+        in its weight sync), and when they fail with vLLM's own error for a death it saw first."""
+        replicas = list(self._replicas)  # close() empties the list; the calls went to these
+        self._raise_if_dead(replicas)
+        calls = asyncio.ensure_future(asyncio.gather(*(call(replica) for replica in replicas)))
         try:
             while not calls.done():
                 await asyncio.wait({calls}, timeout=ENGINE_DEATH_POLL_S)
-                dead = [index for index, replica in enumerate(self._replicas) if replica.errored]
-                if dead and not calls.done():
-                    self._dead = EngineDeadError(f"the vLLM engine process of replica {dead[0]} died")
-                    raise self._dead
-            calls.result()
+                if not calls.done():
+                    self._raise_if_dead(replicas)
+            try:
+                calls.result()
+            except Exception:
+                self._raise_if_dead(replicas)
+                raise
         finally:
-            calls.cancel()
+            if not calls.done():
+                calls.cancel()
+                calls.add_done_callback(lambda done: done.cancelled() or done.exception())  # read: not logged
+
+    def _raise_if_dead(self, replicas: list[Any]) -> None:
+        dead = [index for index, replica in enumerate(replicas) if replica.errored]
+        if dead:
+            self._dead = EngineDeadError(f"the vLLM engine process of replica {dead[0]} died")
+            raise self._dead
 
     @staticmethod
     async def _reload(replica: Any, payload: str) -> None:
@@ -757,10 +770,11 @@ class VLLMEngine:
         async with self._update_lock:
             if not self._sleeping:
                 return
-            await self._wake(["weights", "kv_cache"])
-            if self._stale_prefix_cache:
-                await self._on_replicas(lambda replica: replica.reset_prefix_cache())
-                self._stale_prefix_cache = False
+            if self._dead is None:  # a dead engine is not woken: the open gate leads callers to its error
+                await self._wake(["weights", "kv_cache"])
+                if self._stale_prefix_cache:
+                    await self._on_replicas(lambda replica: replica.reset_prefix_cache())
+                    self._stale_prefix_cache = False
             self._sleeping = False
             self._admission_open.set()
 
