@@ -52,7 +52,7 @@ smoke: install
 
 # Tests run on TEST_WORKERS pytest-xdist workers (most fit-level tests use about one core each), a test
 # file to a worker, so a module-scoped fixture (often a whole training run) is built once.
-# TEST_WORKERS=0: one process. On this suite's 2 cores: 19 to 25 minutes, against 40 in one process.
+# TEST_WORKERS=0: one process. On 2 cores: 27 to 30 minutes (3 workers are no faster: the tests are CPU-bound).
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
