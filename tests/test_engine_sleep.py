@@ -127,11 +127,11 @@ def test_a_weight_update_on_a_dead_engine_process_raises_instead_of_waiting_fore
         assert not update.done()  # alive and slow: it waits
         engine._replicas[1].errored = True
         started = asyncio.get_running_loop().time()
-        with pytest.raises(EngineDeadError, match="the vLLM engine process of replica 1 died"):
+        with pytest.raises(EngineDeadError, match="the vLLM engine of replica 1 is dead"):
             await update
         assert asyncio.get_running_loop().time() - started < 3 * ENGINE_DEATH_POLL_S
         assert ("cancelled",) in calls and engine.policy_version == 0
-        with pytest.raises(EngineDeadError, match="replica 1 died"):  # the engine stays unusable
+        with pytest.raises(EngineDeadError, match="replica 1 is dead"):  # the engine stays unusable
             await engine.update_weights(WEIGHTS, version=2)
 
     asyncio.run(scenario())
@@ -155,7 +155,7 @@ def test_a_death_vllm_saw_first_is_named_and_leaves_the_engine_unusable(model_di
         for method in ("update", "sleep"):
             engine, calls = engine_with_fakes(model_dir, num_replicas=2)
             engine._replicas[1] = DeadReplica(calls)
-            with pytest.raises(EngineDeadError, match="the vLLM engine process of replica 1 died"):
+            with pytest.raises(EngineDeadError, match="the vLLM engine of replica 1 is dead"):
                 await (engine.update_weights(WEIGHTS, version=1) if method == "update" else engine.sleep())
             assert calls == [] and isinstance(engine._dead, EngineDeadError), method  # nothing was asked of vLLM
 
@@ -171,7 +171,7 @@ def test_a_sleeping_engine_that_died_is_not_woken_and_its_callback_keeps_the_run
         engine, calls = engine_with_fakes(model_dir, num_replicas=1)
         await engine.sleep()
         engine._replicas[0] = DeadReplica(calls)
-        with pytest.raises(EngineDeadError, match="replica 0 died"):
+        with pytest.raises(EngineDeadError, match="replica 0 is dead"):
             await engine.update_weights(WEIGHTS, version=1)
         calls.clear()
         await engine.wake_up()
@@ -186,7 +186,7 @@ def test_a_sleeping_engine_that_died_is_not_woken_and_its_callback_keeps_the_run
         loop = asyncio.new_event_loop()
 
         async def wake_up(self):
-            raise EngineDeadError("the vLLM engine process of replica 0 died")
+            raise EngineDeadError("the vLLM engine of replica 0 is dead")
 
     engine = Failing()
     thread = threading.Thread(target=engine.loop.run_forever, daemon=True)
@@ -218,7 +218,7 @@ def test_closing_the_engine_ends_a_weight_update_waiting_on_a_stuck_replica_with
         update = asyncio.create_task(engine.update_weights(WEIGHTS, version=1))
         await asyncio.sleep(ENGINE_DEATH_POLL_S)
         await engine.close()
-        with pytest.raises(EngineDeadError, match="replica 0 died"):
+        with pytest.raises(EngineDeadError, match="replica 0 is dead"):
             await asyncio.wait_for(update, timeout=5 * ENGINE_DEATH_POLL_S)
         del update
         gc.collect()

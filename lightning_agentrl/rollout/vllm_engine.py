@@ -723,7 +723,8 @@ class VLLMEngine:
     def _raise_if_dead(self, replicas: list[Any]) -> None:
         dead = [index for index, replica in enumerate(replicas) if replica.errored]
         if dead:
-            self._dead = EngineDeadError(f"the vLLM engine process of replica {dead[0]} died")
+            self._dead = EngineDeadError(f"the vLLM engine of replica {dead[0]} is dead (its engine process exited or "
+                                        "its output handler stopped)")
             raise self._dead
 
     @staticmethod
